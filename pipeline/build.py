@@ -1,0 +1,198 @@
+"""The ingest stages of a build, as plain functions (no Prefect here).
+
+A build is split in units, one per (source, file): `process_unit` reads, normalizes and validates
+one file and writes its records and quarantine entries to a staging folder. `finalize` merges the
+units in a fixed order, makes ids unique, and writes the dataset, the quarantine and the report.
+Units are independent and picklable, so a flow can run them on threads or on a cluster.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.normalize import NormalizeConfig, NormalizeError, normalize_row
+from pipeline.validate import ValidateConfig, validate_record
+from schemas import arrow_schema
+from sources import SourceFile, get_source, iter_rows
+
+log = logging.getLogger("trajforge.build")
+
+# Raw input kept in the quarantine is cut to this many characters (a 10 MB string stays traceable
+# without bloating the quarantine).
+MAX_QUARANTINE_RAW = 100_000
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    rendering: str = "native"
+    max_turn_chars: int = 200_000
+    max_total_chars: int = 1_000_000
+    progress_every: int = 1000
+
+    @property
+    def normalize(self) -> NormalizeConfig:
+        return NormalizeConfig(rendering=self.rendering, max_turn_chars=self.max_turn_chars)
+
+    @property
+    def validate(self) -> ValidateConfig:
+        return ValidateConfig(max_total_chars=self.max_total_chars)
+
+
+@dataclass
+class UnitResult:
+    """What one unit wrote and counted; small enough to pass between processes."""
+    source: str
+    source_file: str
+    records_path: str
+    quarantine_path: str
+    read: int = 0
+    written: int = 0
+    quarantined: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+def unit_key(source: str, file: SourceFile) -> str:
+    digest = hashlib.sha1(str(file.path.resolve()).encode()).hexdigest()[:8]
+    return f"{source}__{file.path.stem}__{digest}"
+
+
+def _raw_text(row: dict) -> str:
+    text = json.dumps(row, ensure_ascii=False, default=str)
+    return text if len(text) <= MAX_QUARANTINE_RAW else text[:MAX_QUARANTINE_RAW] + "...[cut]"
+
+
+def quarantine_entry(source: str, source_file: str, index: int, source_id: str | None, reason: str,
+                     detail: str, raw: str | None) -> dict:
+    if raw is not None and len(raw) > MAX_QUARANTINE_RAW:
+        raw = raw[:MAX_QUARANTINE_RAW] + "...[cut]"
+    return {"source": source, "source_file": source_file, "index": index, "source_id": source_id,
+            "reason": reason, "detail": detail, "raw": raw}
+
+
+def write_parquet(rows: list[dict], schema: pa.Schema, path: Path) -> None:
+    """Write atomically: a temp name, then rename, so a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp, compression="zstd")
+    os.replace(tmp, path)
+
+
+def process_unit(source_name: str, file: SourceFile, staging: Path, config: BuildConfig = BuildConfig()) -> UnitResult:
+    """Read one file of one source, normalize and validate every row, stage the results."""
+    source = get_source(source_name)
+    name = file.path.name
+    records: list[dict] = []
+    quarantine: list[dict] = []
+    for raw in iter_rows(file.path, name):
+        if raw.error:
+            quarantine.append(quarantine_entry(source_name, name, raw.index, None, raw.error,
+                                               raw.detail or "", raw.raw_text))
+            continue
+        try:
+            record = normalize_row(raw.row, source, file.split, name, raw.index, config.normalize)
+        except NormalizeError as exc:
+            quarantine.append(quarantine_entry(source_name, name, raw.index, source.row_id(raw.row)
+                                               if isinstance(raw.row.get("id", raw.row.get("item_id")), (str, int)) else None,
+                                               exc.reason, exc.detail, _raw_text(raw.row)))
+            continue
+        violation = validate_record(record, config.validate) if record["kind"] == "positive" else None
+        if violation is not None:
+            quarantine.append(quarantine_entry(source_name, name, raw.index, record["source_id"],
+                                               violation.reason, violation.detail, _raw_text(raw.row)))
+            continue
+        records.append(record)
+        if len(records) % config.progress_every == 0:
+            log.info("%s/%s: %d records so far", source_name, name, len(records))
+    key = unit_key(source_name, file)
+    records_path = staging / f"{key}.records.parquet"
+    quarantine_path = staging / f"{key}.quarantine.parquet"
+    write_parquet(records, arrow_schema("trajectory"), records_path)
+    write_parquet(quarantine, arrow_schema("quarantine"), quarantine_path)
+    # A whole unreadable file counts as one input record.
+    read = len(records) + len(quarantine)
+    result = UnitResult(source_name, name, str(records_path), str(quarantine_path), read=read,
+                        written=len(records), quarantined=len(quarantine),
+                        reasons=dict(Counter(q["reason"] for q in quarantine)))
+    log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, read, len(records),
+             len(quarantine), result.reasons or "")
+    return result
+
+
+def unique_ids(records: Iterable[dict]) -> list[dict]:
+    """Give a repeated id a stable `~n` suffix (n = 2, 3, ... in build order); never overwrite."""
+    seen: Counter[str] = Counter()
+    out = []
+    for record in records:
+        seen[record["id"]] += 1
+        if seen[record["id"]] > 1:
+            meta = json.loads(record["meta"])
+            meta["id_repeat"] = seen[record["id"]]
+            record = {**record, "id": f"{record['id']}~{seen[record['id']]}",
+                      "meta": json.dumps(meta, sort_keys=True)}
+        out.append(record)
+    return out
+
+
+def merge_counts(units: list[UnitResult]) -> dict:
+    """Per source and total: read, written, quarantined, reasons."""
+    per_source: dict[str, dict] = {}
+    for unit in units:
+        entry = per_source.setdefault(unit.source, {"read": 0, "written": 0, "quarantined": 0, "reasons": {},
+                                                    "files": {}})
+        for key in ("read", "written", "quarantined"):
+            entry[key] += getattr(unit, key)
+        for reason, n in unit.reasons.items():
+            entry["reasons"][reason] = entry["reasons"].get(reason, 0) + n
+        entry["files"][unit.source_file] = {"read": unit.read, "written": unit.written,
+                                            "quarantined": unit.quarantined}
+    total = {"read": 0, "written": 0, "quarantined": 0, "reasons": {}}
+    for entry in per_source.values():
+        for key in ("read", "written", "quarantined"):
+            total[key] += entry[key]
+        for reason, n in entry["reasons"].items():
+            total["reasons"][reason] = total["reasons"].get(reason, 0) + n
+    return {"sources": per_source, "total": total}
+
+
+def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConfig()) -> dict:
+    """Merge staged units (in the given order) into the dataset, quarantine and report."""
+    records: list[dict] = []
+    quarantine: list[dict] = []
+    for unit in units:
+        records.extend(pq.read_table(unit.records_path).to_pylist())
+        quarantine.extend(pq.read_table(unit.quarantine_path).to_pylist())
+    records = unique_ids(records)
+    data_path = out / "data" / "sft" / "train-00000-of-00001.parquet"
+    write_parquet(records, arrow_schema("trajectory"), data_path)
+    quarantine_path = out / "quarantine" / "quarantine.parquet"
+    write_parquet(quarantine, arrow_schema("quarantine"), quarantine_path)
+    report = merge_counts(units)
+    report["config"] = asdict(config)
+    report["outputs"] = {"sft": [str(data_path.relative_to(out))],
+                         "quarantine": [str(quarantine_path.relative_to(out))]}
+    report["renderings"] = dict(Counter(r["rendering"] for r in records))
+    report["domains"] = dict(sorted(Counter(r["domain"] for r in records).items()))
+    report["envs"] = dict(sorted(Counter(r["env"] for r in records).items()))
+    report["kinds"] = dict(Counter(r["kind"] for r in records))
+    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return report
+
+
+def summary_lines(report: dict) -> list[str]:
+    """The short human summary printed at the end of a build."""
+    lines = [f"{'source':<14}{'read':>8}{'written':>9}{'quarant.':>10}  reasons"]
+    for name, entry in sorted(report["sources"].items()):
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(entry["reasons"].items())) or "-"
+        lines.append(f"{name:<14}{entry['read']:>8}{entry['written']:>9}{entry['quarantined']:>10}  {reasons}")
+    t = report["total"]
+    lines.append(f"{'total':<14}{t['read']:>8}{t['written']:>9}{t['quarantined']:>10}")
+    return lines

@@ -1,0 +1,290 @@
+"""Parse and render every upstream assistant-turn dialect as (thought, action).
+
+Each dialect is a (parse, render) pair in a registry (dict from name to functions, not an
+if-chain). `parse_turn` tries the dialects from the most specific to the most general and returns
+the first that matches. Rendering a parsed turn in its own dialect and parsing it again gives the
+same thought and action (tested on every real turn), and so does rendering it as Think/Act.
+
+The action always keeps its environment's syntax: everything after the action marker (`bash` +
+fenced block, `answer(220)`, `search[...]`, `get_relations(...)`, `Operation` + SQL block, a
+JSON tool call), so that it can be replayed in the environment.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+# CSI (ESC [ ... final byte), OSC (ESC ] ... BEL or ESC \), and two-byte escapes; bare BEL and CR.
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]|\x07")
+
+
+def clean_text(text: str) -> str:
+    """Fold what differs between mirrors and terminals but carries no meaning.
+
+    Terminal escape codes are removed, CRLF becomes LF, trailing spaces of each line and
+    trailing blank lines go. Leading text is kept: upstream sometimes starts a turn with a
+    newline, and that does not change the meaning either, so it goes too.
+    """
+    text = _ANSI.sub("", text).replace("\r\n", "\n").replace("\r", "\n")
+    return "\n".join(line.rstrip() for line in text.split("\n")).strip()
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    thought: str
+    action: str | None
+    dialect: str
+
+
+class ParseError(ValueError):
+    """The assistant turn follows none of the known dialects."""
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str
+    parse: Callable[[str], ParsedTurn | None]
+    render: Callable[[str, str | None], str]
+    # Keywords this dialect's prompts use for the thought and the action; the react rendering
+    # rewrites them to Think/Act in the instruction turns.
+    prompt_keywords: tuple[tuple[str, str], ...] = ()
+
+
+def _joined(head: str, thought: str, sep: str, marker: str, action: str) -> str:
+    return f"{head}{thought}{sep}{marker}{action}" if thought else f"{marker}{action}"
+
+
+# --- Think / Act (AgentBench OS, and our react rendering) -----------------------------------
+_THINK_ACT = re.compile(r"^(?:Think:[ \t]*(?P<thought>.*?)\s*\n\s*)?Act:[ \t]*(?P<action>\S.*)$", re.S)
+
+
+def _parse_think_act(text: str) -> ParsedTurn | None:
+    m = _THINK_ACT.match(text)
+    if not m:
+        return None
+    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "think_act")
+
+
+def _render_think_act(thought: str, action: str | None) -> str:
+    return _joined("Think: ", thought, "\n\n", "Act: ", action or "")
+
+
+# --- THOUGHT: / ACTION: (AgentInstruct ALFWorld) ---------------------------------------------
+_UPPER = re.compile(r"^(?:THOUGHT:[ \t]*(?P<thought>.*?)\s*\n\s*)?ACTION:[ \t]*(?P<action>\S.*)$", re.S)
+
+
+def _parse_upper(text: str) -> ParsedTurn | None:
+    m = _UPPER.match(text)
+    if not m:
+        return None
+    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "upper_thought_action")
+
+
+def _render_upper(thought: str, action: str | None) -> str:
+    return _joined("THOUGHT: ", thought, "\n", "ACTION: ", action or "")
+
+
+# --- Thought:\n...\n\nAction:\n... (AgentGym block style) ------------------------------------
+_BLOCK = re.compile(r"^(?:Thought:[ \t]*\n(?P<thought>.*?)\s*\n\s*)?Action:[ \t]*\n(?P<action>.*\S.*)$", re.S)
+
+
+def _parse_block(text: str) -> ParsedTurn | None:
+    m = _BLOCK.match(text)
+    if not m:
+        return None
+    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "thought_action_block")
+
+
+def _render_block(thought: str, action: str | None) -> str:
+    return _joined("Thought:\n", thought, "\n\n", "Action:\n", action or "")
+
+
+# --- Thought: ... Action: X with Action Input: {...} (AgentGym tool envs) --------------------
+_ACTION_INPUT = re.compile(
+    r"^(?:Thought:[ \t]*(?P<thought>.*?)\s*\n\s*)?Action:[ \t]*(?P<action>[\w.\-]+ with Action Input:.*)$", re.S)
+
+
+def _parse_action_input(text: str) -> ParsedTurn | None:
+    m = _ACTION_INPUT.match(text)
+    if not m:
+        return None
+    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "action_input")
+
+
+def _render_action_input(thought: str, action: str | None) -> str:
+    return _joined("Thought: ", thought, "\n\n", "Action: ", action or "")
+
+
+# --- Thought: ...\nAction: api\nAction Input: {...} (ToolBench ReAct) ------------------------
+_TOOLBENCH = re.compile(
+    r"^(?:Thought:[ \t]*(?P<thought>.*?)\s*\n\s*)?Action:[ \t]*(?P<action>[\w.\-]+[ \t]*\nAction Input:.*)$", re.S)
+
+
+def _parse_toolbench(text: str) -> ParsedTurn | None:
+    m = _TOOLBENCH.match(text)
+    if not m:
+        return None
+    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "toolbench_react")
+
+
+def _render_toolbench(thought: str, action: str | None) -> str:
+    return _joined("Thought: ", thought, "\n", "Action: ", action or "")
+
+
+# --- Thought: ... Answer: B.\nAction: CLICK (Mind2Web multiple choice) -----------------------
+_CHOICE = re.compile(r"^(?:Thought:[ \t]*(?P<thought>.*?)\s*\n\s*)?(?P<action>Answer:[ \t]*\S.*)$", re.S)
+
+
+def _parse_choice(text: str) -> ParsedTurn | None:
+    m = _CHOICE.match(text)
+    if not m:
+        return None
+    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "choice_action")
+
+
+def _render_choice(thought: str, action: str | None) -> str:
+    return _joined("Thought: ", thought, "\n", "", action or "")
+
+
+# --- Thought: ... Final Answer: #2 (AgentInstruct KG final turn) -----------------------------
+_FINAL = re.compile(r"^(?:Thought:[ \t]*(?P<thought>.*?)\s*\n\s*)?(?P<action>Final Answer:[ \t]*\S.*)$", re.S)
+
+
+def _parse_final(text: str) -> ParsedTurn | None:
+    m = _FINAL.match(text)
+    if not m:
+        return None
+    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "final_answer")
+
+
+def _render_final(thought: str, action: str | None) -> str:
+    return _joined("Thought: ", thought, "\n", "", action or "")
+
+
+# --- Thought: ... Action: ... on one line each (AgentInstruct KG, ALFWorld in AgentGym) -------
+_INLINE = re.compile(r"^(?:Thought:[ \t]*(?P<thought>.*?)\s*\n\s*)?Action:[ \t]*(?P<action>\S.*)$", re.S)
+
+
+def _parse_inline(text: str) -> ParsedTurn | None:
+    m = _INLINE.match(text)
+    if not m:
+        return None
+    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "thought_action")
+
+
+def _render_inline(thought: str, action: str | None) -> str:
+    return _joined("Thought: ", thought, "\n", "Action: ", action or "")
+
+
+# --- free prose then Action: Operation + ```sql / Action: Answer + Final Answer (DBBench) ----
+_PROSE_ACTION = re.compile(r"^(?P<thought>.*?)\s*\n\s*Action:[ \t]*(?P<action>\S.*)$", re.S)
+
+
+def _parse_prose_action(text: str) -> ParsedTurn | None:
+    if text.startswith("Thought:"):
+        return None
+    m = _PROSE_ACTION.match(text)
+    if not m or "Action:" in m["thought"]:
+        return None
+    return ParsedTurn(m["thought"].strip(), m["action"].strip(), "prose_action")
+
+
+def _render_prose_action(thought: str, action: str | None) -> str:
+    return _joined("", thought, "\n", "Action: ", action or "")
+
+
+# --- JSON tool call {"goal", "Tool", "Param"} (Agent-FLAN toolbench_instruct_j1s1) ------------
+def _parse_json_tool(text: str) -> ParsedTurn | None:
+    body = text.strip()
+    if body.startswith("```"):
+        body = re.sub(r"^```\w*\n|\n?```$", "", body).strip()
+    if not body.startswith("{"):
+        return None
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or "Tool" not in call:
+        return None
+    thought = call.pop("goal", "") or ""
+    if not isinstance(thought, str):
+        return None
+    return ParsedTurn(thought.strip(), json.dumps(call, ensure_ascii=False), "json_tool")
+
+
+def _render_json_tool(thought: str, action: str | None) -> str:
+    call = json.loads(action or "{}")
+    if thought:
+        call = {**call, "goal": thought}
+    return json.dumps(call, ensure_ascii=False, indent=4)
+
+
+# --- prose + ```python {'name': ..., 'parameters': ...}``` (Agent-FLAN tflan / cot) ----------
+_PY_CALL = re.compile(r"^(?P<thought>.*?)\s*```(?:python|json)?\n(?P<call>\{.*\})\s*\n```$", re.S)
+
+
+def _parse_dict_call(text: str) -> ParsedTurn | None:
+    m = _PY_CALL.match(text)
+    if not m:
+        return None
+    try:
+        call = ast.literal_eval(m["call"])
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    if not isinstance(call, dict) or "name" not in call:
+        return None
+    return ParsedTurn(m["thought"].strip(), m["call"].strip(), "dict_tool_call")
+
+
+def _render_dict_call(thought: str, action: str | None) -> str:
+    return _joined("", thought, "\n", "```python\n", f"{action}\n```")
+
+
+# Most specific first: a Think/Act turn also contains "Act:", an Action-Input turn is also a
+# Thought/Action turn, and prose_action would swallow anything with "Action:" in it.
+DIALECTS: dict[str, Dialect] = {d.name: d for d in [
+    Dialect("json_tool", _parse_json_tool, _render_json_tool),
+    Dialect("dict_tool_call", _parse_dict_call, _render_dict_call),
+    Dialect("think_act", _parse_think_act, _render_think_act, (("Think:", "Think:"), ("Act:", "Act:"))),
+    Dialect("upper_thought_action", _parse_upper, _render_upper, (("THOUGHT", "Think"), ("ACTION", "Act"))),
+    Dialect("thought_action_block", _parse_block, _render_block, (("Thought:", "Think:"), ("Action:", "Act:"))),
+    Dialect("action_input", _parse_action_input, _render_action_input, (("Thought:", "Think:"), ("Action:", "Act:"))),
+    Dialect("toolbench_react", _parse_toolbench, _render_toolbench, (("Thought:", "Think:"), ("Action:", "Act:"))),
+    Dialect("choice_action", _parse_choice, _render_choice, (("Thought:", "Think:"),)),
+    Dialect("final_answer", _parse_final, _render_final, (("Thought:", "Think:"), ("Action:", "Act:"))),
+    Dialect("thought_action", _parse_inline, _render_inline, (("Thought:", "Think:"), ("Action:", "Act:"))),
+    Dialect("prose_action", _parse_prose_action, _render_prose_action, (("Action:", "Act:"),)),
+]}
+
+# Turns with no action: the acknowledgement after the instructions ("Ok.") and a final reply in
+# plain prose (ToolBench CoT). Whether they are allowed where they stand is the validator's call.
+FREE_TEXT = "free_text"
+
+
+def parse_turn(text: str) -> ParsedTurn:
+    """Parse one cleaned assistant turn. Never raises on prose: returns dialect `free_text`."""
+    text = clean_text(text)
+    if not text:
+        raise ParseError("empty assistant turn")
+    for dialect in DIALECTS.values():
+        parsed = dialect.parse(text)
+        if parsed is not None:
+            return parsed
+    return ParsedTurn(text, None, FREE_TEXT)
+
+
+def render_turn(dialect: str, thought: str, action: str | None) -> str:
+    """Canonical text of a turn in a dialect; `free_text` turns are their thought."""
+    if dialect == FREE_TEXT or action is None:
+        return thought
+    return DIALECTS[dialect].render(thought, action)
+
+
+def render_react(thought: str, action: str | None) -> str:
+    """The react rendering: `Think: ...\\nAct: ...` whatever the upstream dialect."""
+    if action is None:
+        return thought
+    return f"Think: {thought}\nAct: {action}" if thought else f"Act: {action}"

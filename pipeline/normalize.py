@@ -1,0 +1,267 @@
+"""Upstream row -> trajectory record (schemas/trajectory.schema.json).
+
+One function, `normalize_row`, for every source: the sources differ in container, key names
+(`conversations`/`conversation`, `from`/`role`, `value`/`content`) and id key, which are all
+accepted everywhere, and in how a file maps to a domain and env, which the Source says.
+
+AgentInstruct's one-shot demonstrations (os: an example problem solved before "Now, I will start
+a new problem"; kg: a whole example question before the real one) are kept, because they are
+the prompt the trajectory was collected with and the model's later turns refer to them, but they
+are marked: `demo_turns` counts them, their assistant turns get `loss: false` whatever upstream
+says (they are the benchmark's example, not the agent's behaviour), and `task` is the real task.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from pipeline.dialects import FREE_TEXT, DIALECTS, ParseError, clean_text, parse_turn, render_react
+from sources.agent_flan import NEGATIVE_FILES
+from sources.base import Source
+
+SCHEMA_VERSION = "1.0.0"
+ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+              "system": "system"}
+TURN_KEYS = {"role", "from", "content", "value", "loss"}
+ROW_ID_KEYS = ("id", "item_id")
+CONVERSATION_KEYS = ("conversations", "conversation")
+RENDERINGS = ("native", "react")
+
+
+class NormalizeError(ValueError):
+    """The row cannot become a record. `reason` is the quarantine reason code."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+# The user turn that states the real task after an upstream demonstration, per env.
+TASK_START = {
+    "os": re.compile(r"^Now, I will start a new problem in a new OS\. My problem is:\s*"),
+    "kg": re.compile(r"^(?:A new question:\s*|Question:\s*)"),
+}
+
+# Pulls the task itself out of the task turn, per env; the whole turn is the fallback.
+TASK_PATTERNS = {
+    "alfworld": re.compile(r"Your task is to:\s*(.+?)(?:\nAVAILABLE ACTIONS|$)", re.S),
+    "webshop": re.compile(r"Instruction:\s*\[SEP\]\s*(.+?)\s*\[SEP\]", re.S),
+    "mind2web": re.compile(r"Task:\s*(.+?)\n", re.S),
+    "os": re.compile(r"My problem is:\s*(.+)$", re.S),
+    "kg": re.compile(r"^(?:A new question:\s*|Question:\s*)?(.+)$", re.S),
+    "movie": re.compile(r"goal:\s*(.+?)(?:\nGive me one action\.|$)", re.S),
+    "todo": re.compile(r"goal:\s*(.+?)(?:\nGive me one action\.|$)", re.S),
+    "weather": re.compile(r"goal:\s*(.+?)(?:\nGive me one action\.|$)", re.S),
+    "sciworld": re.compile(r"^(Your task is to.+?)(?:\n|$)", re.S),
+}
+
+REACT_FORMAT_NOTE = ('\n\nFormat every reply as "Think: <your reasoning>" on the first line and '
+                     '"Act: <your action>" after it.')
+
+_ANSWER_PATTERNS = (
+    re.compile(r"^answer\((?P<a>.*)\)$", re.S),                      # AgentBench OS
+    re.compile(r"Final Answer:\s*(?P<a>.+)$", re.S),                   # DBBench, KG
+    re.compile(r"^finish with Action Input:\s*(?P<a>\{.*\})$", re.S),  # AgentGym tool envs
+)
+
+
+@dataclass(frozen=True)
+class NormalizeConfig:
+    rendering: str = "native"
+    max_turn_chars: int = 200_000
+
+    def __post_init__(self):
+        if self.rendering not in RENDERINGS:
+            raise ValueError(f"rendering must be one of {RENDERINGS}, not {self.rendering!r}")
+
+
+def extract_answer(action: str | None, dialect: str) -> str | None:
+    """The final answer a terminal action gives, in plain text."""
+    if action is None:
+        return None
+    for pattern in _ANSWER_PATTERNS:
+        m = pattern.search(action)
+        if m:
+            answer = m["a"].strip()
+            if answer.startswith("{"):
+                try:
+                    value = json.loads(answer).get("answer")
+                except (json.JSONDecodeError, AttributeError):
+                    return answer
+                return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            return answer
+    if dialect == "toolbench_react" and action.split("\n", 1)[0].strip() == "Finish":
+        m = re.search(r'"final_answer"\s*:\s*"(?P<a>(?:[^"\\]|\\.)*)"', action)
+        return m["a"] if m else None
+    return None
+
+
+def _turns(row: dict) -> list[dict]:
+    key = next((k for k in CONVERSATION_KEYS if k in row), None)
+    if key is None:
+        raise NormalizeError("missing_conversations", f"row has keys {sorted(row)[:10]}")
+    raw_turns = row[key]
+    if hasattr(raw_turns, "tolist"):
+        raw_turns = raw_turns.tolist()
+    if isinstance(raw_turns, str):
+        try:
+            raw_turns = json.loads(raw_turns)
+        except json.JSONDecodeError:
+            raise NormalizeError("wrong_type", f"{key} is a string that is not JSON") from None
+    if not isinstance(raw_turns, list):
+        raise NormalizeError("wrong_type", f"{key} is {type(raw_turns).__name__}, not a list")
+    if not raw_turns:
+        raise NormalizeError("empty_conversation")
+    turns = []
+    for i, turn in enumerate(raw_turns):
+        if not isinstance(turn, dict):
+            raise NormalizeError("wrong_type", f"turn {i} is {type(turn).__name__}")
+        extra = set(turn) - TURN_KEYS
+        if extra:
+            raise NormalizeError("unexpected_keys", f"turn {i} has {sorted(extra)}")
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if role not in ROLE_NAMES:
+            raise NormalizeError("unknown_role", f"turn {i} role {role!r}")
+        if not isinstance(content, str):
+            raise NormalizeError("wrong_type", f"turn {i} content is {type(content).__name__}")
+        loss = turn.get("loss")
+        if loss is not None and not isinstance(loss, bool):
+            raise NormalizeError("wrong_type", f"turn {i} loss is {type(loss).__name__}")
+        turns.append({"role": ROLE_NAMES[role], "content": content, "loss": loss})
+    return turns
+
+
+def _task_index(turns: list[dict], env: str) -> tuple[int, int]:
+    """(index of the user turn that states the task, number of demo turns right before it)."""
+    first_user = next((i for i, t in enumerate(turns) if t["role"] == "user"), None)
+    if first_user is None:
+        raise NormalizeError("no_user_turn")
+    # The instruction turn may be followed by an acknowledgement ("Ok.") and then the task.
+    after_ack = first_user + 2
+    default = after_ack if (after_ack < len(turns) and turns[first_user + 1]["role"] == "assistant"
+                            and turns[after_ack]["role"] == "user"
+                            and parse_turn(turns[first_user + 1]["content"]).dialect == FREE_TEXT) else first_user
+    marker = TASK_START.get(env)
+    if marker is None:
+        return default, 0
+    starts = [i for i, t in enumerate(turns) if t["role"] == "user" and i > first_user and marker.match(t["content"])]
+    if not starts or starts[-1] <= default:
+        return default, 0
+    task_at = starts[-1]
+    demo_from = default if default > first_user else first_user + 1
+    return task_at, task_at - demo_from
+
+
+def _task_text(content: str, env: str) -> str:
+    pattern = TASK_PATTERNS.get(env)
+    m = pattern.search(content) if pattern else None
+    return (m.group(1) if m else content).strip()
+
+
+def normalize_row(row: dict, source: Source, split: str, source_file: str, index: int,
+                  config: NormalizeConfig = NormalizeConfig()) -> dict:
+    """Turn one upstream row into a record, or raise NormalizeError with a reason code."""
+    source_id = source.row_id(row)
+    if source_id is None or not source_id.strip():
+        raise NormalizeError("missing_id", f"row has none of {ROW_ID_KEYS}")
+    if not isinstance(row.get("id", row.get("item_id")), (str, int)):
+        raise NormalizeError("wrong_type", "id is not a string")
+    domain_env = source.domain_env(split, source_id)
+    if domain_env is None:
+        raise NormalizeError("unknown_env", f"split {split!r}, id {source_id!r}")
+    domain, env = domain_env
+    turns = _turns(row)
+    for i, turn in enumerate(turns):
+        if len(turn["content"]) > config.max_turn_chars:
+            raise NormalizeError("too_long", f"turn {i} has {len(turn['content'])} chars (max {config.max_turn_chars})")
+        turn["content"] = clean_text(turn["content"])
+        if not turn["content"]:
+            raise NormalizeError("empty_turn", f"turn {i} ({turn['role']}) is empty after cleaning")
+
+    task_at, demo_turns = _task_index(turns, env)
+    upstream_loss = any(t["loss"] is not None for t in turns)
+    conversations = []
+    for i, turn in enumerate(turns):
+        is_demo = task_at - demo_turns <= i < task_at
+        out = {"role": turn["role"], "content": turn["content"], "loss": False,
+               "thought": None, "action": None, "reasoning": None, "dialect": None}
+        if turn["role"] == "assistant":
+            try:
+                parsed = parse_turn(turn["content"])
+            except ParseError as exc:
+                raise NormalizeError("unparsed_assistant_turn", f"turn {i}: {exc}") from None
+            out.update(thought=parsed.thought, action=parsed.action, dialect=parsed.dialect)
+            if is_demo:
+                out["loss"] = False
+            elif upstream_loss:
+                out["loss"] = bool(turn["loss"])
+            else:
+                # No upstream flags: the acknowledgement before the task is not trained on.
+                out["loss"] = i >= task_at
+        conversations.append(out)
+
+    assistant = [t for t in conversations if t["role"] == "assistant"]
+    answer = extract_answer(assistant[-1]["action"], assistant[-1]["dialect"]) if assistant else None
+    if assistant and answer is None and assistant[-1]["dialect"] == FREE_TEXT and domain == "tool":
+        answer = assistant[-1]["thought"]
+
+    rendering = "native"
+    if config.rendering == "react":
+        rendering = _render_react(conversations, task_at)
+
+    flan_file = source.upstream_file(source_id) if hasattr(source, "upstream_file") else split
+    negative_type = NEGATIVE_FILES.get(flan_file or "") if source.name in ("agent_flan", "openmanus_rl") else None
+    extra_keys = sorted(set(row) - set(ROW_ID_KEYS) - set(CONVERSATION_KEYS))
+    meta = {"source_index": index, "split": split}
+    if extra_keys:
+        meta["extra_keys"] = extra_keys
+    return {
+        "id": f"{source.name}/{source_id}",
+        "schema_version": SCHEMA_VERSION,
+        "source": source.name,
+        "source_id": source_id,
+        "source_file": source_file,
+        "license": source.license,
+        "domain": domain,
+        "env": env,
+        "kind": "negative" if negative_type else "positive",
+        "negative_type": negative_type,
+        "parent_id": None,
+        "rendering": rendering,
+        "loss_flags": "upstream" if upstream_loss else "inferred",
+        "demo_turns": demo_turns,
+        "task": _task_text(turns[task_at]["content"], env) or turns[task_at]["content"],
+        "answer": answer,
+        "reward": None,
+        "success": None,
+        "conversations": conversations,
+        "meta": json.dumps(meta, sort_keys=True),
+    }
+
+
+def _render_react(conversations: list[dict], task_at: int) -> str:
+    """Render every action turn as Think/Act and rewrite the instructions to ask for exactly that.
+
+    A record whose assistant turns carry no Thought/Action keywords upstream (JSON tool calls,
+    prose replies) stays native: rewriting only some turns would make a response disagree with
+    its own prompt. Observations after the task are the environment's words and stay as they are.
+    """
+    action_turns = [t for t in conversations if t["role"] == "assistant" and t["action"] is not None]
+    dialects = {t["dialect"] for t in action_turns}
+    if not action_turns or any(not DIALECTS[d].prompt_keywords for d in dialects):
+        return "native"
+    if any(t["dialect"] == FREE_TEXT and t["loss"] for t in conversations if t["role"] == "assistant"):
+        return "native"
+    prompt_turns = [t for t in conversations[:task_at + 1] if t["role"] in ("system", "user")]
+    for turn in prompt_turns:
+        for name in sorted(dialects):
+            for old, new in DIALECTS[name].prompt_keywords:
+                turn["content"] = re.sub(rf"(?<![\w]){re.escape(old)}", new, turn["content"])
+    if not any("Act:" in t["content"] for t in prompt_turns):
+        prompt_turns[0]["content"] += REACT_FORMAT_NOTE
+    for turn in action_turns:
+        turn["content"] = render_react(turn["thought"], turn["action"])
+    return "react"

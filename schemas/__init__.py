@@ -1,0 +1,70 @@
+"""The JSON Schema files are the single source of truth for every record kind.
+
+The Arrow schema used for Parquet is derived from them here, so the two cannot drift.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pyarrow as pa
+from jsonschema import Draft202012Validator
+
+SCHEMA_DIR = Path(__file__).parent
+
+
+@functools.cache
+def load_schema(name: str) -> dict:
+    """Load `schemas/<name>.schema.json`."""
+    path = SCHEMA_DIR / f"{name}.schema.json"
+    if not path.exists():
+        raise KeyError(f"no schema named {name!r} in {SCHEMA_DIR}")
+    schema = json.loads(path.read_text())
+    Draft202012Validator.check_schema(schema)
+    return schema
+
+
+@functools.cache
+def validator(name: str) -> Draft202012Validator:
+    return Draft202012Validator(load_schema(name))
+
+
+def _arrow_type(node: dict) -> pa.DataType:
+    types = node.get("type")
+    if isinstance(types, list):
+        non_null = [t for t in types if t != "null"]
+        if len(non_null) != 1:
+            raise ValueError(f"cannot map union type {types} to Arrow")
+        types = non_null[0]
+    if types == "string":
+        return pa.string()
+    if types == "integer":
+        return pa.int64()
+    if types == "number":
+        return pa.float64()
+    if types == "boolean":
+        return pa.bool_()
+    if types == "array":
+        return pa.list_(_arrow_type(node["items"]))
+    if types == "object":
+        props = node.get("properties")
+        if not props:
+            raise ValueError("free-form objects have no Arrow type; store them as JSON text")
+        return pa.struct([_arrow_field(k, v, k in node.get("required", [])) for k, v in props.items()])
+    raise ValueError(f"unsupported JSON Schema node {node}")
+
+
+def _arrow_field(name: str, node: dict, required: bool) -> pa.Field:
+    types = node.get("type")
+    nullable = (not required) or (isinstance(types, list) and "null" in types)
+    return pa.field(name, _arrow_type(node), nullable=nullable)
+
+
+@functools.cache
+def arrow_schema(name: str) -> pa.Schema:
+    """Arrow schema derived from a JSON Schema, field order as declared."""
+    schema = load_schema(name)
+    required = set(schema.get("required", []))
+    return pa.schema([_arrow_field(k, v, k in required) for k, v in schema["properties"].items()],
+                     metadata={"json_schema": name, "json_schema_version": schema.get("version", "")})

@@ -1,0 +1,23 @@
+"""Registry of upstream sources: name -> Source."""
+from __future__ import annotations
+
+from sources.agent_flan import AgentFlan
+from sources.agentinstruct import AgentInstruct
+from sources.agenttraj_l import AgentTrajL
+from sources.base import RawRow, Source, SourceError, SourceFile, iter_rows
+from sources.openmanus_rl import OpenManusRL
+
+REGISTRY: dict[str, Source] = {s.name: s for s in (AgentInstruct(), AgentFlan(), AgentTrajL(), OpenManusRL())}
+
+# What `trajforge build` reads when no --source is given: the three upstream datasets.
+DEFAULT_SOURCES = ("agentinstruct", "agent_flan", "agenttraj_l")
+
+
+def get_source(name: str) -> Source:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise SourceError(f"unknown source {name!r}; known: {', '.join(sorted(REGISTRY))}") from None
+
+
+__all__ = ["REGISTRY", "DEFAULT_SOURCES", "RawRow", "Source", "SourceError", "SourceFile", "get_source", "iter_rows"]

@@ -1,0 +1,36 @@
+"""internlm/Agent-FLAN: seven jsonl files, rows {conversation[{role, content, loss}], id}.
+
+`agent_instruct_*` files are rewrites of AgentInstruct (their domain comes from the row id, or
+from the task text when the id does not say); `toolbench_*` files are ToolBench tool use, and
+`toolbench_negative.jsonl` holds Agent-FLAN's own negatives, which keep that label.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from sources.agentinstruct import SPLITS
+from sources.base import Source
+
+FILES = (
+    "agent_instruct_react", "agent_instruct_tflan", "toolbench_instruct_j1s1_3k", "toolbench_negative",
+    "toolbench_react_10p", "toolbench_tflan_60p_r10r5u7", "toolbench_tflan_cot_30p",
+)
+NEGATIVE_FILES = {"toolbench_negative": "tool_irrelevance"}
+
+
+class AgentFlan(Source):
+    name = "agent_flan"
+    hub_repo = "internlm/Agent-FLAN"
+    license = "apache-2.0"
+    hub_patterns = ("data/*.jsonl",)
+
+    def split_of(self, path: Path) -> str:
+        return path.name.split(".")[0]
+
+    def domain_env(self, split, source_id):
+        if split.startswith("toolbench") or source_id.startswith("toolbench"):
+            return ("tool", "toolbench")
+        if split.startswith("agent_instruct") or split in SPLITS:
+            prefix = source_id.split("_")[0]
+            return SPLITS.get(prefix) or SPLITS.get(split)
+        return None
