@@ -1,0 +1,28 @@
+"""The environment protocol every synthesis environment implements.
+
+reset(task) -> first observation; step(action) -> StepResult; close() frees everything
+(processes, mounts, files, connections) and is safe to call twice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class StepResult:
+    observation: str
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    name: str
+
+    def reset(self, task: dict) -> str: ...
+
+    def step(self, action: str) -> StepResult: ...
+
+    def close(self) -> None: ...

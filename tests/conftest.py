@@ -1,0 +1,43 @@
+"""Shared test fixtures: the real upstream records in ../shared/fixtures, never copied here."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(os.environ.get("TRAJFORGE_FIXTURES", REPO.parent / "shared" / "fixtures"))
+RAW = FIXTURES / "raw"
+
+# The build over all real fixture records: source name -> folder in the upstream layout.
+FIXTURE_SOURCES = {
+    "agentinstruct": str(RAW / "agentinstruct"),
+    "agenttraj_l": str(RAW / "agenttraj_l"),
+    "openmanus_rl": str(RAW / "openmanus_rl"),
+}
+
+
+@pytest.fixture(scope="session")
+def raw_dir() -> Path:
+    assert RAW.is_dir(), f"fixtures not found at {RAW} (set TRAJFORGE_FIXTURES)"
+    return RAW
+
+
+@pytest.fixture(scope="session")
+def fixtures_build(tmp_path_factory) -> Path:
+    """The stages of `trajforge build` over every fixture source, without Prefect (fast)."""
+    from pipeline.build import BuildConfig, finalize, process_unit
+    from sources import get_source
+
+    out = tmp_path_factory.mktemp("fixtures_build")
+    config = BuildConfig()
+    units = [process_unit(name, f, out / ".staging", config)
+             for name, location in FIXTURE_SOURCES.items() for f in get_source(name).files(location)]
+    finalize(units, out, config)
+    return out
