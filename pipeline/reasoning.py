@@ -1,0 +1,90 @@
+"""Split a reasoning model's reply into its chain of thought and its answer.
+
+Servers return the chain of thought in one of two places: a separate `reasoning_content` field
+(vLLM/SGLang with a reasoning parser, DeepSeek's API, llama.cpp --jinja), or inline in `content`
+as `<think>...</think>` (no parser; some templates put `<think>` in the prompt so only the closing
+tag comes back). Two failure shapes are real and common (../shared/fixtures/reasoning):
+
+* the action is written inside the reasoning and `content` is empty;
+* `<think>` is opened and never closed, with the action inside it.
+
+In both the model did decide on an action, so it is recovered from the end of the reasoning and
+the split is marked (`issue`), which the agent records on the step: such a turn is usable, but a
+trainer may want to know it was repaired.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<think>", "</think>"
+
+# Where an action starts, in the formats the agent prompts ask for (Think/Act, Thought/Action,
+# DBBench's Action: Operation) and in OpenHands' text function calls (the fixtures). The last
+# thought marker before the last action marker starts the recovered turn, so that the recovered
+# text parses in its own dialect.
+ACTION_MARKER = re.compile(r"(?m)^[ \t]*(?:Act:|Action:|ACTION:|<function=)")
+THOUGHT_MARKER = re.compile(r"(?m)^[ \t]*(?:Think:|Thought:|THOUGHT:)")
+
+
+@dataclass(frozen=True)
+class Split:
+    reasoning: str | None
+    content: str
+    issue: str | None = None  # action_in_reasoning | unclosed_think | None
+
+
+def recover_action(reasoning: str) -> tuple[str, str] | None:
+    """(reasoning before the action, the action turn) from the tail of a reasoning text, if it has one."""
+    actions = list(ACTION_MARKER.finditer(reasoning))
+    if not actions:
+        return None
+    act = actions[-1]
+    start = act.start()
+    thoughts = [m for m in THOUGHT_MARKER.finditer(reasoning, 0, act.start())]
+    if thoughts and not ACTION_MARKER.search(reasoning, thoughts[-1].end(), act.start()):
+        start = thoughts[-1].start()
+    turn = _dedent(reasoning[start:])
+    if not turn:
+        return None
+    return reasoning[:start].rstrip(), turn
+
+
+def _dedent(text: str) -> str:
+    # R1 indents calls it writes inside its reasoning ("   <function=read_file>"); the parsers
+    # expect the marker at the start of a line.
+    lines = text.strip("\n").split("\n")
+    indent = min((len(l) - len(l.lstrip()) for l in lines if l.strip()), default=0)
+    return "\n".join(l[indent:] for l in lines).strip()
+
+
+def split_reasoning(content: str | None, reasoning_content: str | None = None) -> Split:
+    """Reasoning and answer of one reply; see the module docstring for the cases."""
+    content = content or ""
+    if reasoning_content and reasoning_content.strip():
+        reasoning = reasoning_content.strip()
+        # A server that both parses and leaves a stray closing tag in the content.
+        answer = content.split(CLOSE, 1)[1] if CLOSE in content and OPEN not in content else content
+        if answer.strip():
+            return Split(reasoning, answer.strip())
+        recovered = recover_action(reasoning)
+        if recovered is None:
+            return Split(reasoning, "")
+        return Split(recovered[0] or None, recovered[1], "action_in_reasoning")
+
+    head, sep, tail = content.partition(OPEN)
+    if sep and not head.strip():
+        if CLOSE in tail:
+            reasoning, answer = tail.split(CLOSE, 1)
+            if answer.strip() or not (recovered := recover_action(reasoning)):
+                return Split(reasoning.strip() or None, answer.strip())
+            return Split(recovered[0] or None, recovered[1], "action_in_reasoning")
+        recovered = recover_action(tail)
+        if recovered is None:
+            return Split(tail.strip() or None, "", "unclosed_think")
+        return Split(recovered[0] or None, recovered[1], "unclosed_think")
+    if CLOSE in content:
+        # The template opened <think> in the prompt; only the closing tag is in the reply.
+        reasoning, answer = content.split(CLOSE, 1)
+        return Split(reasoning.strip() or None, answer.strip())
+    return Split(None, content.strip())
