@@ -103,8 +103,6 @@ def _turns(row: dict) -> list[dict]:
     if key is None:
         raise NormalizeError("missing_conversations", f"row has keys {sorted(row)[:10]}")
     raw_turns = row[key]
-    if hasattr(raw_turns, "tolist"):
-        raw_turns = raw_turns.tolist()
     if isinstance(raw_turns, str):
         try:
             raw_turns = json.loads(raw_turns)
@@ -169,11 +167,11 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
         raise NormalizeError("missing_id", f"row has none of {ROW_ID_KEYS}")
     if not isinstance(row.get("id", row.get("item_id")), (str, int)):
         raise NormalizeError("wrong_type", "id is not a string")
-    domain_env = source.domain_env(split, source_id)
+    turns = _turns(row)
+    domain_env = source.domain_env(split, source_id, turns[0]["content"][:4000])
     if domain_env is None:
         raise NormalizeError("unknown_env", f"split {split!r}, id {source_id!r}")
     domain, env = domain_env
-    turns = _turns(row)
     for i, turn in enumerate(turns):
         if len(turn["content"]) > config.max_turn_chars:
             raise NormalizeError("too_long", f"turn {i} has {len(turn['content'])} chars (max {config.max_turn_chars})")
@@ -212,14 +210,13 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
     if config.rendering == "react":
         rendering = _render_react(conversations, task_at)
 
-    flan_file = source.upstream_file(source_id) if hasattr(source, "upstream_file") else split
-    negative_type = NEGATIVE_FILES.get(flan_file or "") if source.name in ("agent_flan", "openmanus_rl") else None
+    negative_type = NEGATIVE_FILES.get(source.upstream_file(split, source_id))
     extra_keys = sorted(set(row) - set(ROW_ID_KEYS) - set(CONVERSATION_KEYS))
     meta = {"source_index": index, "split": split}
     if extra_keys:
         meta["extra_keys"] = extra_keys
     return {
-        "id": f"{source.name}/{source_id}",
+        "id": source.record_id(split, source_id),
         "schema_version": SCHEMA_VERSION,
         "source": source.name,
         "source_id": source_id,

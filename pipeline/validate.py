@@ -108,15 +108,16 @@ def _length(record: dict, config: ValidateConfig) -> Violation | None:
     return None
 
 
-# Order matters: the schema first (the other rules assume its shape), then structure, then content.
+# Order matters: the schema first (the other rules assume its shape), then structure, then content;
+# a written-out observation is named as such before it shows up as a turn that misparses.
 RULES: dict[str, Callable[[dict, ValidateConfig], Violation | None]] = {
     "schema": _schema,
     "role_order": _role_order,
     "final_turn": _final_turn,
     "length": _length,
+    "model_written_observation": _model_written_observation,
     "assistant_turns_parse": _assistant_turns_parse,
     "react_rendering": _react_rendering,
-    "model_written_observation": _model_written_observation,
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sources.agentinstruct import SPLITS
+from sources.agentinstruct import SPLITS, env_from_prompt
 from sources.base import Source
 
 FILES = (
@@ -27,10 +27,13 @@ class AgentFlan(Source):
     def split_of(self, path: Path) -> str:
         return path.name.split(".")[0]
 
-    def domain_env(self, split, source_id):
+    def record_id(self, split, source_id):
+        # Agent-FLAN numbers rows per file, so the file is part of the id.
+        return f"{self.name}/{split}/{source_id}"
+
+    def domain_env(self, split, source_id, prompt=""):
         if split.startswith("toolbench") or source_id.startswith("toolbench"):
             return ("tool", "toolbench")
         if split.startswith("agent_instruct") or split in SPLITS:
-            prefix = source_id.split("_")[0]
-            return SPLITS.get(prefix) or SPLITS.get(split)
+            return SPLITS.get(source_id.split("_")[0]) or SPLITS.get(split) or env_from_prompt(prompt)
         return None

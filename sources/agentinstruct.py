@@ -13,16 +13,32 @@ SPLITS = {
 }
 
 
+# Rewrites of AgentInstruct (Agent-FLAN) do not always keep the split in the id; the instruction
+# turn of each AgentBench task family names its world unmistakably.
+PROMPT_SIGNATURES = (
+    ("household", "alfworld"), ("web shopping", "webshop"), ("MySQL", "db"), ("SQL", "db"),
+    ("linux", "os"), ("bash", "os"), ("knowledge base", "kg"), ("HTML", "mind2web"),
+)
+
+
+def env_from_prompt(prompt: str) -> tuple[str, str] | None:
+    lowered = prompt.lower()
+    for needle, split in PROMPT_SIGNATURES:
+        if needle.lower() in lowered:
+            return SPLITS[split]
+    return None
+
+
 class AgentInstruct(Source):
     name = "agentinstruct"
     hub_repo = "THUDM/AgentInstruct"
     # THUDM/AgentTuning ships no LICENSE file; the card of the OpenManus-RL re-release says CC-BY-NC-4.0.
     license = "cc-by-nc-4.0"
 
-    def domain_env(self, split, source_id):
+    def domain_env(self, split, source_id, prompt=""):
         # Mirrors name files freely (db-sample.parquet, db.jsonl): the split is the first word,
         # and the id prefix (db_8) says it too.
         for key in (split, source_id.split("_")[0]):
             if key in SPLITS:
                 return SPLITS[key]
-        return None
+        return env_from_prompt(prompt)

@@ -47,5 +47,5 @@ class AgentTrajL(Source):
         stem = path.name.split(".")[0]
         return stem.removesuffix("_train").split("-")[0]
 
-    def domain_env(self, split, source_id):
+    def domain_env(self, split, source_id, prompt=""):
         return ENVS.get(split) or env_from_item_id(source_id)

@@ -67,7 +67,7 @@ def _jsonl_rows(path: Path, name: str) -> Iterator[RawRow]:
             if not line.strip():
                 continue
             if len(line) > MAX_RAW_BYTES:
-                yield RawRow(name, index, error="too_large", raw_text=line[:2000].decode("utf-8", "replace"),
+                yield RawRow(name, index, error="too_long", raw_text=line[:2000].decode("utf-8", "replace"),
                              detail=f"{len(line)} bytes")
                 continue
             try:
@@ -117,7 +117,7 @@ def _json_rows(path: Path, name: str) -> Iterator[RawRow]:
 
 def _whole_object(path: Path, name: str) -> Iterator[RawRow]:
     if path.stat().st_size > MAX_RAW_BYTES:
-        yield RawRow(name, 0, error="too_large", detail=f"{path.stat().st_size} bytes in one object")
+        yield RawRow(name, 0, error="too_long", detail=f"{path.stat().st_size} bytes in one object")
         return
     raw = path.read_bytes()
     try:
@@ -209,6 +209,14 @@ class Source:
         value = row.get("id", row.get("item_id"))
         return None if value is None else str(value)
 
-    def domain_env(self, split: str, source_id: str) -> tuple[str, str] | None:
-        """(domain, env) of a row, or None when the split is not one this source knows."""
+    def record_id(self, split: str, source_id: str) -> str:
+        """The namespaced id: unique per source as long as upstream ids are unique per source."""
+        return f"{self.name}/{source_id}"
+
+    def upstream_file(self, split: str, source_id: str) -> str:
+        """The upstream file a row comes from; a re-release overrides this to name the original."""
+        return split
+
+    def domain_env(self, split: str, source_id: str, prompt: str = "") -> tuple[str, str] | None:
+        """(domain, env) of a row, or None when neither its file, id nor prompt says which env it is."""
         raise NotImplementedError

@@ -20,16 +20,14 @@ class OpenManusRL(Source):
     def split_of(self, path):
         return "train"
 
-    def domain_env(self, split, source_id):
+    def domain_env(self, split, source_id, prompt=""):
         if source_id.startswith("AgentFlan_"):
-            rest = source_id.removeprefix("AgentFlan_")
-            flan_file = next((f for f in FLAN_FILES if rest.startswith(f)), "")
-            return AgentFlan().domain_env(flan_file, rest.removeprefix(flan_file).lstrip("_"))
+            flan_file = self.upstream_file(split, source_id)
+            rest = source_id.removeprefix("AgentFlan_").removeprefix(flan_file).lstrip("_")
+            return AgentFlan().domain_env(flan_file, rest, prompt)
         return env_from_item_id(source_id)
 
-    def upstream_file(self, source_id: str) -> str | None:
+    def upstream_file(self, split, source_id):
         """The Agent-FLAN file a re-released row came from (its negatives keep their label)."""
-        if not source_id.startswith("AgentFlan_"):
-            return None
         rest = source_id.removeprefix("AgentFlan_")
-        return next((f for f in FLAN_FILES if rest.startswith(f)), None)
+        return next((f for f in FLAN_FILES if rest.startswith(f)), split) if rest != source_id else split

@@ -1,0 +1,46 @@
+"""`trajforge build` end to end on every fixture source: the real CLI, the real Prefect flow.
+
+This is the one place the build pays Prefect's embedded-server start-up.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import datasets
+import polars as pl
+import pytest
+
+from pipeline.validate import validate_record
+from schemas import validator
+from tests.conftest import FIXTURE_SOURCES, REPO
+
+
+@pytest.mark.slow
+def test_trajforge_build_on_the_fixtures(tmp_path):
+    out = tmp_path / "build"
+    args = [sys.executable, "-m", "flows.cli", "build", "--out", str(out)]
+    for name, location in FIXTURE_SOURCES.items():
+        args += ["--source", f"{name}={location}"]
+    args += ["--source", f"agent_flan={REPO / 'tests' / 'data' / 'agent_flan'}"]
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Progress while running and a summary at the end.
+    assert "units done:" in proc.stdout + proc.stderr
+    assert "total" in proc.stdout and "quarantine" in proc.stdout
+
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["sources"]) == {"agentinstruct", "agenttraj_l", "openmanus_rl", "agent_flan"}
+    total = report["total"]
+    assert total["read"] == total["written"] + total["quarantined"] + total.get("duplicates", 0)
+    assert total["quarantined"] <= 0.02 * total["read"]
+
+    ds = datasets.load_dataset("parquet", data_files=str(out / "data" / "sft" / "*.parquet"), split="train")
+    frame = pl.read_parquet(out / "data" / "sft" / "*.parquet")
+    assert len(ds) == frame.height > 0
+    assert frame["id"].n_unique() == frame.height
+    for record in ds:
+        assert not list(validator("trajectory").iter_errors(record)), record["id"]
+        if record["kind"] == "positive":
+            assert validate_record(record) is None, record["id"]

@@ -1,0 +1,99 @@
+"""One test per upstream dialect, and parse/render round-trips on every real assistant turn."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.dialects import (DIALECTS, FREE_TEXT, ParseError, clean_text, parse_turn, render_react,
+                               render_turn)
+from sources import iter_rows
+from sources.base import find_data_files
+from tests.conftest import FIXTURE_SOURCES, REPO
+
+CASES = {
+    "think_act": ("Think: To count the files in /etc, I need to print all the files in it.\n\nAct: bash\n\n```bash\nls /etc\n```",
+                  "To count the files in /etc, I need to print all the files in it.", "bash\n\n```bash\nls /etc\n```"),
+    "upper_thought_action": ("THOUGHT: I'll start by looking around.\nACTION: go to shelf 1",
+                             "I'll start by looking around.", "go to shelf 1"),
+    "thought_action_block": ("Thought:\nI should search.\n\nAction:\nsearch[red shirt]", "I should search.", "search[red shirt]"),
+    "action_input": ('Thought: I need the movie id.\n\nAction: get_search_movie with Action Input: {"movie_name": "Pulp Fiction"}',
+                     "I need the movie id.", 'get_search_movie with Action Input: {"movie_name": "Pulp Fiction"}'),
+    "toolbench_react": ('Thought: convert it.\nAction: currency.convert\nAction Input: {"amount": 100}',
+                        "convert it.", 'currency.convert\nAction Input: {"amount": 100}'),
+    "choice_action": ("Thought: The maximum budget needs to be set.\nAnswer: C.\nAction: SET\nValue: $50,000",
+                      "The maximum budget needs to be set.", "Answer: C.\nAction: SET\nValue: $50,000"),
+    "final_answer": ("Thought: #2 is the final answer to the question.\nFinal Answer: #2", "#2 is the final answer to the question.",
+                     "Final Answer: #2"),
+    "thought_action": ("Thought: From the above relations, I might use it.\nAction: get_neighbors(Kerosene, fuel.engines)",
+                       "From the above relations, I might use it.", "get_neighbors(Kerosene, fuel.engines)"),
+    "prose_action": ('The answer is Phone.\nAction: Answer\nFinal Answer: ["Phone"]', "The answer is Phone.",
+                     'Answer\nFinal Answer: ["Phone"]'),
+    "json_tool": ('{\n    "Tool": "weather.forecast",\n    "Param": {\n        "lat": 25.7\n    },\n    "goal": "retry the call"\n}',
+                  "retry the call", '{"Tool": "weather.forecast", "Param": {"lat": 25.7}}'),
+    "dict_tool_call": ("I call the health API. As a Python dictionary:\n```python\n{'name': 'x.health', 'parameters': {}}\n```",
+                       "I call the health API. As a Python dictionary:", "{'name': 'x.health', 'parameters': {}}"),
+}
+
+
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+def test_each_dialect_parses_and_renders(dialect):
+    text, thought, action = CASES[dialect]
+    parsed = parse_turn(text)
+    assert (parsed.dialect, parsed.thought, parsed.action) == (dialect, thought, action)
+    again = parse_turn(render_turn(dialect, thought, action))
+    assert (again.dialect, again.thought, again.action) == (dialect, thought, action)
+    react = parse_turn(render_react(thought, action))
+    assert (react.dialect, react.thought, react.action) == ("think_act", thought, action)
+
+
+def test_no_thought_turns_and_trailing_spaces_and_leading_newline():
+    assert parse_turn("Action: go to drawer 1 ").action == "go to drawer 1"
+    assert parse_turn("Action: go to drawer 1 ").thought == ""
+    movie_118 = '\nAction: finish with Action Input: {"answer": "x"}'
+    parsed = parse_turn(movie_118)
+    assert (parsed.dialect, parsed.thought) == ("action_input", "")
+
+
+def test_terminal_escape_codes_are_removed():
+    raw = "The output of the OS:\n\n\x1b]0;root@287e51facd12: /\x07root@287e51facd12:/# \x1b[K"
+    assert clean_text(raw) == "The output of the OS:\n\nroot@287e51facd12:/#"
+
+
+def test_prose_without_action_is_free_text_and_empty_turn_raises():
+    assert parse_turn("Ok.").dialect == FREE_TEXT
+    assert parse_turn("Ok.").action is None
+    with pytest.raises(ParseError):
+        parse_turn(" \x1b[K ")
+
+
+def _real_assistant_turns():
+    sources = dict(FIXTURE_SOURCES, agent_flan=str(REPO / "tests" / "data" / "agent_flan"))
+    for name, location in sources.items():
+        for path in find_data_files(Path(location)):
+            for raw in iter_rows(path):
+                if raw.row is None:
+                    continue
+                turns = raw.row.get("conversations", raw.row.get("conversation"))
+                if isinstance(turns, str):
+                    turns = json.loads(turns)
+                for turn in turns or []:
+                    if turn.get("from", turn.get("role")) in ("gpt", "assistant"):
+                        yield turn.get("value", turn.get("content"))
+
+
+def test_round_trip_on_every_real_assistant_turn():
+    turns = list(_real_assistant_turns())
+    assert len(turns) > 1000
+    dialects_seen = set()
+    for text in turns:
+        parsed = parse_turn(text)
+        dialects_seen.add(parsed.dialect)
+        again = parse_turn(render_turn(parsed.dialect, parsed.thought, parsed.action))
+        assert (again.thought, again.action) == (parsed.thought, parsed.action), text[:200]
+        if parsed.action is not None:
+            react = parse_turn(render_react(parsed.thought, parsed.action))
+            assert (react.dialect, react.thought, react.action) == ("think_act", parsed.thought, parsed.action), text[:200]
+    # Every registered dialect occurs in real (or documented-layout) data.
+    assert set(DIALECTS) <= dialects_seen

@@ -1,0 +1,60 @@
+"""Each semantic rule catches what it is for, on real records made wrong in one way."""
+from __future__ import annotations
+
+import copy
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.validate import validate_record
+
+
+@pytest.fixture(scope="module")
+def record(fixtures_build):
+    rows = pq.read_table(fixtures_build / "data" / "sft").to_pylist()
+    return next(r for r in rows if r["id"] == "agenttraj_l/webshop_1418")
+
+
+def _broken(record, change):
+    r = copy.deepcopy(record)
+    change(r)
+    return validate_record(r)
+
+
+def test_the_real_record_is_valid(record):
+    assert validate_record(record) is None
+
+
+def _two_assistants(r):
+    r["conversations"].insert(4, copy.deepcopy(r["conversations"][3]))
+
+
+def _observation_in_assistant(r):
+    turn = r["conversations"][3]
+    turn["content"] += "\nObservation: the search returned 3 results"
+
+
+def _prose_turn(r):
+    r["conversations"][3].update(content="I think I will search now.", thought="I think I will search now.",
+                                 action=None, dialect="free_text")
+
+
+def _mismatch(r):
+    r["conversations"][3]["action"] = "click[Buy Now]"
+
+
+@pytest.mark.parametrize("change,reason", [
+    (lambda r: r.update(domain="space"), "schema"),
+    (lambda r: r["conversations"][1].update(content=""), "schema"),
+    (lambda r: r["conversations"].pop(), "final_turn_not_assistant"),
+    (_two_assistants, "role_order"),
+    (lambda r: r["conversations"].insert(0, {**r["conversations"][1]}), "role_order"),
+    (lambda r: [t.update(loss=False) for t in r["conversations"]], "no_trainable_turn"),
+    (lambda r: r["conversations"][2].update(content="x" * 1_000_001), "too_long"),
+    (_observation_in_assistant, "model_written_observation"),
+    (_prose_turn, "unparsed_assistant_turn"),
+    (_mismatch, "parse_mismatch"),
+])
+def test_rule_catches_its_case(record, change, reason):
+    violation = _broken(record, change)
+    assert violation is not None and violation.reason == reason, violation
