@@ -19,7 +19,10 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.card import hub_revision, write_card
+from pipeline.manifest import build_id, code_version, file_sha256, write_manifest
 from pipeline.normalize import NormalizeConfig, NormalizeError, normalize_row
+from pipeline.shards import ShardConfig, write_config
 from pipeline.validate import ValidateConfig, validate_record
 from schemas import arrow_schema
 from sources import SourceFile, get_source, iter_rows
@@ -37,6 +40,7 @@ class BuildConfig:
     max_turn_chars: int = 200_000
     max_total_chars: int = 1_000_000
     progress_every: int = 1000
+    shards: ShardConfig = ShardConfig()
 
     @property
     def normalize(self) -> NormalizeConfig:
@@ -58,6 +62,9 @@ class UnitResult:
     written: int = 0
     quarantined: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
+    # Provenance for the card and the build id: the input's content and its Hub commit, if any.
+    input_sha256: str = ""
+    revision: str | None = None
 
 
 def unit_key(source: str, file: SourceFile) -> str:
@@ -121,7 +128,8 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     read = len(records) + len(quarantine)
     result = UnitResult(source_name, name, str(records_path), str(quarantine_path), read=read,
                         written=len(records), quarantined=len(quarantine),
-                        reasons=dict(Counter(q["reason"] for q in quarantine)))
+                        reasons=dict(Counter(q["reason"] for q in quarantine)),
+                        input_sha256=file_sha256(file.path), revision=hub_revision(file.path))
     log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, read, len(records),
              len(quarantine), result.reasons or "")
     return result
@@ -171,20 +179,32 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
         records.extend(pq.read_table(unit.records_path).to_pylist())
         quarantine.extend(pq.read_table(unit.quarantine_path).to_pylist())
     records = unique_ids(records)
-    data_path = out / "data" / "sft" / "train-00000-of-00001.parquet"
-    write_parquet(records, arrow_schema("trajectory"), data_path)
+    sft = write_config(out, "sft", {"train": pa.Table.from_pylist(records, schema=arrow_schema("trajectory"))},
+                       config.shards)
     quarantine_path = out / "quarantine" / "quarantine.parquet"
     write_parquet(quarantine, arrow_schema("quarantine"), quarantine_path)
     report = merge_counts(units)
     report["config"] = asdict(config)
-    report["outputs"] = {"sft": [str(data_path.relative_to(out))],
+    report["outputs"] = {"sft": sft["train"],
                          "quarantine": [str(quarantine_path.relative_to(out))]}
     report["renderings"] = dict(Counter(r["rendering"] for r in records))
     report["domains"] = dict(sorted(Counter(r["domain"] for r in records).items()))
     report["envs"] = dict(sorted(Counter(r["env"] for r in records).items()))
     report["kinds"] = dict(Counter(r["kind"] for r in records))
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    write_release_files(out, report, units, config)
     return report
+
+
+def write_release_files(out: Path, report: dict, units: list[UnitResult], config: BuildConfig) -> str:
+    """Dataset card and manifest, last: they describe the files written before them. Returns the build id."""
+    code = code_version()
+    build = build_id([(u.source, u.source_file, u.input_sha256) for u in units], asdict(config), code)
+    provenance = [{"source": u.source, "source_file": u.source_file, "sha256": u.input_sha256,
+                   "revision": u.revision} for u in units]
+    write_card(out, report, provenance, build, code)
+    write_manifest(out, build)
+    return build
 
 
 def summary_lines(report: dict) -> list[str]:

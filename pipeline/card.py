@@ -1,0 +1,197 @@
+"""The dataset card (README.md) generated from a build.
+
+The YAML front matter is what the Hub and `datasets.load_dataset` read: `configs` (data files per
+config and split), `dataset_info` (features and sizes per config), licenses, task categories and
+size category. It is produced with the same classes `datasets` uses to read it back, so the
+folder loads locally exactly as it will from the Hub. The body is for people: counts, what was
+quarantined or deduplicated, the schema, and where every record came from.
+
+A combined dataset inherits each upstream license, so the card names them per source as the
+upstream cards state them, rather than one license for the whole.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from datasets import DatasetInfo, Features, SplitDict, SplitInfo
+from datasets.info import DatasetInfosDict
+from datasets.utils.metadata import MetadataConfigs
+from huggingface_hub import DatasetCardData
+
+from pipeline.shards import layout
+from schemas import load_schema
+from sources import REGISTRY
+
+DEFAULT_CONFIG = "sft"
+SNAPSHOT_RE = re.compile(r"/snapshots/([0-9a-f]{40})/")
+# Hub license ids; anything else is published as "other" with the stated text in the body.
+HUB_LICENSES = {"apache-2.0", "mit", "cc-by-4.0", "cc-by-sa-4.0", "cc-by-nc-4.0", "cc-by-nc-sa-4.0",
+                "cc0-1.0", "odc-by", "llama3", "unknown", "other"}
+SIZE_CATEGORIES = [(1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"),
+                   (10_000_000, "1M<n<10M"), (100_000_000, "10M<n<100M")]
+CONFIG_NOTES = {
+    "sft": "positive trajectories for supervised fine-tuning (loss on assistant turns)",
+    "negatives": "trajectories with a known defect (`negative_type`, `parent_id`)",
+    "preference": "chosen/rejected pairs for DPO",
+    "grpo": "prompts with reference answers for GRPO",
+}
+
+
+def hub_revision(path: Path) -> str | None:
+    """The Hub commit a downloaded file came from (its HF cache snapshot), None for local files."""
+    match = SNAPSHOT_RE.search(Path(path).resolve().as_posix())
+    return match.group(1) if match else None
+
+
+def hub_license_id(stated: str) -> str:
+    token = stated.split()[0].lower() if stated.strip() else "unknown"
+    return token if token in HUB_LICENSES else "other"
+
+
+def size_category(rows: int) -> str:
+    return next((name for limit, name in SIZE_CATEGORIES if rows < limit), "n>100M")
+
+
+def _split_stats(out: Path, paths: list[str]) -> tuple[int, int, int]:
+    """(rows, uncompressed bytes, file bytes) of a split's shards, from Parquet metadata."""
+    rows = num_bytes = size = 0
+    for rel in paths:
+        meta = pq.read_metadata(out / rel)
+        rows += meta.num_rows
+        num_bytes += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        size += (out / rel).stat().st_size
+    return rows, num_bytes, size
+
+
+def source_licenses(out: Path, files: dict[str, dict[str, list[str]]]) -> dict[str, list[str]]:
+    """source -> the license texts its records carry (set from each Source, as its card states)."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for splits in files.values():
+        for paths in splits.values():
+            for rel in paths:
+                if not {"source", "license"} <= set(pq.read_schema(out / rel).names):
+                    continue
+                table = pq.read_table(out / rel, columns=["source", "license"])
+                for pair in pc.unique(pc.binary_join_element_wise(table["source"], table["license"], "\x00")).to_pylist():
+                    source, license_text = pair.split("\x00", 1)
+                    found[source].add(license_text)
+    return {s: sorted(v) for s, v in sorted(found.items())}
+
+
+def card_data(out: Path, files: dict[str, dict[str, list[str]]], licenses: dict[str, list[str]]) -> DatasetCardData:
+    default = DEFAULT_CONFIG if DEFAULT_CONFIG in files else next(iter(sorted(files)), None)
+    infos, configs, largest = DatasetInfosDict(), MetadataConfigs(), 0
+    for name, splits in sorted(files.items()):
+        features = Features.from_arrow_schema(pq.read_schema(out / next(iter(splits.values()))[0]))
+        split_dict, download, dataset, total = SplitDict(), 0, 0, 0
+        for split, paths in sorted(splits.items()):
+            rows, num_bytes, size = _split_stats(out, paths)
+            split_dict.add(SplitInfo(name=split, num_bytes=num_bytes, num_examples=rows))
+            download, dataset, total = download + size, dataset + num_bytes, total + rows
+        largest = max(largest, total)
+        infos[name] = DatasetInfo(config_name=name, features=features, splits=split_dict,
+                                  download_size=download, dataset_size=dataset)
+        configs[name] = {"data_files": [{"split": split, "path": f"data/{name}/{split}-*.parquet"}
+                                        for split in sorted(splits)],
+                         **({"default": True} if name == default else {})}
+    license_ids = sorted({hub_license_id(text) for texts in licenses.values() for text in texts}) or ["unknown"]
+    data = DatasetCardData(license=license_ids if len(license_ids) > 1 else license_ids[0], language=["en"],
+                           task_categories=["text-generation"], size_categories=[size_category(largest)],
+                           tags=["agent", "trajectories", "react", "tool-use", "trajforge"],
+                           pretty_name="trajforge agent trajectories")
+    configs.to_dataset_card_data(data)
+    infos.to_dataset_card_data(data)
+    return data
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def _schema_lines() -> list[str]:
+    schema = load_schema("trajectory")
+    rows = []
+    for name, node in schema["properties"].items():
+        types = node.get("type")
+        kind = "/".join(types) if isinstance(types, list) else types
+        if "enum" in node:
+            kind += ": " + ", ".join(f"`{v}`" for v in node["enum"])
+        rows.append([f"`{name}`", kind, node.get("description", "").replace("|", "\\|")])
+    turn = schema["properties"]["conversations"]["items"]["properties"]
+    return (_table(["field", "type", "meaning"], rows)
+            + ["", "Each turn of `conversations` holds " + ", ".join(f"`{k}`" for k in turn) + "."])
+
+
+def _provenance_rows(provenance: list[dict], licenses: dict[str, list[str]]) -> list[list]:
+    by_source: dict[str, list[dict]] = defaultdict(list)
+    for unit in provenance:
+        by_source[unit["source"]].append(unit)
+    rows = []
+    for source in sorted(set(by_source) | set(licenses)):
+        units = by_source.get(source, [])
+        registered = REGISTRY.get(source)
+        revisions = sorted({u["revision"] for u in units if u.get("revision")})
+        local = [u for u in units if not u.get("revision")]
+        where = ", ".join(f"`{r}`" for r in revisions)
+        if local:
+            # A local copy has no Hub revision: name its files by content instead.
+            where += (", " if where else "") + "local files " + ", ".join(
+                f"`{u['source_file']}` (sha256 `{u['sha256'][:12]}`)" for u in sorted(local, key=lambda u: u["source_file"]))
+        stated = "; ".join(licenses.get(source, [])) or (registered.license if registered else "see records")
+        rows.append([source, f"[{registered.hub_repo}](https://huggingface.co/datasets/{registered.hub_repo})"
+                     if registered else "-", where or "-", stated])
+    return rows
+
+
+def render_card(out: Path, report: dict, provenance: list[dict], build: str, code: str) -> str:
+    """The full README.md text for the build in `out`."""
+    files = layout(out)
+    licenses = source_licenses(out, files)
+    data = card_data(out, files, licenses)
+    lines = ["---", data.to_yaml(), "---", "", "# trajforge agent trajectories", "",
+             "Agent trajectories from public datasets, normalized to one ReAct record schema by "
+             "[trajforge](https://github.com/trajforge/trajforge): every input record is either in a "
+             "config below, in the quarantine (with a reason), or in the duplicate map.", "",
+             f"- build id: `{build}`", f"- code version: `{code}`", "", "## Configs", ""]
+    config_rows = []
+    for name, splits in sorted(files.items()):
+        for split, paths in sorted(splits.items()):
+            config_rows.append([f"`{name}`" + (" (default)" if name == DEFAULT_CONFIG else ""), split,
+                                _split_stats(out, paths)[0], len(paths), CONFIG_NOTES.get(name, "")])
+    lines += _table(["config", "split", "rows", "shards", "what"], config_rows)
+    lines += ["", "```python", "from datasets import load_dataset",
+              'ds = load_dataset("<this repo or folder>", "sft", split="train")', "```", "", "## Counts", ""]
+    lines += _table(["source", "read", "written", "quarantined"],
+                    [[name, e["read"], e["written"], e["quarantined"]] for name, e in sorted(report["sources"].items())]
+                    + [["**total**", report["total"]["read"], report["total"]["written"], report["total"]["quarantined"]]])
+    lines += ["", "## Quarantine", ""]
+    reasons = report["total"].get("reasons", {})
+    lines += (_table(["reason", "records"], [[f"`{r}`", n] for r, n in sorted(reasons.items())]) if reasons
+              else ["Nothing was quarantined."])
+    lines += ["", "The quarantined records, with their raw input and a reason code, are in `quarantine/`.", ""]
+    if report.get("dedup"):
+        lines += ["## Deduplication", "", "```json", json.dumps(report["dedup"], indent=2, sort_keys=True), "```", ""]
+    lines += ["## Schema", "", f"Record schema `trajectory` {load_schema('trajectory').get('version', '')} "
+              "(JSON Schema in the trajforge repository, `schemas/trajectory.schema.json`).", ""]
+    lines += _schema_lines()
+    lines += ["", "## Sources, licenses and provenance", "",
+              "Each record keeps its upstream license in its `license` column; use of a record is governed "
+              "by the license of its source.", ""]
+    lines += _table(["source", "upstream repo", "revision", "license (as its card states)"],
+                    _provenance_rows(provenance, licenses))
+    return "\n".join(lines) + "\n"
+
+
+def write_card(out: Path, report: dict, provenance: list[dict], build: str, code: str) -> Path:
+    path = out / "README.md"
+    tmp = out / f".README.md.tmp-{os.getpid()}"
+    tmp.write_text(render_card(out, report, provenance, build, code))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,155 @@
+"""Parquet shards in the Hugging Face layout, and completion markers for resumable work.
+
+Layout: `data/<config>/<split>-NNNNN-of-MMMMM.parquet`, the names `datasets` and the Hub expect.
+A split is cut into shards of a target size (rows, or uncompressed Arrow bytes), with zstd and
+row groups small enough that a streaming reader holds one group at a time.
+
+Same table + same ShardConfig -> same file names and byte-identical files: nothing in a shard
+depends on time, host, runner or worker count.
+
+Crash safety: every file is written to a temp name and renamed; a shard (or a staged unit) is
+done when its completion marker exists and names the same input fingerprint. Markers live under
+`<out>/.staging`, which a release never publishes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.manifest import code_version, file_sha256
+
+SHARD_RE = re.compile(r"^(?P<split>[A-Za-z0-9_]+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.parquet$")
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    # Rows per shard; when set it wins over max_bytes.
+    max_rows: int | None = None
+    # Target uncompressed (Arrow) size of a shard. The Hub viewer and `datasets` handle a few
+    # hundred MB per file well; smaller shards parallelize better.
+    max_bytes: int = 256 * 1024 * 1024
+    # Trajectories are long (tens of KB): 256 rows keep a streaming reader's row group at a few MB.
+    row_group_rows: int = 256
+    compression_level: int = 3
+
+
+def shard_name(split: str, index: int, count: int) -> str:
+    return f"{split}-{index:05d}-of-{count:05d}.parquet"
+
+
+def plan_shards(table: pa.Table, config: ShardConfig) -> list[tuple[int, int]]:
+    """(offset, length) of each shard; at least one row per shard, none for an empty table."""
+    n = table.num_rows
+    if n == 0:
+        return []
+    if config.max_rows is not None:
+        per_shard = max(1, config.max_rows)
+    else:
+        per_shard = max(1, int(config.max_bytes // max(1, table.nbytes / n)))
+    return [(offset, min(per_shard, n - offset)) for offset in range(0, n, per_shard)]
+
+
+# -- completion markers ------------------------------------------------------------------------
+
+def read_marker(path: Path, fingerprint: str) -> dict | None:
+    """The marker's payload if it exists and was written for this fingerprint, else None."""
+    try:
+        marker = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return marker["payload"] if marker.get("fingerprint") == fingerprint else None
+
+
+def write_marker(path: Path, fingerprint: str, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"fingerprint": fingerprint, "payload": payload}, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def marker_dir(out: Path) -> Path:
+    return out / ".staging" / "markers"
+
+
+def _table_fingerprint(table: pa.Table, config: ShardConfig) -> str:
+    digest = hashlib.sha256(json.dumps([asdict(config), pa.__version__]).encode())
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    digest.update(sink.getvalue())
+    return digest.hexdigest()
+
+
+# -- shards ------------------------------------------------------------------------------------
+
+def write_shard(table: pa.Table, path: Path, config: ShardConfig) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp, compression="zstd", compression_level=config.compression_level,
+                   row_group_size=config.row_group_rows)
+    os.replace(tmp, path)
+
+
+def write_config(out: Path, config_name: str, splits: dict[str, pa.Table],
+                 config: ShardConfig = ShardConfig()) -> dict[str, list[str]]:
+    """Write every split of one config as shards; returns split -> shard paths relative to `out`.
+
+    A shard whose marker matches its content fingerprint and whose file is intact is not
+    rewritten (resume after a crash). Shards of an earlier build that this one does not produce
+    (another shard count, a split that is gone) are removed, so the folder holds one build.
+    """
+    folder = out / "data" / config_name
+    written: dict[str, list[str]] = {}
+    keep: set[str] = set()
+    for split, table in splits.items():
+        plan = plan_shards(table, config)
+        for index, (offset, length) in enumerate(plan):
+            name = shard_name(split, index, len(plan))
+            path = folder / name
+            shard = table.slice(offset, length)
+            fingerprint = _table_fingerprint(shard, config)
+            marker = marker_dir(out) / "shards" / config_name / f"{name}.done"
+            done = read_marker(marker, fingerprint)
+            if not (done and path.exists() and path.stat().st_size == done["size"]
+                    and file_sha256(path) == done["sha256"]):
+                write_shard(shard, path, config)
+                write_marker(marker, fingerprint, {"size": path.stat().st_size, "sha256": file_sha256(path)})
+            keep.add(name)
+            written.setdefault(split, []).append(path.relative_to(out).as_posix())
+    if folder.exists():
+        for stale in folder.iterdir():
+            if SHARD_RE.match(stale.name) and stale.name not in keep:
+                stale.unlink()
+    return written
+
+
+def layout(out: Path) -> dict[str, dict[str, list[str]]]:
+    """config -> split -> shard paths (relative, sorted) found under `out/data`."""
+    found: dict[str, dict[str, list[str]]] = {}
+    data = out / "data"
+    for folder in sorted(p for p in data.iterdir() if p.is_dir()) if data.exists() else []:
+        for path in sorted(folder.iterdir()):
+            match = SHARD_RE.match(path.name)
+            if match:
+                found.setdefault(folder.name, {}).setdefault(match["split"], []).append(
+                    path.relative_to(out).as_posix())
+    return found
+
+
+# -- resumable units ---------------------------------------------------------------------------
+
+def unit_fingerprint(source: str, path: Path, split: str, config: dict) -> str:
+    """What a staged unit depends on: the input file's content, its place, the config, the code."""
+    payload = [source, str(Path(path).resolve()), split, file_sha256(Path(path)), config, code_version()]
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def unit_marker(staging: Path, key: str) -> Path:
+    return staging / "markers" / "units" / f"{key}.done"
