@@ -1,0 +1,39 @@
+"""Environments by name: `make_env("os" | "db" | "agentgym", **config)`.
+
+Every environment implements `pipeline.envs.base.Environment`: `reset(task) -> first observation`
+(task: a `pipeline.tasks.Task`, its `as_dict()`, or a bare task record), `step(action_text) ->
+StepResult`, `close()` (idempotent; also a context manager). `StepResult.info` always holds
+`valid` (the action parsed and ran); the step that ends an episode also holds `score` (0.0-1.0,
+or None when the task has no known answer) and `success`.
+
+The registry maps names to import paths so that importing this package does not import every
+environment's dependencies.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from pipeline.envs.base import Environment, StepResult
+
+REGISTRY: dict[str, str] = {
+    "os": "pipeline.envs.os_sandbox:OsSandboxEnv",
+    "db": "pipeline.envs.db:DbEnv",
+    "agentgym": "pipeline.envs.agentgym:AgentGymEnv",
+}
+
+
+def env_class(name: str) -> type:
+    try:
+        module, attr = REGISTRY[name].split(":")
+    except KeyError:
+        raise KeyError(f"unknown environment {name!r} (known: {', '.join(sorted(REGISTRY))})") from None
+    return getattr(importlib.import_module(module), attr)
+
+
+def make_env(name: str, **config: Any) -> Environment:
+    """A new environment instance; `config` goes to its constructor (timeouts, limits, URLs)."""
+    return env_class(name)(**config)
+
+
+__all__ = ["Environment", "StepResult", "REGISTRY", "env_class", "make_env"]
