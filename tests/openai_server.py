@@ -1,0 +1,326 @@
+"""A loopback OpenAI-compatible Chat Completions server for tests and benchmarks.
+
+It speaks the real wire format (non-streaming `chat.completion` bodies with DeepSeek-R1's
+envelope and `reasoning_content`), so the real `openai` client and our whole stack run against
+it. What it answers comes from a policy (messages -> Reply), shaped like real R1 replies in
+rotation: reasoning in `reasoning_content`, reasoning in a `<think>` block, the action inside
+`reasoning_content` with empty content, and the action inside an unclosed `<think>`.
+
+`FixturePolicy` replays reference solutions of the AgentBench fixture tasks: OS tasks run
+their `evaluation.example` script and then answer with what it printed (match tasks) or
+`finish` (check tasks); DB tasks run the reference SQL (`sql.query`, or the INSERT/UPDATE `label`)
+and then commit the values the database returned. The answers are never read from the expected
+result: a task succeeds only if the environment really produced it.
+
+Faults are injected per call by a function (call number, request body) -> kind or None:
+`429` (with Retry-After), `500`, `reset` (connection dropped before any response byte),
+`malformed` (a JSON body cut off), `truncate` (finish_reason length, unclosed think), `empty`
+(no content, no reasoning), `slow` (the reply waits `slow_s`). `max_tokens` (whitespace
+tokens), `stop`, `n` and `seed` behave as on a real server.
+
+Run standalone for benchmarks: `python -m tests.openai_server --latency 0.2` prints the base URL;
+`GET /stats` returns the call counts.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from aiohttp import web
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+R1_BODY = FIXTURES / "reasoning" / "openhands_deepseek_r1" / "jinja_turn1_reasoning_content_then_action.json"
+
+SHAPES = ("reasoning_content", "think", "action_in_reasoning", "unclosed_think")
+
+
+@dataclass(frozen=True)
+class Reply:
+    reasoning: str
+    content: str
+
+
+Policy = Callable[[list[dict]], Reply]
+Fault = Callable[[int, dict], "str | None"]
+
+
+def echo_policy(messages: list[dict]) -> Reply:
+    """For benchmarks: a short fixed-size answer about the last message."""
+    last = messages[-1]["content"] if messages else ""
+    return Reply("The user asked something; I will answer briefly.", f"Think: answering.\nAct: answer({len(last)})")
+
+
+class Server:
+    """The app plus its counters. Use as a context manager to run it on a background thread."""
+
+    def __init__(self, policy: Policy = echo_policy, latency_s: float = 0.0, fault: Fault | None = None,
+                 shapes: tuple[str, ...] = SHAPES, slow_s: float = 5.0, retry_after: str = "1"):
+        self.policy = policy
+        self.latency_s = latency_s
+        self.fault = fault
+        self.shapes = shapes
+        self.slow_s = slow_s
+        self.retry_after = retry_after
+        self.calls = 0
+        self.faults: dict[str, int] = {}
+        self.requests: list[dict] = []
+        self.authorizations: set[str] = set()
+        self._envelope = json.loads(R1_BODY.read_bytes())
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self.base_url = ""
+
+    # --- the HTTP side -------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/stats", self._stats)
+        return app
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "DeepSeek-R1", "object": "model"}]})
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"calls": self.calls, "faults": self.faults})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.calls += 1
+        number = self.calls
+        self.requests.append(body)
+        self.authorizations.add(request.headers.get("Authorization", ""))
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or any(
+                not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool")
+                or not isinstance(m.get("content"), str) for m in messages):
+            return web.json_response({"error": {"message": "invalid messages", "type": "invalid_request_error"}},
+                                     status=400)
+        kind = self.fault(number, body) if self.fault else None
+        if kind:
+            self.faults[kind] = self.faults.get(kind, 0) + 1
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        if kind == "slow":
+            await asyncio.sleep(self.slow_s)
+        if kind == "429":
+            return web.json_response({"error": {"message": "Rate limit reached", "type": "rate_limit_error"}},
+                                     status=429, headers={"Retry-After": self.retry_after})
+        if kind == "500":
+            return web.json_response({"error": {"message": "Internal server error", "type": "server_error"}},
+                                     status=500)
+        if kind == "reset":
+            request.transport.abort()
+            raise asyncio.CancelledError
+        completion = self.completion(body, kind)
+        if kind == "malformed":
+            text = json.dumps(completion)
+            return web.Response(text=text[: len(text) // 2], content_type="application/json")
+        return web.json_response(completion)
+
+    # --- the completion ------------------------------------------------------------------------
+    def completion(self, body: dict, kind: str | None = None) -> dict:
+        messages = body.get("messages") or []
+        reply = self.policy(messages)
+        choices, completion_tokens = [], 0
+        for index in range(int(body.get("n") or 1)):
+            shape = self._shape(messages, body.get("seed"), index)
+            message, finish = self._shaped(reply, shape, body, kind)
+            completion_tokens += len(((message.get("reasoning_content") or "") + " " + message["content"]).split())
+            choices.append({"finish_reason": finish, "index": index, "message": message})
+        prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
+        out = {k: v for k, v in self._envelope.items() if k not in ("choices", "timings")}
+        digest = hashlib.sha1(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+        out.update(choices=choices, created=int(time.time()), model=body.get("model", out["model"]),
+                   id=f"chatcmpl-{digest}", usage={"completion_tokens": completion_tokens,
+                                                   "prompt_tokens": prompt_tokens,
+                                                   "total_tokens": prompt_tokens + completion_tokens})
+        return out
+
+    def _shape(self, messages: list[dict], seed, index: int) -> str:
+        key = json.dumps([messages[-1:] if messages else [], seed, index], sort_keys=True)
+        return self.shapes[int(hashlib.sha1(key.encode()).hexdigest(), 16) % len(self.shapes)]
+
+    def _shaped(self, reply: Reply, shape: str, body: dict, kind: str | None) -> tuple[dict, str]:
+        if kind == "empty":
+            return {"role": "assistant", "content": "", "reasoning_content": ""}, "stop"
+        if kind == "truncate":
+            cut = reply.reasoning[: max(1, len(reply.reasoning) // 2)]
+            return {"role": "assistant", "content": f"<think>\n{cut}"}, "length"
+        content, finish = reply.content, "stop"
+        for stop in body.get("stop") or []:
+            if stop and stop in content:
+                content = content[: content.index(stop)]
+        limit = body.get("max_tokens") or body.get("max_completion_tokens")
+        if limit is not None:
+            budget = int(limit) - len(reply.reasoning.split())
+            if budget < len(content.split()):
+                if budget <= 0:
+                    cut = " ".join(reply.reasoning.split()[: int(limit)])
+                    return {"role": "assistant", "content": f"<think>\n{cut}"}, "length"
+                content, finish = " ".join(content.split()[:budget]), "length"
+        if shape == "reasoning_content":
+            return {"role": "assistant", "reasoning_content": reply.reasoning, "content": content}, finish
+        if shape == "action_in_reasoning":
+            return {"role": "assistant", "reasoning_content": f"{reply.reasoning}\n\n{content}", "content": ""}, finish
+        if shape == "unclosed_think":
+            return {"role": "assistant", "content": f"<think>\n{reply.reasoning}\n\n{content}\n"}, finish
+        return {"role": "assistant", "content": f"<think>\n{reply.reasoning}\n</think>\n\n{content}"}, finish
+
+    # --- running it ----------------------------------------------------------------------------
+    def __enter__(self) -> "Server":
+        started = threading.Event()
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, "127.0.0.1", 0, backlog=1024)
+            self._loop.run_until_complete(site.start())
+            port = site._server.sockets[0].getsockname()[1]
+            self.base_url = f"http://127.0.0.1:{port}/v1"
+            started.set()
+            self._loop.run_forever()
+            self._loop.run_until_complete(self._runner.cleanup())
+            self._loop.close()
+
+        logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+        self._thread = threading.Thread(target=run, name="openai-test-server", daemon=True)
+        self._thread.start()
+        if not started.wait(10):
+            raise RuntimeError("test server did not start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)
+
+
+# --- the fixture-task policy -------------------------------------------------------------------
+_OS_OUTPUT = re.compile(r"^The output of the OS:\s*", re.S)
+
+
+def observation_text(observation: str) -> str:
+    """What a command printed, without the environment's framing."""
+    text = _OS_OUTPUT.sub("", observation.strip())
+    return re.sub(r"\n?\[truncated because the output is too long\]$", "", text).strip()
+
+
+def db_values(observation: str) -> list[str]:
+    """The values of a DB observation (`[('x',), ('y',)]`, MySQL style), flattened."""
+    text = observation.strip()
+    try:
+        rows = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return [text] if text else []
+    if not isinstance(rows, (list, tuple)):
+        return [str(rows)]
+    return [str(v) for row in rows for v in (row if isinstance(row, (list, tuple)) else [row])]
+
+
+def _script_code(script) -> str | None:
+    if script is None:
+        return None
+    if isinstance(script, str):
+        return script
+    if isinstance(script, dict) and script.get("language", "bash") == "bash":
+        return script.get("code")
+    return None
+
+
+@dataclass
+class TaskScript:
+    """Steps of a reference solution: each step is (thought, observation of the previous step -> action)."""
+    steps: list[tuple[str, Callable[[str], str]]]
+
+
+@dataclass
+class FixturePolicy:
+    """Replays the reference solution of whichever fixture task the conversation is about."""
+    scripts: dict[str, TaskScript] = field(default_factory=dict)
+
+    def add_os_task(self, task: dict) -> None:
+        example = _script_code(task.get("evaluation", {}).get("example")) or _script_code(task.get("example"))
+        steps: list[tuple[str, Callable[[str], str]]] = []
+        if example:
+            steps.append(("I will run the reference commands for this task.",
+                          lambda _obs, code=example: f"bash\n```bash\n{code}\n```"))
+        else:
+            steps.append(("I will look around first.", lambda _obs: "bash\n```bash\nls\n```"))
+        if "match" in task.get("evaluation", {}):
+            steps.append(("The command printed the answer.", lambda obs: f"answer({observation_text(obs)})"))
+        else:
+            steps.append(("The system is in the required state now.", lambda _obs: "finish"))
+        self.scripts[task["description"]] = TaskScript(steps)
+
+    def add_db_task(self, task: dict) -> None:
+        if task.get("sql"):
+            query = task["sql"]["query"]
+        else:
+            query = task["label"][0]
+        steps = [("I will query the table.", lambda _obs, q=query: f"Operation\n```sql\n{q}\n```"),
+                 ("The database returned the answer.",
+                  lambda obs: "Answer\nFinal Answer: " + json.dumps(db_values(obs), ensure_ascii=False))]
+        self.scripts[task["description"]] = TaskScript(steps)
+
+    def __call__(self, messages: list[dict]) -> Reply:
+        prompt = next((m["content"] for m in messages if m["role"] == "user"), "")
+        matches = [d for d in self.scripts if d in prompt]
+        if not matches:
+            return Reply("I do not recognise this task.", "Think: I cannot solve this.\nAct: finish")
+        description = max(matches, key=len)
+        script = self.scripts[description]
+        # Turns that did not parse (the agent re-prompted) do not advance the script.
+        done = sum(1 for m in messages if m["role"] == "assistant" and _is_action(m["content"]))
+        thought, act = script.steps[min(done, len(script.steps) - 1)]
+        last = messages[-1]["content"] if messages and messages[-1]["role"] == "user" else ""
+        action = act(last)
+        dialect_db = action.startswith(("Operation", "Answer"))
+        reasoning = (f"Okay, the task is: {description[:200]}\nStep {done + 1} of my plan. {thought} "
+                     f"Let me make sure the command is right before I send it.")
+        content = f"{thought}\nAction: {action}" if dialect_db else f"Think: {thought}\n\nAct: {action}"
+        return Reply(reasoning, content)
+
+
+def _is_action(content: str) -> bool:
+    return bool(re.search(r"(?m)^(?:Act|Action):", content))
+
+
+def fixture_policy(os_files: list[Path] = (), db_files: list[Path] = ()) -> FixturePolicy:
+    policy = FixturePolicy()
+    for path in os_files:
+        data = json.loads(Path(path).read_text())
+        for task in data if isinstance(data, list) else [data]:
+            policy.add_os_task(task)
+    for path in db_files:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                policy.add_db_task(json.loads(line))
+    return policy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="loopback OpenAI-compatible test server")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds each call waits before answering")
+    args = parser.parse_args()
+    with Server(latency_s=args.latency) as server:
+        print(server.base_url, flush=True)
+        threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()
