@@ -5,11 +5,14 @@ can count them. `validate_record` returns None for a valid record; it never rais
 """
 from __future__ import annotations
 
+import ast
+import json
 import re
 from dataclasses import dataclass
 from typing import Callable
 
 from pipeline.dialects import FREE_TEXT, parse_turn
+from pipeline.normalize import extract_answer
 from schemas import validator
 
 # An assistant turn that goes on to write the environment's reply itself.
@@ -105,6 +108,77 @@ def _length(record: dict, config: ValidateConfig) -> Violation | None:
     trainable = sum(1 for t in turns if t["role"] == "assistant" and t["loss"])
     if trainable < config.min_trainable_turns:
         return Violation("no_trainable_turn", f"{trainable} assistant turns with loss")
+    return None
+
+
+# Envs whose prompt or observations name every valid action (a tool, a command verb): an action
+# whose name appears nowhere in them is outside the action space. Not listed: envs where valid
+# actions are free (wordle guesses, mind2web's lettered choices) or where upstream positives use
+# verbs the prompt does not spell out (alfworld's "go", babyai's "pickup").
+ACTION_SPACE_ENVS = frozenset({"os", "db", "kg", "webshop", "sciworld", "sqlgym", "textcraft", "maze",
+                               "movie", "todo", "weather", "toolbench"})
+_ACTION_HEAD = re.compile(r"[A-Za-z_][\w.\-]*")
+_CONTEXT_WORD = re.compile(r"[\w.\-]+")
+# The same action this many times in a row, with the same observation in between, is a loop.
+LOOP_REPEATS = 3
+
+
+def action_name(action: str, dialect: str | None) -> str | None:
+    """The name of the tool or command an action invokes (`bash`, `get_relations`, `search`, ...)."""
+    try:
+        if dialect == "json_tool":
+            name = json.loads(action).get("Tool")
+            return name if isinstance(name, str) else None
+        if dialect == "dict_tool_call":
+            name = ast.literal_eval(action).get("name")
+            return name if isinstance(name, str) else None
+    except (ValueError, SyntaxError, AttributeError):
+        return None
+    m = _ACTION_HEAD.search(action.lstrip("`"))
+    return m.group(0) if m else None
+
+
+def _action_space(record: dict, config: ValidateConfig) -> Violation | None:
+    if record["env"] not in ACTION_SPACE_ENVS and record["domain"] != "tool":
+        return None
+    context = "\n".join(t["content"] for t in record["conversations"] if t["role"] != "assistant").lower()
+    known = set(_CONTEXT_WORD.findall(context))
+    for i, turn in enumerate(record["conversations"]):
+        if turn["role"] == "assistant" and turn["loss"] and turn["action"] is not None:
+            name = action_name(turn["action"], turn["dialect"])
+            if name is None or name.lower() not in known:
+                return Violation("action_outside_space", f"turn {i}: {name!r} is not an action the prompt offers")
+    return None
+
+
+def _action_loop(record: dict, config: ValidateConfig) -> Violation | None:
+    """The agent repeats an action although the environment answered the same each time."""
+    turns = record["conversations"]
+    run, previous, seen = 0, None, None
+    for i, turn in enumerate(turns):
+        if turn["role"] != "assistant" or turn["action"] is None:
+            continue
+        observation = turns[i - 1]["content"]
+        if turn["action"] == previous:
+            run = run + 1 if run >= 2 and observation == seen else 2
+            seen = observation
+        else:
+            run = 1
+        previous = turn["action"]
+        if run >= LOOP_REPEATS and turn["loss"]:
+            return Violation("action_loop", f"turn {i}: the same action {run} times with the same observation")
+    return None
+
+
+def _answer_consistent(record: dict, config: ValidateConfig) -> Violation | None:
+    """The final action must give the record's answer (what a reward compares against)."""
+    last = next(t for t in reversed(record["conversations"]) if t["role"] == "assistant")
+    if record["answer"] is None or last["action"] is None:
+        return None
+    given = extract_answer(last["action"], last["dialect"])
+    if given is not None and given != record["answer"]:
+        return Violation("answer_mismatch", f"the final action answers {given[:100]!r}, the record says "
+                                            f"{record['answer'][:100]!r}")
     return None
 
 

@@ -1,0 +1,288 @@
+"""Deduplicate trajectories (exact, then near, across sources) and remove contaminated ones.
+
+What counts as "the same trajectory" is the task plus what happened after it (thoughts, actions,
+observations), not the prompt: every row of an env shares the same boilerplate instructions, and
+re-releases (OpenManus-RL of AgentTraj-L, Agent-FLAN of AgentInstruct) rewrite the prompt or the
+whitespace while the task and the trajectory stay.
+
+- Exact: a hash over the token sequence of task and actions (case, whitespace, terminal escape
+  codes and literal `\\n` escapes folded).
+- Near: MinHash over word shingles of the same text (rewordings of thoughts, small edits), candidates from an LSH index (datasketch),
+  confirmed by the true Jaccard similarity of the shingle sets, so LSH false positives never merge.
+  Records are visited in keep-preference order and each one either joins the most similar kept
+  record or becomes kept itself: a dropped record is always similar to the record it points at
+  (no chaining through intermediate rows).
+- Only records of the same kind (and negative type) are compared: an upstream negative is not a
+  duplicate of a positive even when it repeats its task.
+
+Keep preference, in order (documented in the README): upstream loss flags over inferred ones, an
+original upstream release over a re-release (OpenManus-RL) over synthetic rows, more known outcome
+fields (answer, reward, success), then build order. It depends only on the records, so reruns
+keep the same representatives.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import polars as pl
+from datasketch import LeanMinHash, MinHash, MinHashLSH
+
+from pipeline.dialects import clean_text
+
+# Lower is preferred. Re-releases drop upstream fields (loss flags, ids), synthetic rows are ours.
+SOURCE_RANK = {"agentinstruct": 0, "agent_flan": 0, "agenttraj_l": 0, "openmanus_rl": 1, "synthetic": 2}
+
+# datasketch's 32-bit permutation scheme; the numpy backend also produces 32-bit values, so both
+# kinds of signature go into the same LSH index.
+SCHEME = "affine32"
+
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+_WORD = re.compile(r"\w+")
+_LITERAL_ESCAPE = re.compile(r"\\[ntr]")
+
+
+@dataclass(frozen=True)
+class DedupConfig:
+    near: bool = True
+    threshold: float = 0.85        # Jaccard similarity of shingle sets that counts as a near duplicate
+    shingle_size: int = 5          # words per shingle
+    num_perm: int = 128
+    bands: int | None = None       # LSH bands x rows = num_perm; None: datasketch picks for the threshold
+    rows: int | None = None
+    backend: str = "numpy"         # MinHash signatures: "numpy" (vectorized, ours) or "datasketch"
+    seed: int = 1
+
+    def __post_init__(self):
+        if not 0 < self.threshold <= 1:
+            raise ValueError(f"threshold must be in (0, 1], not {self.threshold}")
+        if (self.bands is None) != (self.rows is None):
+            raise ValueError("give both bands and rows, or neither")
+        if self.bands is not None and self.bands * self.rows > self.num_perm:
+            raise ValueError(f"bands x rows = {self.bands * self.rows} exceeds num_perm {self.num_perm}")
+        if self.backend not in SIGNATURE_BACKENDS:
+            raise ValueError(f"backend must be one of {sorted(SIGNATURE_BACKENDS)}")
+
+
+def fold(text: str) -> list[str]:
+    """Tokens of a text with everything that differs between mirrors folded away."""
+    text = _LITERAL_ESCAPE.sub(" ", clean_text(text)).lower()
+    return _TOKEN.findall(text)
+
+
+def dedup_tokens(record: dict) -> list[str]:
+    """The folded tokens of what makes a trajectory itself: its task, then every turn from the
+    first trained assistant turn on (thoughts, actions, observations). The instructions, the
+    acknowledgement and any upstream demonstration before it are boilerplate and left out.
+
+    Thoughts count: two rows with the same prompt and the same single action but a different
+    reasoning (AgentTraj-L's repeated `lmrlgym_maze_18`) are two training examples, not one.
+    """
+    tokens = fold(record["task"])
+    turns = record["conversations"]
+    start = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), len(turns))
+    for turn in turns[start:]:
+        tokens.append("\x1e")  # a turn boundary, so "a b" + "c" differs from "a" + "b c"
+        if turn["role"] == "assistant":
+            tokens.extend(fold(turn["thought"] or ""))
+            tokens.append("\x1d")
+            tokens.extend(fold(turn["action"] or ""))
+        else:
+            tokens.extend(fold(turn["content"]))
+    return tokens
+
+
+def exact_key(record: dict) -> str:
+    group = f"{record['kind']}:{record['negative_type'] or ''}"
+    return hashlib.sha1(("\x1f".join([group, *dedup_tokens(record)])).encode()).hexdigest()
+
+
+def shingles(tokens: Sequence[str], size: int) -> set[str]:
+    """Word shingles; a text shorter than one shingle is a single shingle of all its words."""
+    words = [t for t in tokens if _WORD.fullmatch(t)]
+    if len(words) <= size:
+        return {" ".join(words)}
+    return {" ".join(words[i:i + size]) for i in range(len(words) - size + 1)}
+
+
+def jaccard(a: set, b: set) -> float:
+    return len(a & b) / len(a | b) if a or b else 1.0
+
+
+def _datasketch_signatures(sets: Sequence[set[str]], num_perm: int, seed: int) -> np.ndarray:
+    out = np.empty((len(sets), num_perm), dtype=np.uint32)
+    for i, s in enumerate(sets):
+        m = MinHash(num_perm=num_perm, seed=seed, scheme=SCHEME)
+        m.update_batch([x.encode() for x in s])
+        out[i] = m.hashvalues
+    return out
+
+
+def _numpy_signatures(sets: Sequence[set[str]], num_perm: int, seed: int,
+                      chunk_shingles: int = 1 << 18) -> np.ndarray:
+    """MinHash of many sets at once: one vectorized 64-bit hash of every shingle (polars), then
+    `num_perm` multiply-shift hash functions and a per-set minimum (numpy), chunk by chunk.
+
+    Multiply-shift ((a*x + b) mod 2^64) >> 32 with odd random `a` is a universal family, so the
+    fraction of equal minima still estimates the Jaccard similarity, as in datasketch.
+    """
+    sizes = np.fromiter((len(s) for s in sets), dtype=np.int64, count=len(sets))
+    flat = pl.Series([x for s in sets for x in s], dtype=pl.String)
+    hashed = flat.hash(seed=seed).to_numpy().astype(np.uint64)
+    gen = np.random.RandomState(seed)
+    a = gen.randint(1, 1 << 62, size=num_perm, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    b = gen.randint(0, 1 << 62, size=num_perm, dtype=np.uint64)
+    out = np.empty((len(sets), num_perm), dtype=np.uint32)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    doc = 0
+    while doc < len(sets):
+        # Whole sets per chunk, so each minimum is taken within one chunk.
+        end = int(np.searchsorted(starts, starts[doc] + chunk_shingles, side="right")) - 1
+        end = max(end, doc + 1)
+        lo, hi = starts[doc], starts[end]
+        with np.errstate(over="ignore"):
+            perm = (hashed[lo:hi, None] * a[None, :] + b[None, :]) >> np.uint64(32)
+        out[doc:end] = np.minimum.reduceat(perm, starts[doc:end] - lo, axis=0).astype(np.uint32)
+        doc = end
+    return out
+
+
+SIGNATURE_BACKENDS = {"numpy": _numpy_signatures, "datasketch": _datasketch_signatures}
+
+
+def signatures(sets: Sequence[set[str]], config: DedupConfig) -> np.ndarray:
+    """MinHash signatures (one row per set) with the configured backend."""
+    if not sets:
+        return np.empty((0, config.num_perm), dtype=np.uint32)
+    return SIGNATURE_BACKENDS[config.backend](sets, config.num_perm, config.seed)
+
+
+def near_duplicates(sets: Sequence[set[str]], groups: Sequence[str], config: DedupConfig) -> list[tuple[int, float] | None]:
+    """For each set (in preference order): None if kept, else (index of the kept set, Jaccard).
+
+    `groups` partitions the sets; only sets of the same group are compared.
+    """
+    params = (config.bands, config.rows) if config.bands is not None else None
+    lsh = MinHashLSH(threshold=config.threshold, num_perm=config.num_perm, params=params)
+    sigs = signatures(sets, config)
+    result: list[tuple[int, float] | None] = []
+    for i, s in enumerate(sets):
+        m = LeanMinHash(seed=config.seed, hashvalues=sigs[i], scheme=SCHEME)
+        best: tuple[int, float] | None = None
+        for j in sorted(lsh.query(m)):
+            if groups[j] != groups[i]:
+                continue
+            sim = jaccard(s, sets[j])
+            if sim >= config.threshold and (best is None or sim > best[1]):
+                best = (j, sim)
+        if best is None:
+            lsh.insert(i, m, check_duplication=False)
+        result.append(best)
+    return result
+
+
+def keep_rank(record: dict, order: int) -> tuple:
+    """Sort key of the keep preference (smaller is kept); see the module docstring."""
+    known = sum(record[k] is not None for k in ("answer", "reward", "success"))
+    return (record["loss_flags"] != "upstream", SOURCE_RANK.get(record["source"], 3), -known, order)
+
+
+def _dup_row(record: dict, kept: dict, match: str, similarity: float) -> dict:
+    return {"id": record["id"], "source": record["source"], "source_id": record["source_id"],
+            "source_file": record["source_file"], "kept_id": kept["id"], "kept_source": kept["source"],
+            "match": match, "similarity": round(similarity, 4)}
+
+
+def deduplicate(records: list[dict], config: DedupConfig = DedupConfig()) -> tuple[list[dict], list[dict]]:
+    """Split records into (kept, duplicates); kept records stay in build order.
+
+    Every dropped record gets one row in the duplicates map (schemas/duplicates.schema.json).
+    """
+    order = sorted(range(len(records)), key=lambda i: keep_rank(records[i], i))
+    kept_by_key: dict[str, int] = {}
+    dropped: dict[int, dict] = {}
+    unique: list[int] = []
+    for i in order:
+        key = exact_key(records[i])
+        if key in kept_by_key:
+            dropped[i] = _dup_row(records[i], records[kept_by_key[key]], "exact", 1.0)
+        else:
+            kept_by_key[key] = i
+            unique.append(i)
+    if config.near and len(unique) > 1:
+        sets = [shingles(dedup_tokens(records[i]), config.shingle_size) for i in unique]
+        groups = [f"{records[i]['kind']}:{records[i]['negative_type'] or ''}" for i in unique]
+        for pos, hit in enumerate(near_duplicates(sets, groups, config)):
+            if hit is not None:
+                i, (j, sim) = unique[pos], hit
+                dropped[i] = _dup_row(records[i], records[unique[j]], "near", sim)
+    kept = [r for i, r in enumerate(records) if i not in dropped]
+    duplicates = [dropped[i] for i in sorted(dropped)]
+    return kept, duplicates
+
+
+# --- decontamination ------------------------------------------------------------------------
+
+def read_eval_tasks(path: Path) -> list[str]:
+    """Evaluation tasks: a text file with one task per line, or a JSON / JSON Lines file of
+    strings or of objects with a `task` (or `instruction`) field."""
+    text = Path(path).read_text(encoding="utf-8")
+    items: list = []
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        items = json.loads(stripped)
+    elif stripped.startswith(("{", '"')):
+        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        items = [line for line in text.splitlines() if line.strip()]
+    tasks = []
+    for item in items:
+        value = item.get("task", item.get("instruction")) if isinstance(item, dict) else item
+        if isinstance(value, str) and value.strip():
+            tasks.append(value)
+    return tasks
+
+
+class Contamination:
+    """Word n-gram index of evaluation tasks. A task shorter than n words is matched whole."""
+
+    def __init__(self, tasks: Iterable[str], n: int = 8):
+        self.n = n
+        self.grams: dict[tuple[str, ...], int] = {}
+        self.short: dict[int, dict[tuple[str, ...], int]] = {}
+        for index, task in enumerate(tasks):
+            words = tuple(w for w in fold(task) if _WORD.fullmatch(w))
+            if not words:
+                continue
+            if len(words) < n:
+                self.short.setdefault(len(words), {}).setdefault(words, index)
+            for k in range(len(words) - n + 1):
+                self.grams.setdefault(words[k:k + n], index)
+
+    def match(self, text: str) -> tuple[int, str] | None:
+        """(index of an overlapping evaluation task, the shared words) or None."""
+        words = tuple(w for w in fold(text) if _WORD.fullmatch(w))
+        for size, table in [(self.n, self.grams), *sorted(self.short.items())]:
+            for k in range(len(words) - size + 1):
+                hit = table.get(words[k:k + size])
+                if hit is not None:
+                    return hit, " ".join(words[k:k + size])
+        return None
+
+
+def decontaminate(records: list[dict], index: Contamination) -> tuple[list[dict], list[tuple[dict, str]]]:
+    """Split records into (clean, [(record, detail)]) by n-gram overlap of their task."""
+    clean, removed = [], []
+    for record in records:
+        hit = index.match(record["task"])
+        if hit is None:
+            clean.append(record)
+        else:
+            removed.append((record, f"task shares {len(hit[1].split())} words with evaluation task #{hit[0]}: "
+                                    f"{hit[1]!r}"[:500]))
+    return clean, removed
