@@ -1,0 +1,301 @@
+"""Rule-based negative trajectories made from valid positives.
+
+Each maker takes a positive and returns a trajectory that shows one wrong behaviour, or None when
+the positive cannot show it (no answer action, no observation after the turn, ...). A negative is
+a full trajectory record (schemas/trajectory.schema.json) with `kind: negative`, its
+`negative_type` and the `parent_id` of the positive, so the `negatives` config loads with the same
+features as `sft`. Changed turns are re-parsed, so their `thought`/`action` fields match their
+text and a negative fails `validate_record` for the reason its type names (EXPECTED_VIOLATION),
+not on a bookkeeping mismatch.
+
+Which positives get which negative is decided by a hash of (seed, type, parent id) against the
+rate of the type: the same inputs give the same negatives whatever the order or the batching.
+
+Agent-FLAN's own `toolbench_negative` rows (negative_type `tool_irrelevance`) are not made here:
+they show the right behaviour when the offered tools do not fit (answer without a tool) and stay
+in the `sft` config as ingested. The types below show wrong behaviour and are never trained on
+as positives.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pipeline.dialects import FREE_TEXT, parse_turn, render_turn
+from pipeline.normalize import extract_answer
+from pipeline.validate import ACTION_SPACE_ENVS, action_name
+
+NEGATIVE_TYPES = ("invalid_action", "invented_tool", "irrelevant_tools", "hallucinated_observation",
+                  "wrong_answer", "premature_answer", "broken_format", "action_loop")
+
+# The validator reason each type fails with when validated as a positive.
+EXPECTED_VIOLATION = {
+    "invalid_action": "action_outside_space",
+    "invented_tool": "action_outside_space",
+    "irrelevant_tools": "action_outside_space",
+    "hallucinated_observation": "model_written_observation",
+    "wrong_answer": "answer_mismatch",
+    "premature_answer": "answer_mismatch",
+    "broken_format": "unparsed_assistant_turn",
+    "action_loop": "action_loop",
+}
+
+# Names that no fixture env offers; the first one absent from a record's prompt is used.
+INVENTED_COMMANDS = ("teleport", "levitate", "summon", "conjure")
+INVENTED_TOOLS = ("web_search", "search_internet", "call_external_api", "python_interpreter")
+NO_FITTING_TOOL = "I cannot answer this with the available actions."
+
+
+@dataclass(frozen=True)
+class NegativesConfig:
+    seed: int = 0
+    # Fraction of eligible positives that get a negative of each type.
+    rates: dict[str, float] = field(default_factory=lambda: dict.fromkeys(NEGATIVE_TYPES, 0.2))
+
+    def __post_init__(self):
+        unknown = set(self.rates) - set(NEGATIVE_TYPES)
+        if unknown:
+            raise ValueError(f"unknown negative types {sorted(unknown)}; known: {NEGATIVE_TYPES}")
+        bad = {k: v for k, v in self.rates.items() if not 0 <= v <= 1}
+        if bad:
+            raise ValueError(f"rates must be in [0, 1]: {bad}")
+
+
+def _chosen(seed: int, kind: str, key: str, rate: float) -> bool:
+    digest = hashlib.sha256(f"{seed}\x1f{kind}\x1f{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < rate
+
+
+def _pick(seed: int, key: str, n: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}\x1f{key}".encode()).digest()[:8], "big") % n
+
+
+def _turn(content: str, loss: bool = True) -> dict:
+    """An assistant turn whose parsed fields match its text."""
+    parsed = parse_turn(content)
+    return {"role": "assistant", "content": content, "loss": loss, "thought": parsed.thought,
+            "action": parsed.action, "reasoning": None, "dialect": parsed.dialect}
+
+
+def _action_turns(record: dict) -> list[int]:
+    return [i for i, t in enumerate(record["conversations"])
+            if t["role"] == "assistant" and t["loss"] and t["action"] is not None]
+
+
+def _context_words(record: dict) -> set[str]:
+    text = "\n".join(t["content"] for t in record["conversations"] if t["role"] != "assistant").lower()
+    return set(re.findall(r"[\w.\-]+", text))
+
+
+def _negative(parent: dict, kind: str, conversations: list[dict], answer=..., extra: dict | None = None) -> dict:
+    meta = json.loads(parent["meta"])
+    meta.update(extra or {})
+    return {**parent, "id": f"{parent['id']}#neg-{kind}", "kind": "negative", "negative_type": kind,
+            "parent_id": parent["id"], "conversations": conversations,
+            "answer": parent["answer"] if answer is ... else answer, "reward": None, "success": False,
+            "meta": json.dumps(meta, sort_keys=True)}
+
+
+def _replace_name(turn: dict, old: str, new: str) -> dict | None:
+    """The turn with the called tool/command renamed, in the turn's own dialect."""
+    action = turn["action"]
+    if turn["dialect"] == "json_tool":
+        call = json.loads(action)
+        call["Tool"] = new
+        action = json.dumps(call, ensure_ascii=False)
+    else:
+        at = action.find(old)
+        if at < 0:
+            return None
+        action = action[:at] + new + action[at + len(old):]
+    out = _turn(render_turn(turn["dialect"], turn["thought"], action))
+    return out if out["action"] is not None and action_name(out["action"], out["dialect"]) == new else None
+
+
+def _renamed_action(record: dict, names: tuple[str, ...]) -> dict | None:
+    turns = record["conversations"]
+    known = _context_words(record)
+    new = next((n for n in names if n not in known), None)
+    for i in _action_turns(record):
+        old = action_name(turns[i]["action"], turns[i]["dialect"])
+        changed = _replace_name(turns[i], old, new) if old and new else None
+        if changed is not None:
+            # The trajectory stops at the bad action: the environment never answered it.
+            return {"at": i, "conversations": turns[:i] + [changed]}
+    return None
+
+
+def make_invalid_action(record: dict, pool: list[dict], seed: int) -> dict | None:
+    """A command verb outside the env's action space (envs whose prompt names its actions)."""
+    if record["env"] not in ACTION_SPACE_ENVS or record["domain"] == "tool":
+        return None
+    made = _renamed_action(record, INVENTED_COMMANDS)
+    return _negative(record, "invalid_action", made["conversations"]) if made else None
+
+
+def make_invented_tool(record: dict, pool: list[dict], seed: int) -> dict | None:
+    """A tool-use agent calls a tool it was never offered."""
+    if record["domain"] != "tool":
+        return None
+    made = _renamed_action(record, INVENTED_TOOLS)
+    return _negative(record, "invented_tool", made["conversations"]) if made else None
+
+
+def make_irrelevant_tools(record: dict, pool: list[dict], seed: int) -> dict | None:
+    """Agent-FLAN style: the offered tools (another tool env's) do not fit the request, and the
+    agent calls its usual tool anyway instead of saying that it cannot help. The right reply is
+    kept in meta `chosen` for the preference pair."""
+    turns = record["conversations"]
+    actions = _action_turns(record)
+    if record["domain"] != "tool" or not actions or turns[0]["role"] != "user":
+        return None
+    donors = sorted({r["env"]: r for r in pool if r["domain"] == "tool" and r["env"] != record["env"]
+                     and r["conversations"][0]["role"] == "user"
+                     and r["conversations"][0]["content"] != turns[0]["content"]}.items())
+    if not donors:
+        return None
+    donor_env, donor = donors[_pick(seed, record["id"], len(donors))]
+    swapped = {**turns[0], "content": donor["conversations"][0]["content"]}
+    first = actions[0]
+    conversations = [swapped] + turns[1:first + 1]
+    probe = {**record, "conversations": conversations}
+    name = action_name(turns[first]["action"], turns[first]["dialect"])
+    if name is None or name.lower() in _context_words(probe):
+        return None
+    dialect = turns[first]["dialect"]
+    # The reply the swapped prompt asks for: finish without calling a tool, in the env's syntax.
+    finish = next((t for t in reversed(turns) if t["role"] == "assistant" and t["action"]
+                   and extract_answer(t["action"], t["dialect"]) is not None), None)
+    if finish is None or not finish["action"].startswith("finish with Action Input:"):
+        return None
+    chosen = render_turn(dialect, f"None of the available actions can help with this request about {record['env']}.",
+                         "finish with Action Input: " + json.dumps({"answer": NO_FITTING_TOOL}))
+    return _negative(record, "irrelevant_tools", conversations,
+                     extra={"tools_from_env": donor_env, "chosen": chosen})
+
+
+def make_hallucinated_observation(record: dict, pool: list[dict], seed: int) -> dict | None:
+    """The agent writes the environment's reply itself instead of waiting for it."""
+    turns = record["conversations"]
+    for i in _action_turns(record):
+        if i + 1 >= len(turns) or turns[i + 1]["role"] != "user":
+            continue
+        observation = turns[i + 1]["content"].split("\n", 1)[0][:300]
+        changed = _turn(f"{turns[i]['content']}\nObservation: {observation}")
+        if changed["action"] is not None and changed["dialect"] == turns[i]["dialect"]:
+            return _negative(record, "hallucinated_observation", turns[:i] + [changed])
+    return None
+
+
+def _wrong_answer(record: dict, pool: list[dict], seed: int) -> str | None:
+    others = sorted({r["answer"] for r in pool if r["env"] == record["env"] and r["answer"]
+                     and r["answer"] != record["answer"]})
+    if others:
+        return others[_pick(seed, record["id"], len(others))]
+    number = re.fullmatch(r"-?\d+(?:\.\d+)?", record["answer"] or "")
+    if number:
+        return str(float(record["answer"]) + 1) if "." in record["answer"] else str(int(record["answer"]) + 1)
+    return None
+
+
+def _answer_turn(final: dict, wrong: str, thought: str) -> dict | None:
+    """`final`'s answer action in its own syntax, giving `wrong` instead."""
+    action = final["action"]
+    if action.startswith("finish with Action Input:"):
+        action = "finish with Action Input: " + json.dumps({"answer": wrong}, ensure_ascii=False)
+    else:
+        given = extract_answer(action, final["dialect"])
+        at = action.rfind(given) if given else -1
+        if at < 0:
+            return None
+        action = action[:at] + wrong + action[at + len(given):]
+    out = _turn(render_turn(final["dialect"], thought, action))
+    return out if out["action"] and extract_answer(out["action"], out["dialect"]) == wrong else None
+
+
+def _final_answer(record: dict) -> tuple[int, dict] | None:
+    turns = record["conversations"]
+    i = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
+    if record["answer"] is None or turns[i]["action"] is None:
+        return None
+    if extract_answer(turns[i]["action"], turns[i]["dialect"]) != record["answer"]:
+        return None
+    return i, turns[i]
+
+
+def make_wrong_answer(record: dict, pool: list[dict], seed: int) -> dict | None:
+    """The trajectory ends with a wrong final answer (another task's answer of the same env)."""
+    final = _final_answer(record)
+    wrong = _wrong_answer(record, pool, seed) if final else None
+    changed = _answer_turn(final[1], wrong, final[1]["thought"]) if wrong else None
+    if changed is None:
+        return None
+    return _negative(record, "wrong_answer", record["conversations"][:final[0]] + [changed])
+
+
+def make_premature_answer(record: dict, pool: list[dict], seed: int) -> dict | None:
+    """The agent answers at its first step, before looking at anything, and gets it wrong."""
+    final = _final_answer(record)
+    actions = _action_turns(record)
+    if final is None or not actions or actions[0] >= final[0]:
+        return None
+    wrong = _wrong_answer(record, pool, seed)
+    first = actions[0]
+    changed = _answer_turn(final[1], wrong, record["conversations"][first]["thought"]) if wrong else None
+    if changed is None:
+        return None
+    return _negative(record, "premature_answer", record["conversations"][:first] + [changed])
+
+
+def make_broken_format(record: dict, pool: list[dict], seed: int) -> dict | None:
+    """A turn that drops the Thought/Action markers its prompt asks for (prose, unparseable)."""
+    turns = record["conversations"]
+    last = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
+    for i in _action_turns(record):
+        if i == last and record["domain"] == "tool":
+            continue  # a tool agent's last turn may be prose; it would not be a format error there
+        t = turns[i]
+        for text in (f"{t['thought']}\n{t['action']}" if t["thought"] else t["action"],
+                     f"{t['thought']} {t['action'][:-1]}"):
+            changed = _turn(text)
+            if changed["dialect"] == FREE_TEXT:
+                return _negative(record, "broken_format", turns[:i] + [changed] + turns[i + 1:])
+    return None
+
+
+def make_action_loop(record: dict, pool: list[dict], seed: int) -> dict | None:
+    """The agent repeats an action although the environment keeps giving the same reply."""
+    turns = record["conversations"]
+    for i in _action_turns(record):
+        if i + 1 < len(turns) and turns[i + 1]["role"] == "user":
+            repeat = {**turns[i], "loss": True}
+            return _negative(record, "action_loop", turns[:i + 2] + [repeat, turns[i + 1], repeat])
+    return None
+
+
+MAKERS: dict[str, Callable[[dict, list[dict], int], dict | None]] = {
+    "invalid_action": make_invalid_action,
+    "invented_tool": make_invented_tool,
+    "irrelevant_tools": make_irrelevant_tools,
+    "hallucinated_observation": make_hallucinated_observation,
+    "wrong_answer": make_wrong_answer,
+    "premature_answer": make_premature_answer,
+    "broken_format": make_broken_format,
+    "action_loop": make_action_loop,
+}
+
+
+def make_negatives(records: list[dict], config: NegativesConfig = NegativesConfig()) -> list[dict]:
+    """Negatives from the valid positives among `records`, in record order then type order."""
+    positives = [r for r in records if r["kind"] == "positive"]
+    out = []
+    for record in positives:
+        for kind, maker in MAKERS.items():
+            if _chosen(config.seed, kind, record["id"], config.rates.get(kind, 0.0)):
+                negative = maker(record, positives, config.seed)
+                if negative is not None:
+                    out.append(negative)
+    return out
