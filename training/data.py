@@ -1,0 +1,174 @@
+"""Datasets for the trainers: loading a release config, the eval split, and SFT label masks.
+
+SFT labels are built here from per-turn boundaries rather than with TRL's `assistant_only_loss`,
+which needs `{% generation %}` markers that most chat templates lack. The chat template is
+rendered once per prefix of the conversation; the character where each turn starts and ends is
+the length of the rendered prefix, so the boundaries are the template's own whatever its markup.
+A token is trained on only when it lies inside an assistant turn whose `loss` flag is true (the
+turn's text and the template's end-of-turn marker, so the model learns to stop); the header
+that opens the turn (`<|im_start|>assistant\\n`) is the generation prompt and stays masked.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+
+from datasets import Dataset, DatasetDict, load_dataset
+
+logger = logging.getLogger(__name__)
+
+IGNORE = -100
+
+
+def load_release(dataset_name: str, config: str, revision: str | None = None) -> DatasetDict:
+    """A config of the released dataset: a local build folder or a Hub repo id.
+
+    A local folder is read by globbing `data/<config>/<split>-*.parquet`, which does not depend on
+    the dataset card being present; a Hub repo goes through `load_dataset(repo, config)`.
+    """
+    if os.path.isdir(dataset_name):
+        files = sorted(glob.glob(os.path.join(dataset_name, "data", config, "*.parquet")))
+        if not files:
+            raise FileNotFoundError(f"no parquet shards under {dataset_name}/data/{config}")
+        splits: dict[str, list[str]] = {}
+        for path in files:
+            splits.setdefault(re.split(r"[-.]", os.path.basename(path))[0], []).append(path)
+        return load_dataset("parquet", data_files=splits)
+    return load_dataset(dataset_name, config, revision=revision)
+
+
+def trajectory_group(row_id: str) -> str:
+    """The upstream trajectory a row comes from: `agentinstruct/db_35~2` -> `agentinstruct/db_35`."""
+    return row_id.split("~", 1)[0]
+
+
+def train_eval_split(data: DatasetDict, train_split: str, test_split: str, eval_fraction: float,
+                     seed: int = 0) -> tuple[Dataset, Dataset | None]:
+    """Train and eval sets. A release test split wins; otherwise a stable hash of the trajectory
+    group decides, so reruns give the same split and a repeated trajectory stays on one side."""
+    train = data[train_split]
+    if test_split in data:
+        return train, data[test_split]
+    if eval_fraction <= 0:
+        return train, None
+    if "id" not in train.column_names:
+        parts = train.train_test_split(test_size=eval_fraction, seed=seed)
+        return parts["train"], parts["test"]
+
+    def in_eval(row_id: str) -> bool:
+        digest = hashlib.sha256(f"{seed}:{trajectory_group(row_id)}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
+
+    flags = [in_eval(i) for i in train["id"]]
+    evals = [i for i, f in enumerate(flags) if f]
+    if not evals or len(evals) == len(flags):
+        raise ValueError(f"eval_fraction={eval_fraction} leaves an empty train or eval set ({len(flags)} rows)")
+    return train.select([i for i, f in enumerate(flags) if not f]), train.select(evals)
+
+
+class TemplateError(ValueError):
+    """The chat template does not render a conversation as the concatenation of its prefixes."""
+
+
+def turn_boundaries(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and, per message, the character span it owns in it.
+
+    An assistant message's span starts after the generation prompt (the header the model is given
+    at inference) and ends where the next message starts. Templates that rewrite earlier turns
+    when a later one is added (for example by dropping past reasoning) break the prefix property
+    that per-turn masking needs, and are refused with the turn where it happened.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans, previous_end = [], 0
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            head = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            if not text.startswith(head):
+                raise TemplateError(f"turn {i}: the generation prompt is not a prefix of the full rendering")
+            start = len(head)
+        else:
+            start = previous_end
+        prefix = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        if not text.startswith(prefix):
+            raise TemplateError(f"turn {i}: rendering the first {i + 1} messages is not a prefix of the full "
+                                "rendering; this template rewrites earlier turns")
+        spans.append((start, len(prefix)))
+        previous_end = len(prefix)
+    return text, spans
+
+
+@dataclass
+class SFTStats:
+    """What preparation did to the rows; nothing is cut or dropped without being counted here."""
+    rows: int = 0
+    kept: int = 0
+    truncated: int = 0          # cut at a turn boundary to fit max_length
+    dropped_too_long: int = 0   # even the first trained turn does not fit
+    dropped_no_loss: int = 0    # no assistant turn with loss
+    trained_tokens: int = 0
+    dropped_ids: list[str] = field(default_factory=list)
+
+
+def tokenize_trajectory(tokenizer, conversations: list[dict], max_length: int | None) -> dict | None:
+    """input_ids and labels for one trajectory, or None when no trained turn fits.
+
+    Truncation keeps whole turns only: the sequence ends after the last assistant turn that fits
+    (observations after it would carry no loss). `truncated` says whether turns were dropped.
+    """
+    messages = [{"role": t["role"], "content": t["content"]} for t in conversations]
+    text, spans = turn_boundaries(tokenizer, messages)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    trained = [(s, e) for (s, e), t in zip(spans, conversations) if t["role"] == "assistant" and t["loss"]]
+    labels = [IGNORE] * len(ids)
+    # Walk tokens and trained spans together: both are sorted by position.
+    k = 0
+    for j, (start, end) in enumerate(offsets):
+        while k < len(trained) and trained[k][1] <= start:
+            k += 1
+        if k < len(trained) and trained[k][0] <= start and end <= trained[k][1]:
+            labels[j] = ids[j]
+    if all(label == IGNORE for label in labels):
+        return None
+    truncated = False
+    if max_length is not None and len(ids) > max_length:
+        # Token index where each trained turn ends; cut after the last one that fits.
+        ends = [next((j for j, (s, _) in enumerate(offsets) if s >= e), len(ids)) for _, e in trained]
+        fitting = [n for n in ends if n <= max_length]
+        if not fitting:
+            return None
+        ids, labels, truncated = ids[:fitting[-1]], labels[:fitting[-1]], True
+    return {"input_ids": ids, "labels": labels, "truncated": truncated}
+
+
+def prepare_sft(dataset: Dataset, tokenizer, max_length: int | None) -> tuple[Dataset, SFTStats]:
+    """Tokenized rows with per-turn labels, TRL-ready (`input_ids`, `labels`), and the counts."""
+    stats = SFTStats(rows=len(dataset))
+    rows = []
+    for row in dataset:
+        conversations = row["conversations"]
+        if not any(t["role"] == "assistant" and t["loss"] for t in conversations):
+            stats.dropped_no_loss += 1
+            stats.dropped_ids.append(row.get("id", "?"))
+            continue
+        out = tokenize_trajectory(tokenizer, conversations, max_length)
+        if out is None:
+            stats.dropped_too_long += 1
+            stats.dropped_ids.append(row.get("id", "?"))
+            continue
+        stats.truncated += out["truncated"]
+        stats.trained_tokens += sum(label != IGNORE for label in out["labels"])
+        rows.append({"input_ids": out["input_ids"], "labels": out["labels"]})
+    stats.kept = len(rows)
+    if stats.truncated or stats.dropped_too_long or stats.dropped_no_loss:
+        logger.warning("SFT data: %d rows, %d kept, %d truncated at a turn boundary to max_length=%s, "
+                       "%d dropped (first trained turn longer than max_length), %d dropped (no turn with loss)",
+                       stats.rows, stats.kept, stats.truncated, max_length, stats.dropped_too_long,
+                       stats.dropped_no_loss)
+    if not rows:
+        raise ValueError(f"no SFT row left after preparation: {stats}")
+    return Dataset.from_list(rows), stats

@@ -1,0 +1,30 @@
+"""SFT on the `sft` config: multi-turn, loss only on assistant turns whose `loss` flag is set."""
+from __future__ import annotations
+
+import logging
+
+from trl import SFTTrainer, get_peft_config
+
+from training.arguments import SFTTrainConfig, parse
+from training.common import load_model, load_splits, load_tokenizer, run
+from training.data import prepare_sft
+
+logger = logging.getLogger(__name__)
+
+
+def build_trainer(data_args, training_args: SFTTrainConfig, model_args, callbacks=None) -> SFTTrainer:
+    tokenizer = load_tokenizer(model_args, training_args)
+    train, evaluation = load_splits(data_args, "sft", training_args.seed)
+    train, stats = prepare_sft(train, tokenizer, training_args.max_length)
+    logger.info("SFT train rows: %s", stats)
+    if evaluation is not None:
+        evaluation, eval_stats = prepare_sft(evaluation, tokenizer, training_args.max_length)
+        logger.info("SFT eval rows: %s", eval_stats)
+    return SFTTrainer(model=load_model(model_args, training_args), args=training_args, train_dataset=train,
+                      eval_dataset=evaluation, processing_class=tokenizer,
+                      peft_config=get_peft_config(model_args), callbacks=callbacks)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    data_args, training_args, model_args = parse(SFTTrainConfig, argv)
+    return run(build_trainer(data_args, training_args, model_args), training_args)
