@@ -287,8 +287,11 @@ class FixturePolicy:
         # Turns that did not parse (the agent re-prompted) do not advance the script.
         done = sum(1 for m in messages if m["role"] == "assistant" and _is_action(m["content"]))
         thought, act = script.steps[min(done, len(script.steps) - 1)]
-        last = messages[-1]["content"] if messages and messages[-1]["role"] == "user" else ""
-        action = act(last)
+        # The observation is the user turn right after the last action (re-prompts come later).
+        acted = [i for i, m in enumerate(messages) if m["role"] == "assistant" and _is_action(m["content"])]
+        after = acted[-1] + 1 if acted else len(messages)
+        observation = messages[after]["content"] if after < len(messages) else ""
+        action = act(observation)
         dialect_db = action.startswith(("Operation", "Answer"))
         reasoning = (f"Okay, the task is: {description[:200]}\nStep {done + 1} of my plan. {thought} "
                      f"Let me make sure the command is right before I send it.")

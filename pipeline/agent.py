@@ -1,0 +1,300 @@
+"""The ReAct agent loop: one episode of a model against an environment, and its record.
+
+An episode alternates model turns and environment steps until the environment says done (a
+final answer, `finish`, or a commit), or `max_turns` model actions were taken. Every model reply
+is split into reasoning and answer (`pipeline.reasoning`) and parsed with the same dialect parser
+the ingest uses, so a synthetic record is held to the rules of every other record.
+
+A reply the environment cannot act on (no action in any dialect, empty, or cut off by
+`max_tokens`) is not sent to the environment: the model is asked again, at most
+`max_format_retries` times in a row, and the rejected reply is dropped from the record (it would
+teach the format error) but logged in `meta.steps` with its reason. The history sent back to
+the model carries the answers only, never the reasoning, as DeepSeek recommends for R1.
+
+An episode always ends in an `Episode` with a status: `success` (scored at or above the
+threshold, and a valid record), or `failure` with a reason code and the partial conversation.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from pipeline.dialects import FREE_TEXT, ParseError, clean_text, parse_turn
+from pipeline.llm import ChatBackend, LLMError, family_of, prepare_messages
+from pipeline.normalize import SCHEMA_VERSION, extract_answer
+from pipeline.reasoning import split_reasoning
+from pipeline.validate import validate_record
+
+log = logging.getLogger("trajforge.agent")
+
+# The agent's instructions per environment, in each benchmark's own action syntax (AgentBench OS:
+# Think/Act with bash | answer(...) | finish; DBBench: Action: Operation + SQL block | Answer).
+INSTRUCTIONS = {
+    "os": (
+        "You are an assistant working in a Linux (Ubuntu) shell that I operate for you. Solve the problem I "
+        "give you by running commands, or answer the question I ask. In every turn, first think about what to "
+        "do, then take exactly one of three actions.\n\n"
+        "To run bash code:\n\nThink: your reasoning\n\nAct: bash\n\n```bash\n# your commands\n```\n\n"
+        "When the task is done and there is nothing to answer:\n\nThink: your reasoning\n\nAct: finish\n\n"
+        "When you know the answer to the question:\n\nThink: your reasoning\n\nAct: answer(the answer, "
+        "nothing else, inside the parentheses)\n\n"
+        "Long outputs are cut; deal with that yourself. Your commands must not wait for input."),
+    "db": (
+        "I will ask you a question about a table; answer it, or change the table as asked, by operating a "
+        "SQLite database with SQL. In every turn, explain briefly what you will do, then take exactly one "
+        "action.\n\nTo run one SQL statement:\n\nAction: Operation\n```sql\nSELECT * FROM `table` WHERE "
+        "`column` = 'value';\n```\n\nI will reply with the raw result. Quote table and column names with "
+        "backticks. When you are done (also after a change to the table), commit your answer:\n\n"
+        "Action: Answer\nFinal Answer: [\"ANSWER1\", \"ANSWER2\", ...]\n\n"
+        "The answer is a list of the values only. Every statement must be one line of SQL inside the block."),
+}
+
+REPROMPTS = {
+    "format_error": "Your reply has no action I can run. Reply again in exactly the format I described, with "
+                    "one action.",
+    "no_answer": "Your reply was empty after your reasoning. Reply with your next action in the format I described.",
+    "empty_response": "I received an empty reply. Reply with your next action in the format I described.",
+    "truncated": "Your reply was cut off before its action. Think more briefly and reply with one action.",
+}
+
+EMPTY_OBSERVATION = "(no output)"
+
+# AgentGym env name -> record domain; `os` and `db` are their own domains.
+DOMAINS = {"os": "os", "db": "db", "webshop": "ecommerce", "alfworld": "household", "sciworld": "science",
+           "babyai": "game", "textcraft": "game", "maze": "game", "wordle": "game", "webarena": "web",
+           "sqlgym": "db", "movie": "tool", "todo": "tool", "weather": "tool", "academia": "tool", "sheet": "tool"}
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    max_turns: int = 8                # AgentBench's round limit
+    max_format_retries: int = 2       # re-prompts in a row for one step before the episode fails
+    success_threshold: float = 1.0    # env score at or above this is a success
+    max_tokens: int | None = None
+    stop: tuple[str, ...] | None = None
+    seed: int | None = None           # sample k is drawn with seed + k, so reruns are reproducible
+    license: str = "other"            # license of the task source, for the records
+    instructions: dict[str, str] = field(default_factory=dict)  # per env name; overrides INSTRUCTIONS
+
+
+@dataclass
+class StepLog:
+    turn: int
+    valid: bool
+    issue: str | None = None          # why the reply or the action was not valid
+    reasoning_issue: str | None = None  # action_in_reasoning | unclosed_think (recovered)
+    finish_reason: str | None = None
+    cached: bool = False
+
+
+@dataclass
+class Episode:
+    task_id: str
+    sample: int
+    env: str
+    status: str                       # success | failure
+    reason: str | None = None         # failure reason code
+    detail: str = ""
+    reward: float | None = None
+    answer: str | None = None
+    turns: list[dict] = field(default_factory=list)   # the conversation, schema turns
+    steps: list[StepLog] = field(default_factory=list)
+    usage: dict[str, int] = field(default_factory=dict)
+    record: dict | None = None
+
+    @property
+    def transient(self) -> bool:
+        """Failed for reasons outside the model and task: worth running again later."""
+        return self.status == "failure" and (self.reason or "").startswith(("llm_error", "env_error"))
+
+
+def _turn(role: str, content: str, **parsed: Any) -> dict:
+    return {"role": role, "content": content, "loss": role == "assistant", "thought": parsed.get("thought"),
+            "action": parsed.get("action"), "reasoning": parsed.get("reasoning"), "dialect": parsed.get("dialect")}
+
+
+def conversation_for(model: str, turns: list[dict]) -> list[dict]:
+    """The turns as the model saw them: for R1 the system turn is folded into the first user turn."""
+    sent = prepare_messages(model, [{"role": t["role"], "content": t["content"]} for t in turns])
+    offset = len(turns) - len(sent)
+    out = []
+    for i, message in enumerate(sent):
+        source = turns[i + offset]
+        out.append({**source, "content": message["content"]} if i or not offset else
+                   {**turns[offset], "content": message["content"]})
+    return out
+
+
+def instructions_for(env_name: str, config: AgentConfig) -> str:
+    text = config.instructions.get(env_name) or INSTRUCTIONS.get(env_name)
+    if text is None:
+        raise KeyError(f"no agent instructions for env {env_name!r}; give them in AgentConfig.instructions")
+    return text
+
+
+def _check_reply(choice) -> tuple[Any, str | None, Any]:
+    """(split, issue, parsed) for one choice; issue None means the reply carries an action."""
+    split = split_reasoning(choice.content, choice.reasoning_content)
+    if choice.empty:
+        return split, "empty_response", None
+    if choice.truncated:
+        # A cut-off reply may hold half a command; never run it.
+        return split, "truncated", None
+    if not split.content.strip():
+        return split, "no_answer", None
+    try:
+        parsed = parse_turn(split.content)
+    except ParseError:
+        return split, "no_answer", None
+    if parsed.dialect == FREE_TEXT or parsed.action is None:
+        return split, "format_error", None
+    return split, None, parsed
+
+
+async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: Any, sample: int,
+                      config: AgentConfig = AgentConfig()) -> Episode:
+    """Run one episode of `task` (a pipeline.tasks.Task) as draw number `sample`."""
+    episode = Episode(task.id, sample, task.env, "failure")
+    overrides = {"max_tokens": config.max_tokens, "stop": list(config.stop) if config.stop else None,
+                 "seed": None if config.seed is None else config.seed + sample}
+    env = None
+    # Environments are blocking and may be bound to the thread that made them (SQLite connections,
+    # a shell's pipes): each episode gets one thread of its own for every env call.
+    thread = ThreadPoolExecutor(1, thread_name_prefix="env")
+    loop = asyncio.get_running_loop()
+
+    def on_env_thread(fn, *args):
+        return loop.run_in_executor(thread, fn, *args)
+
+    try:
+        try:
+            env = await on_env_thread(make_env)
+            observation = await on_env_thread(env.reset, task)
+        except Exception as exc:  # the env's own failure (sandbox missing, server down): a reason, not a crash
+            return _fail(episode, "env_error", f"reset: {type(exc).__name__}: {exc}")
+        turns = [_turn("system", instructions_for(task.env, config)),
+                 _turn("user", observation.strip() or EMPTY_OBSERVATION)]
+        nudges: list[dict] = []  # re-prompts since the last valid reply; sent, never recorded
+        for turn_no in range(config.max_turns):
+            retries = 0
+            while True:
+                messages = [{"role": t["role"], "content": t["content"]} for t in turns] + nudges
+                try:
+                    result = await backend.chat(messages, sample=sample, **overrides)
+                except LLMError as exc:
+                    return _fail(episode, f"llm_error:{exc.reason}", exc.detail)
+                for key, value in result.usage.items():
+                    episode.usage[key] = episode.usage.get(key, 0) + value
+                choice = result.choices[0]
+                split, issue, parsed = _check_reply(choice)
+                if issue is None:
+                    break
+                episode.steps.append(StepLog(turn_no, False, issue, split.issue, choice.finish_reason, result.cached))
+                retries += 1
+                if retries > config.max_format_retries:
+                    return _fail(episode, issue, f"{retries} replies in a row without an action", turns)
+                if split.content.strip():
+                    nudges.append({"role": "assistant", "content": split.content.strip()})
+                nudges.append({"role": "user", "content": REPROMPTS[issue]})
+            nudges = []
+            content = clean_text(split.content)
+            turns.append(_turn("assistant", content, thought=parsed.thought, action=parsed.action,
+                               reasoning=split.reasoning, dialect=parsed.dialect))
+            try:
+                step = await on_env_thread(env.step, parsed.action)
+            except Exception as exc:
+                return _fail(episode, "env_error", f"step: {type(exc).__name__}: {exc}", turns)
+            info = step.info or {}
+            valid = info.get("valid", True) is not False
+            # `error`: the action ran but failed (an SQL error, a non-zero exit); still a valid step.
+            problem = None if valid else "invalid_action"
+            if valid and info.get("error"):
+                problem = "action_error"
+            episode.steps.append(StepLog(turn_no, valid, problem, split.issue, choice.finish_reason, result.cached))
+            if step.done:
+                return _finish(episode, step, turns, backend, task, config)
+            turns.append(_turn("user", step.observation.strip() or EMPTY_OBSERVATION))
+        return _fail(episode, "max_turns", f"no final answer in {config.max_turns} turns", turns)
+    finally:
+        if env is not None:
+            try:
+                await on_env_thread(env.close)
+            except Exception as exc:  # the episode's outcome stands; the leak is the env's to report
+                log.warning("closing env for %s~%d failed: %s: %s", task.id, sample, type(exc).__name__, exc)
+        thread.shutdown(wait=False)
+
+
+def _fail(episode: Episode, reason: str, detail: str, turns: list[dict] | None = None) -> Episode:
+    episode.status, episode.reason, episode.detail = "failure", reason, detail[:1000]
+    episode.turns = turns or []
+    return episode
+
+
+def _finish(episode: Episode, step: Any, turns: list[dict], backend: ChatBackend, task: Any,
+            config: AgentConfig) -> Episode:
+    info = step.info or {}
+    score = info.get("score", step.reward)
+    episode.reward = None if score is None else float(score)
+    last = turns[-1]
+    episode.answer = info.get("answer") if isinstance(info.get("answer"), str) else extract_answer(last["action"], last["dialect"])
+    episode.turns = turns
+    if episode.reward is None:
+        return _fail(episode, "unscored", "the task has no known answer to score against", turns)
+    success = bool(info.get("success", episode.reward >= config.success_threshold))
+    if not success:
+        return _fail(episode, "wrong_answer", f"score {episode.reward}", turns)
+    record = build_record(episode, backend, task, config)
+    violation = validate_record(record)
+    if violation is not None:
+        return _fail(episode, f"invalid_record:{violation.reason}", violation.detail, turns)
+    episode.status, episode.record = "success", record
+    return episode
+
+
+def record_id(task_id: str, sample: int) -> str:
+    safe = re.sub(r"\s+", "_", task_id)
+    return f"synthetic/{safe}~{sample}"
+
+
+def build_record(episode: Episode, backend: ChatBackend, task: Any, config: AgentConfig) -> dict:
+    """A `source: synthetic` record in the trajectory schema; provenance and sampling in `meta`."""
+    env_name = task.data.get("env_name", task.env) if task.env == "agentgym" else task.env
+    meta = {
+        "generator": {"model": backend.model, "family": family_of(backend.model).name},
+        "sampling": {**backend.params, **{k: v for k, v in (("max_tokens", config.max_tokens),
+                                                            ("stop", list(config.stop) if config.stop else None),
+                                                            ("seed", None if config.seed is None else config.seed + episode.sample))
+                                          if v is not None}},
+        "sample": episode.sample,
+        "reward": episode.reward,
+        "task_id": task.id,
+        "usage": episode.usage,
+        "steps": [asdict(s) for s in episode.steps],
+    }
+    return {
+        "id": record_id(task.id, episode.sample),
+        "schema_version": SCHEMA_VERSION,
+        "source": "synthetic",
+        "source_id": f"{task.id}~{episode.sample}",
+        "source_file": task.source_file or "",
+        "license": config.license,
+        "domain": DOMAINS.get(env_name, "tool"),
+        "env": env_name,
+        "kind": "positive",
+        "negative_type": None,
+        "parent_id": None,
+        "rendering": "native",
+        "loss_flags": "inferred",
+        "demo_turns": 0,
+        "task": task.description.strip() or task.id,
+        "answer": episode.answer,
+        "reward": episode.reward,
+        "success": True,
+        "conversations": conversation_for(backend.model, episode.turns),
+        "meta": json.dumps(meta, sort_keys=True, ensure_ascii=False),
+    }

@@ -1,0 +1,211 @@
+"""The synthesis job: every task x N samples through the agent loop, resumable, with a report.
+
+Layout of an output folder:
+
+    DIR/data/synthetic/<env>.parquet   successful trajectories (schema records; the `synthetic` source reads them)
+    DIR/failures.parquet               failed episodes with reason codes and partial conversations (all envs)
+    DIR/unselected.parquet             successes that best-of-N did not keep (keep="best" only)
+    DIR/report.json                    counts per reason, calls made, cache hits
+    DIR/.synth/requests.sqlite         the LLM request cache
+    DIR/.synth/episodes.sqlite         finished episodes, so a rerun does not even replay them
+
+Resuming has two layers. Finished episodes are journaled and are not run again. An episode that
+was cut short (crash, or an LLM/env error) is run again, and its calls that already got an
+answer come from the request cache, so a rerun pays only for calls never answered. Episodes
+that failed for a transient reason (`llm_error:*`, `env_error`) are reported but not journaled,
+so the next run retries them.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import sqlite3
+import threading
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.agent import AgentConfig, Episode, StepLog, record_id, run_episode
+from pipeline.build import write_parquet
+from pipeline.llm import LLMConfig, make_backend
+from schemas import arrow_schema
+
+log = logging.getLogger("trajforge.synth")
+
+KEEP = ("best", "all")
+
+FAILURE_SCHEMA = pa.schema([
+    ("id", pa.string()), ("task_id", pa.string()), ("sample", pa.int64()), ("env", pa.string()),
+    ("reason", pa.string()), ("detail", pa.string()), ("reward", pa.float64()), ("answer", pa.string()),
+    ("model", pa.string()), ("conversations", pa.string()), ("steps", pa.string()),
+])
+
+
+@dataclass
+class SynthConfig:
+    tasks: str
+    env: str
+    out: str
+    llm: LLMConfig
+    n: int = 4
+    keep: str = "best"                 # best: one record per task (highest reward, then fewest turns)
+    episode_concurrency: int = 16      # environments alive at once; LLM calls are bounded by llm.concurrency
+    backend: str = "openai"
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    env_kw: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.keep not in KEEP:
+            raise ValueError(f"keep must be one of {KEEP}, not {self.keep!r}")
+        if self.n < 1:
+            raise ValueError("n must be at least 1")
+
+
+class EpisodeJournal:
+    """Finished episodes by key, in SQLite (a crash loses at most the episodes in flight)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(path), check_same_thread=False, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS episodes (key TEXT PRIMARY KEY, episode TEXT NOT NULL)")
+        self._db.commit()
+
+    def get(self, key: str) -> Episode | None:
+        with self._lock:
+            row = self._db.execute("SELECT episode FROM episodes WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            return None
+        data = json.loads(row[0])
+        data["steps"] = [StepLog(**s) for s in data["steps"]]
+        return Episode(**data)
+
+    def put(self, key: str, episode: Episode) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO episodes VALUES (?, ?)", (key, json.dumps(asdict(episode))))
+            self._db.commit()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def episode_key(task: Any, sample: int, model: str, params: dict, agent: AgentConfig) -> str:
+    """Same task content, draw, model, sampling and agent settings -> same episode."""
+    blob = json.dumps({"task": task.as_dict(), "sample": sample, "model": model, "params": params,
+                       "agent": asdict(agent)}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def select(episodes: list[Episode], keep: str) -> tuple[list[Episode], list[Episode]]:
+    """Best-of-N for one task: (kept successes, unselected successes). Ties go to the shorter
+    trajectory, then to the lower sample index, so the choice is stable across reruns."""
+    wins = sorted((e for e in episodes if e.status == "success"),
+                  key=lambda e: (-(e.reward or 0.0), len(e.turns), e.sample))
+    return (wins, []) if keep == "all" else (wins[:1], wins[1:])
+
+
+def _failure_row(episode: Episode, model: str) -> dict:
+    return {"id": record_id(episode.task_id, episode.sample), "task_id": episode.task_id, "sample": episode.sample,
+            "env": episode.env, "reason": episode.reason or "", "detail": episode.detail, "reward": episode.reward,
+            "answer": episode.answer, "model": model,
+            "conversations": json.dumps(episode.turns, ensure_ascii=False),
+            "steps": json.dumps([asdict(s) for s in episode.steps])}
+
+
+def _write_failures(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(pa.Table.from_pylist(rows, schema=FAILURE_SCHEMA), tmp, compression="zstd")
+    tmp.replace(path)
+
+
+async def synthesize_async(config: SynthConfig) -> dict:
+    from pipeline.envs import make_env
+    from pipeline.tasks import load_tasks
+
+    out = Path(config.out)
+    state = out / ".synth"
+    tasks = [t for t in load_tasks(config.tasks) if t.env == config.env]
+    if not tasks:
+        raise ValueError(f"{config.tasks}: no task for env {config.env!r}")
+    llm = LLMConfig(**{**asdict(config.llm), "cache_path": str(state / "requests.sqlite")})
+    backend = make_backend(config.backend, llm)
+    journal = EpisodeJournal(state / "episodes.sqlite")
+    gate = asyncio.Semaphore(config.episode_concurrency)
+    counts: Counter[str] = Counter()
+
+    async def one(task: Any, sample: int) -> Episode:
+        if task.skip_reason:
+            counts["skipped"] += 1
+            return Episode(task.id, sample, task.env, "failure", "skipped", task.skip_reason)
+        key = episode_key(task, sample, backend.model, backend.params, config.agent)
+        done = journal.get(key)
+        if done is not None:
+            counts["resumed"] += 1
+            return done
+        async with gate:
+            episode = await run_episode(backend, lambda: make_env(config.env, **config.env_kw), task, sample,
+                                        config.agent)
+        if not episode.transient:
+            journal.put(key, episode)
+        counts["run"] += 1
+        if counts["run"] % 50 == 0:
+            log.info("%d episodes run", counts["run"])
+        return episode
+
+    try:
+        episodes = await asyncio.gather(*(one(t, k) for t in tasks for k in range(config.n)))
+    finally:
+        stats = backend.stats
+        await backend.aclose()
+        journal.close()
+
+    by_task: dict[str, list[Episode]] = {}
+    for episode in episodes:
+        by_task.setdefault(episode.task_id, []).append(episode)
+    records, unselected = [], []
+    for task_episodes in by_task.values():
+        kept, rest = select(task_episodes, config.keep)
+        records += [e.record for e in kept]
+        unselected += [_failure_row(e, backend.model) | {"reason": "not_selected"} for e in rest]
+    failures = [_failure_row(e, backend.model) for e in episodes if e.status == "failure"]
+
+    write_parquet(records, arrow_schema("trajectory"), out / "data" / "synthetic" / f"{config.env}.parquet")
+    # failures.parquet holds every env run into this folder: one part per env, merged.
+    _write_failures(failures, state / f"failures-{config.env}.parquet")
+    merged = [row for part in sorted(state.glob("failures-*.parquet")) for row in pq.read_table(part).to_pylist()]
+    _write_failures(merged, out / "failures.parquet")
+    if config.keep == "best":
+        _write_failures(unselected, out / "unselected.parquet")
+
+    report = {
+        "env": config.env, "tasks": len(tasks), "samples_per_task": config.n, "episodes": len(episodes),
+        "records": len(records), "unselected": len(unselected), "failures": len(failures),
+        "failure_reasons": dict(sorted(Counter(e.reason for e in episodes if e.status == "failure").items())),
+        "tasks_with_record": sum(1 for es in by_task.values() if any(e.status == "success" for e in es)),
+        "episodes_run": counts["run"], "episodes_resumed": counts["resumed"], "skipped": counts["skipped"],
+        "llm": {"model": backend.model, "sampling": backend.params, "calls": stats.calls,
+                "cache_hits": stats.cache_hits, "retries": stats.retries, "failures": stats.failures},
+    }
+    reports = out / ".synth" / "reports"
+    reports.mkdir(parents=True, exist_ok=True)
+    (reports / f"{config.env}.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    (out / "report.json").write_text(json.dumps(
+        {p.stem: json.loads(p.read_text()) for p in sorted(reports.glob("*.json"))}, indent=2, sort_keys=True) + "\n")
+    log.info("synth %s: %d tasks x %d: %d records, %d failures %s; %d calls, %d cache hits", config.env,
+             len(tasks), config.n, len(records), len(failures), report["failure_reasons"], stats.calls,
+             stats.cache_hits)
+    return report
+
+
+def synthesize(config: SynthConfig) -> dict:
+    """Run the job to the end (blocking); see the module docstring for the outputs."""
+    return asyncio.run(synthesize_async(config))
