@@ -1,16 +1,49 @@
-"""The build flow: sources -> normalize/validate per file -> merged dataset, quarantine, report.
+"""The build flow: sources -> normalize/validate per file -> merged dataset, shards, card, manifest.
 
 Only composition lives here; the stages are plain functions in pipeline/.
+
+- Scale-out: the per-file units run in a subflow whose task runner is a parameter (`threads`, or
+  `dask` / `ray` on a local cluster or at a cluster address), so a deployment can pick it too.
+- Resume: a unit is done once its completion marker (written after its staged files) names the
+  same input fingerprint; its result is also persisted by Prefect under `<out>/.staging/results`.
+  A rerun after a crash, even a SIGKILL, redoes only the units and shards that had not finished.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from pipeline.build import BuildConfig, UnitResult, finalize, process_unit, summary_lines
+from pipeline.build import BuildConfig, UnitResult, finalize, process_unit, summary_lines, unit_key
+from pipeline.manifest import code_version
+from pipeline.shards import ShardConfig, read_marker, unit_fingerprint, unit_marker, write_marker
 from sources import DEFAULT_SOURCES, SourceFile, get_source
+
+RUNNERS = ("threads", "dask", "ray")
+
+
+def make_task_runner(runner: str = "threads", address: str | None = None, workers: int = 4):
+    """The task runner for the units: threads here, or a Dask / Ray cluster (local when no address)."""
+    if runner == "threads":
+        return ThreadPoolTaskRunner(max_workers=workers)
+    if runner == "dask":
+        from prefect_dask import DaskTaskRunner
+
+        if address:
+            return DaskTaskRunner(address=address)
+        return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1,
+                                              "dashboard_address": None})
+    if runner == "ray":
+        from prefect_ray import RayTaskRunner
+
+        if address:
+            return RayTaskRunner(address=address)
+        return RayTaskRunner(init_kwargs={"num_cpus": workers, "include_dashboard": False})
+    raise ValueError(f"unknown runner {runner!r}; one of {', '.join(RUNNERS)}")
 
 
 @task(name="resolve-source", retries=2, retry_delay_seconds=5)
@@ -19,9 +52,27 @@ def resolve_source(name: str, location: str | None) -> list[SourceFile]:
     return get_source(name).files(location)
 
 
-@task(name="process-unit")
+def _unit_cache_key(context, parameters: dict) -> str:
+    """Cheap identity of a unit for Prefect's cache (the marker checks the content hash)."""
+    file: SourceFile = parameters["file"]
+    stat = file.path.stat()
+    payload = [parameters["name"], str(file.path.resolve()), stat.st_size, stat.st_mtime_ns,
+               asdict(parameters["config"]), parameters["staging"], code_version()]
+    return "unit-" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+@task(name="process-unit", cache_key_fn=_unit_cache_key, persist_result=True)
 def process_unit_task(name: str, file: SourceFile, staging: str, config: BuildConfig) -> UnitResult:
-    return process_unit(name, file, Path(staging), config)
+    staging_dir = Path(staging)
+    fingerprint = unit_fingerprint(name, file.path, file.split, asdict(config))
+    marker = unit_marker(staging_dir, unit_key(name, file))
+    done = read_marker(marker, fingerprint)
+    if done and Path(done["records_path"]).exists() and Path(done["quarantine_path"]).exists():
+        get_run_logger().info("%s/%s: done in an earlier run, skipped", name, file.path.name)
+        return UnitResult(**done)
+    result = process_unit(name, file, staging_dir, config)
+    write_marker(marker, fingerprint, asdict(result))
+    return result
 
 
 @task(name="finalize")
@@ -29,24 +80,38 @@ def finalize_task(units: list[UnitResult], out: str, config: BuildConfig) -> dic
     return finalize(units, Path(out), config)
 
 
-@flow(name="build-dataset", task_runner=ThreadPoolTaskRunner(max_workers=4), log_prints=True)
-def build_dataset(sources: dict[str, str | None] | None = None, out: str = "build",
-                  rendering: str = "native") -> dict:
-    """Build the dataset. `sources` maps a source name to a local path or Hub repo id (None: its Hub repo)."""
+@flow(name="process-units")
+def process_units(files: list[tuple[str, SourceFile]], staging: str, config: BuildConfig) -> list[UnitResult]:
+    """Run every unit on this flow's task runner; results come back in input order (deterministic)."""
     logger = get_run_logger()
-    sources = sources or {name: None for name in DEFAULT_SOURCES}
-    config = BuildConfig(rendering=rendering)
-    out_dir = Path(out)
-    staging = out_dir / ".staging"
-    staging.mkdir(parents=True, exist_ok=True)
-    files = {name: resolve_source(name, location) for name, location in sources.items()}
-    total = sum(len(f) for f in files.values())
-    futures = [process_unit_task.submit(name, file, str(staging), config)
-               for name, source_files in files.items() for file in source_files]
+    unit = process_unit_task.with_options(result_storage=Path(staging) / "results")
+    futures = [unit.submit(name, file, staging, config) for name, file in files]
     units = []
     for done, future in enumerate(futures, 1):
         units.append(future.result())
-        logger.info("units done: %d/%d (%s/%s)", done, total, units[-1].source, units[-1].source_file)
+        logger.info("units done: %d/%d (%s/%s)", done, len(futures), units[-1].source, units[-1].source_file)
+    return units
+
+
+@flow(name="build-dataset", log_prints=True)
+def build_dataset(sources: dict[str, str | None] | None = None, out: str = "build", rendering: str = "native",
+                  runner: str = "threads", address: str | None = None, workers: int = 4,
+                  shard_rows: int | None = None) -> dict:
+    """Build the dataset. `sources` maps a source name to a local path or Hub repo id (None: its Hub repo).
+
+    `runner`/`address` choose where the units run (threads, or a Dask / Ray cluster); the output is
+    byte-identical whichever is used. `shard_rows` caps the rows per Parquet shard (default: by size).
+    """
+    logger = get_run_logger()
+    sources = sources or {name: None for name in DEFAULT_SOURCES}
+    shards = ShardConfig(max_rows=shard_rows) if shard_rows else ShardConfig()
+    config = BuildConfig(rendering=rendering, shards=shards)
+    out_dir = Path(out)
+    staging = (out_dir / ".staging").resolve()
+    staging.mkdir(parents=True, exist_ok=True)
+    files = [(name, f) for name, location in sources.items() for f in resolve_source(name, location)]
+    units = process_units.with_options(task_runner=make_task_runner(runner, address, workers))(
+        files, str(staging), config)
     report = finalize_task(units, str(out_dir), config)
     for line in summary_lines(report):
         logger.info(line)

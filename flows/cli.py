@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -23,6 +24,11 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--rendering", choices=["native", "react"], default="native",
                    help="assistant turn text: upstream wording (native) or Think/Act (react)")
+    p.add_argument("--runner", choices=["threads", "dask", "ray"], default="threads",
+                   help="where the per-file units run: local threads, or a Dask / Ray cluster (extras dask, ray)")
+    p.add_argument("--address", default=None,
+                   help="cluster address for --runner dask (tcp://host:8786) or ray (ray://host:10001); "
+                        "default: start a local cluster")
     p.set_defaults(func=_run_build)
 
 
@@ -37,14 +43,95 @@ def _run_build(args: argparse.Namespace) -> int:
         if location is not None and not os.path.exists(location) and location.count("/") != 1:
             raise SourceError(f"source {name}: path {location} does not exist")
         sources[name] = location
-    report = build_dataset(sources=sources or None, out=args.out, rendering=args.rendering)
+    report = build_dataset(sources=sources or None, out=args.out, rendering=args.rendering, runner=args.runner,
+                           address=args.address)
     print("\n".join(summary_lines(report)))
     print(f"dataset: {args.out}/data  quarantine: {args.out}/quarantine  report: {args.out}/report.json")
     return 0
 
 
+def _add_release(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("release", help="push a build folder to a Hub dataset repo in one commit (a Prefect flow)")
+    p.add_argument("dir", help="output folder of `trajforge build`")
+    p.add_argument("--repo", required=True, metavar="ORG/NAME", help="dataset repo id")
+    p.add_argument("--revision", default="main", metavar="BRANCH", help="branch to commit to (created if missing)")
+    p.add_argument("--tag", default=None, metavar="vX", help="tag the release commit")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--dry-run", action="store_true", help="list added/changed/deleted files; push nothing")
+    p.set_defaults(func=_run_release)
+
+
+def _run_release(args: argparse.Namespace) -> int:
+    from flows.release import release_dataset
+    from pipeline.release import ReleaseError
+
+    try:
+        outcome = release_dataset(folder=args.dir, repo=args.repo, revision=args.revision, tag=args.tag,
+                                  private=args.private, dry_run=args.dry_run)
+    except (ReleaseError, FileNotFoundError) as exc:
+        print(f"trajforge: release failed: {exc}", file=sys.stderr)
+        return 1
+    for kind, mark in (("added", "+"), ("changed", "~"), ("deleted", "-")):
+        print("\n".join(f"{mark} {path}" for path in outcome[kind]) or f"({kind}: none)")
+    print("dry run: nothing pushed" if outcome["dry_run"] else
+          f"pushed {args.repo}@{args.revision} commit {outcome['commit']}"
+          + (f" tag {outcome['tag']}" if outcome["tag"] else "") + f"; {outcome['verified']} files verified")
+    return 0
+
+
+def _sampling_arg(value: str) -> tuple[str, object]:
+    key, sep, raw = value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("synth", help="synthesize trajectories with a model against an environment (a Prefect flow)")
+    p.add_argument("--tasks", required=True, help="task file: AgentBench OS JSON, DBBench JSONL, or plain JSONL")
+    p.add_argument("--env", required=True, help="environment name: os, db, agentgym")
+    p.add_argument("--model", required=True, help="model name as the server knows it (family defaults follow it)")
+    p.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 "
+                                                    "(default: TRAJFORGE_BASE_URL or the OpenAI API)")
+    p.add_argument("--n", type=int, default=4, help="samples per task (best-of-N)")
+    p.add_argument("--out", required=True, help="output folder (rerunning into it resumes)")
+    p.add_argument("--keep", choices=["best", "all"], default="best", help="records per task: the best success or all")
+    p.add_argument("--concurrency", type=int, default=64, help="LLM requests in flight")
+    p.add_argument("--episodes", type=int, default=16, help="environments alive at once")
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="sample k uses seed+k")
+    p.add_argument("--sampling", action="append", type=_sampling_arg, default=[], metavar="KEY=VALUE",
+                   help="override a sampling default (temperature=0.7, top_k=null removes it); repeatable")
+    p.add_argument("--backend", choices=["openai", "vllm"], default="openai")
+    p.add_argument("--api-key-env", default=None, metavar="VAR",
+                   help="environment variable holding the API key (default: TRAJFORGE_API_KEY, OPENAI_API_KEY); "
+                        "the key itself is never an argument")
+    p.add_argument("--license", default="other", help="license of the task source, stamped on the records")
+    p.set_defaults(func=_run_synth)
+
+
+def _run_synth(args: argparse.Namespace) -> int:
+    from flows.synth import synthesize
+
+    report = synthesize(tasks=args.tasks, env=args.env, model=args.model, out=args.out, base_url=args.base_url,
+                        n=args.n, keep=args.keep, concurrency=args.concurrency, episode_concurrency=args.episodes,
+                        max_turns=args.max_turns, max_tokens=args.max_tokens, seed=args.seed,
+                        sampling=dict(args.sampling), backend=args.backend, api_key_env=args.api_key_env,
+                        license=args.license)
+    reasons = ", ".join(f"{k}={v}" for k, v in report["failure_reasons"].items()) or "-"
+    print(f"{args.env}: {report['tasks_with_record']}/{report['tasks']} tasks with a record, {report['records']} "
+          f"records, {report['failures']} failures ({reasons}); {report['llm']['calls']} LLM calls, "
+          f"{report['llm']['cache_hits']} cache hits")
+    print(f"records: {args.out}/data/synthetic/{args.env}.parquet  failures: {args.out}/failures.parquet")
+    return 0
+
+
 # Each entry adds one subcommand; other capabilities register theirs here.
-COMMANDS = [_add_build]
+COMMANDS = [_add_build, _add_release, _add_synth]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -179,8 +179,8 @@ class Handler(BaseHTTPRequestHandler):
             }.get((method, action))
             if handler is not None:
                 return handler(repo_id, rest, query)
-        if method in ("GET", "HEAD") and parts[:1] == ["datasets"] and len(parts) >= 6 and parts[4] == "resolve":
-            return self._resolve(f"{parts[1]}/{parts[2]}", parts[5], "/".join(parts[6:]), method == "HEAD")
+        if method in ("GET", "HEAD") and parts[:1] == ["datasets"] and len(parts) >= 6 and parts[3] == "resolve":
+            return self._resolve(f"{parts[1]}/{parts[2]}", parts[4], "/".join(parts[5:]), method == "HEAD")
         self._body()
         self._error(404, f"no such endpoint on the test Hub: {method} {self.path}")
 
