@@ -130,8 +130,24 @@ def _run_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train on the dataset with TRL: sft, grpo or dpo (extra `train`)",
+                       add_help=False)
+    p.add_argument("trainer", choices=["sft", "grpo", "dpo"])
+    p.add_argument("args", nargs=argparse.REMAINDER,
+                   help="--config training/configs/<name>.yaml and any config field as --field value")
+    p.set_defaults(func=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    # Imported here: torch and TRL are an optional extra and slow to import.
+    from training.cli import main as train_main
+
+    return train_main([args.trainer, *args.args])
+
+
 # Each entry adds one subcommand; other capabilities register theirs here.
-COMMANDS = [_add_build, _add_release, _add_synth]
+COMMANDS = [_add_build, _add_release, _add_synth, _add_train]
 
 
 def parser() -> argparse.ArgumentParser:
