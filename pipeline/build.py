@@ -20,8 +20,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.card import hub_revision, write_card
+from pipeline.dedup import Contamination, DedupConfig, decontaminate, deduplicate, read_eval_tasks
+from pipeline.derived import grpo_prompts, preference_pairs
 from pipeline.manifest import build_id, code_version, file_sha256, write_manifest
+from pipeline.negatives import NegativesConfig, make_negatives
 from pipeline.normalize import NormalizeConfig, NormalizeError, normalize_row
+from pipeline.report import report_extras, stage_counts, write_html
 from pipeline.shards import ShardConfig, write_config
 from pipeline.validate import ValidateConfig, validate_record
 from schemas import arrow_schema
@@ -41,6 +45,11 @@ class BuildConfig:
     max_total_chars: int = 1_000_000
     progress_every: int = 1000
     shards: ShardConfig = ShardConfig()
+    dedup: DedupConfig = DedupConfig()
+    negatives: NegativesConfig = NegativesConfig()
+    # A file of evaluation tasks; trajectories whose task shares a word n-gram with one are quarantined.
+    decontaminate: str | None = None
+    decontaminate_ngram: int = 8
 
     @property
     def normalize(self) -> NormalizeConfig:
@@ -179,6 +188,25 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
         records.extend(pq.read_table(unit.records_path).to_pylist())
         quarantine.extend(pq.read_table(unit.quarantine_path).to_pylist())
     records = unique_ids(records)
+    # Decontamination, dedup and the derived datasets (pipeline/dedup.py, negatives.py, derived.py).
+    contaminated: list[dict] = []
+    if config.decontaminate:
+        index = Contamination(read_eval_tasks(Path(config.decontaminate)), config.decontaminate_ngram)
+        records, removed = decontaminate(records, index)
+        contaminated = [quarantine_entry(r["source"], r["source_file"], json.loads(r["meta"]).get("source_index", -1),
+                                         r["source_id"], "contaminated", detail, json.dumps(r, ensure_ascii=False))
+                        for r, detail in removed]
+        quarantine.extend(contaminated)
+    records, duplicates = deduplicate(records, config.dedup)
+    negatives = make_negatives(records, config.negatives)
+    pairs, unpaired = preference_pairs(negatives, records)
+    grpo = grpo_prompts(records)
+    derived = {name: write_config(out, name, {"train": pa.Table.from_pylist(rows, schema=arrow_schema(schema))},
+                                  config.shards)
+               for name, rows, schema in [("negatives", negatives, "trajectory"), ("preference", pairs, "preference"),
+                                          ("grpo", grpo, "grpo")]}
+    duplicates_path = out / "duplicates.parquet"
+    write_parquet(duplicates, arrow_schema("duplicates"), duplicates_path)
     sft = write_config(out, "sft", {"train": pa.Table.from_pylist(records, schema=arrow_schema("trajectory"))},
                        config.shards)
     quarantine_path = out / "quarantine" / "quarantine.parquet"
@@ -191,6 +219,11 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     report["domains"] = dict(sorted(Counter(r["domain"] for r in records).items()))
     report["envs"] = dict(sorted(Counter(r["env"] for r in records).items()))
     report["kinds"] = dict(Counter(r["kind"] for r in records))
+    stage_counts(report, contaminated, duplicates)
+    report["outputs"].update({name: files.get("train", []) for name, files in derived.items()},
+                             duplicates=[str(duplicates_path.relative_to(out))])
+    report_extras(report, records, duplicates, negatives, len(pairs), unpaired, len(grpo))
+    write_html(out, report, records, duplicates)
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     write_release_files(out, report, units, config)
     return report

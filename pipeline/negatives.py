@@ -26,7 +26,7 @@ from typing import Callable
 
 from pipeline.dialects import FREE_TEXT, parse_turn, render_turn
 from pipeline.normalize import extract_answer
-from pipeline.validate import ACTION_SPACE_ENVS, action_name
+from pipeline.validate import ACTION_SPACE_ENVS, LOOP_REPEATS, action_name
 
 NEGATIVE_TYPES = ("invalid_action", "invented_tool", "irrelevant_tools", "hallucinated_observation",
                   "wrong_answer", "premature_answer", "broken_format", "action_loop")
@@ -272,7 +272,8 @@ def make_action_loop(record: dict, pool: list[dict], seed: int) -> dict | None:
     for i in _action_turns(record):
         if i + 1 < len(turns) and turns[i + 1]["role"] == "user":
             repeat = {**turns[i], "loss": True}
-            return _negative(record, "action_loop", turns[:i + 2] + [repeat, turns[i + 1], repeat])
+            loop = [repeat, turns[i + 1]] * (LOOP_REPEATS - 2) + [repeat]
+            return _negative(record, "action_loop", turns[:i + 2] + loop)
     return None
 
 

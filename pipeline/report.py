@@ -1,0 +1,233 @@
+"""What a build did, for people: counts added to report.json, and report.html with PNG plots.
+
+`stage_counts` moves the records dropped after ingest (contaminated, duplicates) from `written`
+to their own columns per source and per file, so read = written + quarantined + duplicates holds
+everywhere. `report_extras` adds duplicate clusters, negatives and the shape of the data;
+`write_html` draws the plots with matplotlib (Agg, no display needed) next to report.html.
+"""
+from __future__ import annotations
+
+import html
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
+
+PLOT_DIR = "report_files"
+
+
+def stage_counts(report: dict, contaminated: list[dict], duplicates: list[dict]) -> None:
+    """Account for records removed after ingest (in place): per source, per file and in total."""
+    for entry in [*report["sources"].values(), report["total"]]:
+        entry.setdefault("duplicates", 0)
+        for counts in entry.get("files", {}).values():
+            counts.setdefault("duplicates", 0)
+
+    def move(source: str, source_file: str, column: str, reason: str | None) -> None:
+        for entry in (report["sources"][source], report["total"]):
+            entry["written"] -= 1
+            entry[column] += 1
+            if reason:
+                entry["reasons"][reason] = entry["reasons"].get(reason, 0) + 1
+        counts = report["sources"][source]["files"].get(source_file)
+        if counts is not None:
+            counts["written"] -= 1
+            counts[column] += 1
+
+    for q in contaminated:
+        move(q["source"], q["source_file"], "quarantined", q["reason"])
+    for d in duplicates:
+        move(d["source"], d["source_file"], "duplicates", None)
+
+
+def _clusters(duplicates: list[dict], kept_sources: dict[str, str]) -> list[dict]:
+    members: dict[str, list[dict]] = defaultdict(list)
+    for d in duplicates:
+        members[d["kept_id"]].append(d)
+    out = []
+    for kept_id, dups in sorted(members.items()):
+        sources = sorted({kept_sources.get(kept_id, dups[0]["kept_source"]), *(d["source"] for d in dups)})
+        out.append({"kept_id": kept_id, "size": len(dups) + 1, "sources": sources,
+                    "dropped": sorted(d["id"] for d in dups), "match": sorted({d["match"] for d in dups})})
+    return out
+
+
+def _summary(values: list[int]) -> dict:
+    if not values:
+        return {"min": 0, "median": 0, "max": 0}
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def report_extras(report: dict, records: list[dict], duplicates: list[dict], negatives: list[dict],
+                  pairs: int, unpaired: int, grpo: int) -> None:
+    """Dedup, negatives and data-shape sections of report.json (in place)."""
+    clusters = _clusters(duplicates, {r["id"]: r["source"] for r in records})
+    cross = Counter(f"{d['source']} -> {d['kept_source']}" for d in duplicates if d["source"] != d["kept_source"])
+    report["duplicates"] = {
+        "total": len(duplicates),
+        "by_match": dict(sorted(Counter(d["match"] for d in duplicates).items())),
+        "by_source": dict(sorted(Counter(d["source"] for d in duplicates).items())),
+        "cross_source": dict(sorted(cross.items())),
+        "clusters": len(clusters),
+        "cross_source_clusters": [c for c in clusters if len(c["sources"]) > 1],
+    }
+    report["negatives"] = {"total": len(negatives),
+                           "by_type": dict(sorted(Counter(n["negative_type"] for n in negatives).items())),
+                           "preference_pairs": pairs, "without_pair": unpaired}
+    report["grpo_prompts"] = grpo
+    report["shape"] = {"turns": _summary([len(r["conversations"]) for r in records]),
+                       "chars": _summary([sum(len(t["content"]) for t in r["conversations"]) for r in records])}
+
+
+# --- plots ----------------------------------------------------------------------------------
+
+def _save(fig, out: Path, name: str) -> str:
+    path = out / PLOT_DIR / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"{PLOT_DIR}/{name}"
+
+
+def _empty(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
+
+
+def _barh(ax, counts: dict, title: str, color: str) -> None:
+    if not counts:
+        _empty(ax, f"{title}: none")
+        return
+    items = sorted(counts.items(), key=lambda kv: kv[1])
+    ax.barh([k for k, _ in items], [v for _, v in items], color=color)
+    for y, (_, v) in enumerate(items):
+        ax.text(v, y, f" {v}", va="center", fontsize=8)
+    ax.set_title(title)
+
+
+def plot_stages(report: dict, out: Path) -> str:
+    sources = sorted(report["sources"])
+    columns = [("written", "#4c72b0"), ("quarantined", "#dd8452"), ("duplicates", "#8c8c8c")]
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.6 * len(sources)))
+    left = [0] * len(sources)
+    for column, color in columns:
+        values = [report["sources"][s].get(column, 0) for s in sources]
+        ax.barh(sources, values, left=left, color=color, label=column)
+        left = [a + b for a, b in zip(left, values)]
+    for y, s in enumerate(sources):
+        ax.text(left[y], y, f" read {report['sources'][s]['read']}", va="center", fontsize=8)
+    ax.set_xlabel("records")
+    ax.set_title("Where every input record went, per source")
+    ax.legend(loc="lower right", fontsize=8)
+    return _save(fig, out, "stages.png")
+
+
+def plot_quarantine(report: dict, out: Path) -> str:
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.35 * max(1, len(report["total"]["reasons"]))))
+    _barh(ax, report["total"]["reasons"], "Quarantine reasons", "#dd8452")
+    return _save(fig, out, "quarantine.png")
+
+
+def plot_duplicates(duplicates: list[dict], out: Path) -> str:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if not duplicates:
+        _empty(ax, "no duplicates")
+        return _save(fig, out, "duplicates.png")
+    dropped = sorted({d["source"] for d in duplicates})
+    kept = sorted({d["kept_source"] for d in duplicates})
+    grid = [[sum(1 for d in duplicates if d["source"] == s and d["kept_source"] == k) for k in kept] for s in dropped]
+    ax.imshow(grid, cmap="Blues")
+    ax.set_xticks(range(len(kept)), kept, rotation=20)
+    ax.set_yticks(range(len(dropped)), dropped)
+    for y, row in enumerate(grid):
+        for x, n in enumerate(row):
+            ax.text(x, y, str(n), ha="center", va="center", color="black")
+    ax.set_xlabel("kept record's source")
+    ax.set_ylabel("dropped record's source")
+    ax.set_title("Duplicates: dropped -> kept, by source")
+    return _save(fig, out, "duplicates.png")
+
+
+def plot_mix(records: list[dict], out: Path) -> str:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 5))
+    _barh(a, dict(Counter(r["domain"] for r in records)), "Domains", "#55a868")
+    _barh(b, dict(Counter(r["env"] for r in records)), "Environments", "#64b5cd")
+    return _save(fig, out, "mix.png")
+
+
+def plot_lengths(records: list[dict], out: Path) -> str:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    if records:
+        a.hist([len(r["conversations"]) for r in records], bins=30, color="#4c72b0")
+        b.hist([sum(len(t["content"]) for t in r["conversations"]) for r in records], bins=30, color="#8172b3")
+    a.set_title("Turns per trajectory")
+    a.set_xlabel("turns")
+    b.set_title("Characters per trajectory")
+    b.set_xlabel("characters")
+    for ax in (a, b):
+        ax.set_ylabel("trajectories")
+    return _save(fig, out, "lengths.png")
+
+
+def plot_negatives(report: dict, out: Path) -> str:
+    by_type = report["negatives"]["by_type"]
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.35 * max(1, len(by_type))))
+    _barh(ax, by_type, "Negatives per type", "#c44e52")
+    return _save(fig, out, "negatives.png")
+
+
+# --- html -----------------------------------------------------------------------------------
+
+def _table(header: list[str], rows: list[list]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+_STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px;color:#222}
+table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
+td:first-child,th:first-child{text-align:left}img{max-width:100%;border:1px solid #eee;margin:.5em 0}
+.ok{color:#2a7a2a}.bad{color:#b22}"""
+
+
+def write_html(out: Path, report: dict, records: list[dict], duplicates: list[dict]) -> Path:
+    """report.html and its PNGs under `out`; returns the html path."""
+    plots = {"Counts per source and stage": plot_stages(report, out),
+             "Quarantine reasons": plot_quarantine(report, out),
+             "Duplicate clusters across sources": plot_duplicates(duplicates, out),
+             "Domain and environment mix": plot_mix(records, out),
+             "Turns and length": plot_lengths(records, out),
+             "Negatives per type": plot_negatives(report, out)}
+    total = report["total"]
+    balanced = all(e["read"] == e["written"] + e["quarantined"] + e.get("duplicates", 0)
+                   for e in [*report["sources"].values(), total])
+    rows = [[name, e["read"], e["written"], e["quarantined"], e.get("duplicates", 0)]
+            for name, e in sorted(report["sources"].items())]
+    rows.append(["total", total["read"], total["written"], total["quarantined"], total.get("duplicates", 0)])
+    clusters = [[c["kept_id"], c["size"], ", ".join(c["sources"]), ", ".join(c["match"])]
+                for c in report["duplicates"]["cross_source_clusters"]]
+    neg = report["negatives"]
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>trajforge build report</title>",
+        f"<style>{_STYLE}</style></head><body><h1>trajforge build report</h1>",
+        f"<p>Records read: <b>{total['read']}</b>, written to <code>sft</code>: <b>{total['written']}</b>, "
+        f"quarantined: <b>{total['quarantined']}</b>, duplicates dropped: <b>{total.get('duplicates', 0)}</b>. "
+        f"Negatives: <b>{neg['total']}</b>, preference pairs: <b>{neg['preference_pairs']}</b>, "
+        f"GRPO prompts: <b>{report['grpo_prompts']}</b>.</p>",
+        f"<p class='{'ok' if balanced else 'bad'}'>read = written + quarantined + duplicates: "
+        f"{'holds for every source' if balanced else 'DOES NOT HOLD'}</p>",
+        _table(["source", "read", "written", "quarantined", "duplicates"], rows),
+    ]
+    for title, src in plots.items():
+        parts.append(f"<h2>{html.escape(title)}</h2><img src='{html.escape(src)}' alt='{html.escape(title)}'>")
+        if title == "Duplicate clusters across sources" and clusters:
+            parts.append(_table(["kept id", "cluster size", "sources", "match"], clusters))
+    parts.append("</body></html>")
+    path = out / "report.html"
+    path.write_text("\n".join(parts), encoding="utf-8")
+    return path
