@@ -102,45 +102,76 @@ def write_parquet(rows: list[dict], schema: pa.Schema, path: Path) -> None:
     os.replace(tmp, path)
 
 
+class StreamingParquet:
+    """Append rows in batches to a Parquet file written under a temp name, renamed on close.
+
+    A unit's memory stays one batch deep however large the upstream file is.
+    """
+
+    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.schema, self.batch_rows = path, schema, batch_rows
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self.writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
+        self.pending: list[dict] = []
+        self.count = 0
+
+    def append(self, row: dict) -> None:
+        self.pending.append(row)
+        self.count += 1
+        if len(self.pending) >= self.batch_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.pending:
+            self.writer.write_table(pa.Table.from_pylist(self.pending, schema=self.schema))
+            self.pending = []
+
+    def close(self) -> None:
+        self._flush()
+        self.writer.close()
+        os.replace(self.tmp, self.path)
+
+
 def process_unit(source_name: str, file: SourceFile, staging: Path, config: BuildConfig = BuildConfig()) -> UnitResult:
     """Read one file of one source, normalize and validate every row, stage the results."""
     source = get_source(source_name)
     name = file.path.name
-    records: list[dict] = []
-    quarantine: list[dict] = []
+    key = unit_key(source_name, file)
+    records = StreamingParquet(staging / f"{key}.records.parquet", arrow_schema("trajectory"))
+    quarantine = StreamingParquet(staging / f"{key}.quarantine.parquet", arrow_schema("quarantine"))
+    reasons: Counter[str] = Counter()
+
+    def reject(index: int, source_id: str | None, reason: str, detail: str, raw: str | None) -> None:
+        reasons[reason] += 1
+        quarantine.append(quarantine_entry(source_name, name, index, source_id, reason, detail, raw))
+
     for raw in iter_rows(file.path, name):
         if raw.error:
-            quarantine.append(quarantine_entry(source_name, name, raw.index, None, raw.error,
-                                               raw.detail or "", raw.raw_text))
+            reject(raw.index, None, raw.error, raw.detail or "", raw.raw_text)
             continue
+        upstream_id = raw.row.get("id", raw.row.get("item_id"))
         try:
             record = normalize_row(raw.row, source, file.split, name, raw.index, config.normalize)
         except NormalizeError as exc:
-            quarantine.append(quarantine_entry(source_name, name, raw.index, source.row_id(raw.row)
-                                               if isinstance(raw.row.get("id", raw.row.get("item_id")), (str, int)) else None,
-                                               exc.reason, exc.detail, _raw_text(raw.row)))
+            reject(raw.index, str(upstream_id) if isinstance(upstream_id, (str, int)) else None,
+                   exc.reason, exc.detail, _raw_text(raw.row))
             continue
         violation = validate_record(record, config.validate) if record["kind"] == "positive" else None
         if violation is not None:
-            quarantine.append(quarantine_entry(source_name, name, raw.index, record["source_id"],
-                                               violation.reason, violation.detail, _raw_text(raw.row)))
+            reject(raw.index, record["source_id"], violation.reason, violation.detail, _raw_text(raw.row))
             continue
         records.append(record)
-        if len(records) % config.progress_every == 0:
-            log.info("%s/%s: %d records so far", source_name, name, len(records))
-    key = unit_key(source_name, file)
-    records_path = staging / f"{key}.records.parquet"
-    quarantine_path = staging / f"{key}.quarantine.parquet"
-    write_parquet(records, arrow_schema("trajectory"), records_path)
-    write_parquet(quarantine, arrow_schema("quarantine"), quarantine_path)
+        if records.count % config.progress_every == 0:
+            log.info("%s/%s: %d records so far", source_name, name, records.count)
+    records.close()
+    quarantine.close()
     # A whole unreadable file counts as one input record.
-    read = len(records) + len(quarantine)
-    result = UnitResult(source_name, name, str(records_path), str(quarantine_path), read=read,
-                        written=len(records), quarantined=len(quarantine),
-                        reasons=dict(Counter(q["reason"] for q in quarantine)),
-                        input_sha256=file_sha256(file.path), revision=hub_revision(file.path))
-    log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, read, len(records),
-             len(quarantine), result.reasons or "")
+    result = UnitResult(source_name, name, str(records.path), str(quarantine.path),
+                        read=records.count + quarantine.count, written=records.count,
+                        quarantined=quarantine.count, reasons=dict(reasons))
+    log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, result.read, result.written,
+             result.quarantined, result.reasons or "")
     return result
 
 

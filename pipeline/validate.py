@@ -13,7 +13,7 @@ from typing import Callable
 
 from pipeline.dialects import FREE_TEXT, parse_turn
 from pipeline.normalize import extract_answer
-from schemas import validator
+from schemas import first_error
 
 # An assistant turn that goes on to write the environment's reply itself.
 _MODEL_OBSERVATION = re.compile(
@@ -34,12 +34,8 @@ class Violation:
 
 
 def _schema(record: dict, config: ValidateConfig) -> Violation | None:
-    errors = sorted(validator("trajectory").iter_errors(record), key=lambda e: list(e.absolute_path))
-    if errors:
-        e = errors[0]
-        path = "/".join(str(p) for p in e.absolute_path)
-        return Violation("schema", f"{path or '<record>'}: {e.message}"[:500])
-    return None
+    error = first_error("trajectory", record)
+    return Violation("schema", error[:500]) if error else None
 
 
 def _role_order(record: dict, config: ValidateConfig) -> Violation | None:
@@ -194,6 +190,9 @@ RULES: dict[str, Callable[[dict, ValidateConfig], Violation | None]] = {
     "model_written_observation": _model_written_observation,
     "assistant_turns_parse": _assistant_turns_parse,
     "react_rendering": _react_rendering,
+    "action_space": _action_space,
+    "action_loop": _action_loop,
+    "answer_consistent": _answer_consistent,
 }
 
 

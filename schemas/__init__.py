@@ -8,6 +8,7 @@ import functools
 import json
 from pathlib import Path
 
+import fastjsonschema
 import pyarrow as pa
 from jsonschema import Draft202012Validator
 
@@ -28,6 +29,29 @@ def load_schema(name: str) -> dict:
 @functools.cache
 def validator(name: str) -> Draft202012Validator:
     return Draft202012Validator(load_schema(name))
+
+
+@functools.cache
+def _compiled(name: str):
+    return fastjsonschema.compile(load_schema(name))
+
+
+def first_error(name: str, record: dict) -> str | None:
+    """None when `record` is valid against schema `name`, else the first error as "path: message".
+
+    fastjsonschema (compiled to Python) decides, ~20x faster than jsonschema's interpreter on
+    our records, which is most of the ingest time; jsonschema, the reference implementation,
+    explains a failure.
+    """
+    try:
+        _compiled(name)(record)
+        return None
+    except fastjsonschema.JsonSchemaValueException:
+        errors = sorted(validator(name).iter_errors(record), key=lambda e: list(e.absolute_path))
+        if not errors:
+            return "<record>: rejected by the compiled validator only"
+        path = "/".join(str(p) for p in errors[0].absolute_path)
+        return f"{path or '<record>'}: {errors[0].message}"
 
 
 def _arrow_type(node: dict) -> pa.DataType:

@@ -13,12 +13,10 @@ from pipeline.build import BuildConfig, process_unit
 from sources import SourceError, get_source, iter_rows
 from sources.base import SourceFile
 
-GOOD = {"conversations": [
-    {"from": "human", "loss": None, "value": "You are an expert maze solver."},
-    {"from": "gpt", "loss": False, "value": "OK. I'll follow your instructions and try my best to solve the task."},
-    {"from": "human", "loss": None, "value": "Your objective is to reach the goal. You are at (1, 1)."},
-    {"from": "gpt", "loss": True, "value": "Thought:\nThe goal is below me.\n\nAction:\nmove down"},
-], "item_id": "lmrlgym_maze_1"}
+from tests.conftest import RAW
+
+# A real AgentTraj-L maze row; each case below breaks it in one way.
+GOOD = json.loads((RAW / "agenttraj_l" / "lmrlgym_maze_train.json").read_text())[2]
 
 
 def _run(tmp_path, name: str, payload: bytes):

@@ -58,3 +58,28 @@ def _mismatch(r):
 def test_rule_catches_its_case(record, change, reason):
     violation = _broken(record, change)
     assert violation is not None and violation.reason == reason, violation
+
+
+def test_compiled_and_reference_validators_agree(fixtures_build, record):
+    """fastjsonschema decides, jsonschema explains: they must agree on valid and invalid records."""
+    from schemas import _compiled, validator
+    import fastjsonschema
+
+    def compiled_ok(r):
+        try:
+            _compiled("trajectory")(r)
+            return True
+        except fastjsonschema.JsonSchemaValueException:
+            return False
+
+    rows = pq.read_table(fixtures_build / "data" / "sft").to_pylist()
+    broken = []
+    for change in (lambda r: r.update(domain="space"), lambda r: r.update(id="No Namespace"),
+                   lambda r: r["conversations"][0].update(loss=None), lambda r: r.update(extra=1),
+                   lambda r: r.update(demo_turns=-1), lambda r: r["conversations"].__setitem__(slice(1, None), [])):
+        r = copy.deepcopy(record)
+        change(r)
+        broken.append(r)
+    for r in rows + broken:
+        assert compiled_ok(r) == validator("trajectory").is_valid(r), r["id"]
+    assert not any(compiled_ok(r) for r in broken)
