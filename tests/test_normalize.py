@@ -25,9 +25,9 @@ def _records(fixtures_build):
 def test_every_real_record_is_accounted_for(fixtures_build):
     report = json.loads((fixtures_build / "report.json").read_text())
     total = report["total"]
-    assert total["read"] == total["written"] + total["quarantined"]
+    assert total["read"] == total["written"] + total["quarantined"] + total["duplicates"]
     for name, entry in report["sources"].items():
-        assert entry["read"] == entry["written"] + entry["quarantined"], name
+        assert entry["read"] == entry["written"] + entry["quarantined"] + entry["duplicates"], name
     records = _records(fixtures_build)
     quarantine = pq.read_table(fixtures_build / "quarantine" / "quarantine.parquet").to_pylist()
     assert len(records) == total["written"] and len(quarantine) == total["quarantined"]
@@ -71,7 +71,7 @@ def test_domains_envs_and_loss_flags(fixtures_build):
     assert db["loss_flags"] == "upstream"
     assert [t["loss"] for t in db["conversations"]][:2] == [False, False]  # instruction, "Ok."
     assert all(t["loss"] for t in db["conversations"][3::2])
-    assert records["openmanus_rl/movie_124"]["env"] == "movie"
+    assert records["agenttraj_l/movie_124"]["env"] == "movie"
     assert records["agenttraj_l/sciworld_2200"]["domain"] == "science"
     alf = records["openmanus_rl/look_at_obj_in_light-AlarmClock-None-DeskLamp-301_trial_T20190907_174127_043461"]
     assert (alf["domain"], alf["env"], alf["loss_flags"]) == ("household", "alfworld", "inferred")
