@@ -1,0 +1,593 @@
+"""AgentBench-style OS environment: a persistent bash in a disposable, offline sandbox.
+
+Model-issued commands only ever run inside the sandbox; when it cannot be built, `reset` raises
+`SandboxUnavailable` instead of running anything on the host.
+
+The sandbox (one per episode), built from stock tools, needs root (as in CI):
+- a pids cgroup (v1 `pids` hierarchy, or v2 with `pids` delegated at its root) bounds the number
+  of processes of everything below; RLIMIT_NPROC cannot, because the kernel exempts uid 0;
+- `unshare --mount` gives a private mount namespace where a tmpfs (size-limited) holds the upper
+  layer of an overlayfs over the host root: the agent may write anywhere (useradd, /etc), the host
+  never sees it, and the mounts vanish with the namespace's last process;
+- `bwrap` binds that tree as `/` with fresh /dev and /proc, empty tmpfs over paths that hold host
+  data (/root, /home, /tmp, the checkout...), and new pid, net (loopback only, down), ipc and uts
+  namespaces; its pid-1 stays alive (`sleep infinity`) as the anchor of the sandbox and dies with
+  us (--die-with-parent);
+- every process we start inside (init scripts, the agent's shell, check scripts) enters those
+  namespaces with `nsenter`, keeps only a docker-like set of capabilities (no CAP_SYS_ADMIN,
+  MKNOD, DAC_READ_SEARCH, NET_ADMIN, PTRACE...) via `setpriv`, gets CPU-time, address-space,
+  file-size limits via `prlimit`, and an empty environment via `env -i` (no host variable leaks).
+`close` kills every process of the cgroup, which also ends the namespaces and their mounts, then
+removes the cgroup and the temporary directory.
+
+Upstream semantics kept: `create.init` scripts run as separate non-interactive processes before
+the episode (non-zero exit = task error), `start` runs inside the agent's shell (its cd, variables,
+background jobs and `su - user` persist), observations have ANSI escapes removed and are cut at 800
+characters (first 780 + "\\n[truncated because the output is too long]"), check scripts run as
+root in the same sandbox after the episode, `bash -c CODE -- params...` / `python3 -c CODE
+params...`, each passing check appending its stdout to params.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from functools import lru_cache
+from pathlib import Path
+
+from pipeline.envs.base import StepResult
+from pipeline.tasks import Task, coerce_task, os_match, task_prompt
+
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
+TRUNCATION_NOTE = "\n[truncated because the output is too long]"
+
+# Docker's default capabilities minus those that matter without a device cgroup or seccomp
+# (MKNOD: device nodes of host disks; NET_RAW, SETFCAP, SETPCAP, SYS_CHROOT: not needed).
+_CAPS = "-all,+chown,+dac_override,+fowner,+fsetid,+kill,+setgid,+setuid,+net_bind_service,+audit_write"
+_SANDBOX_ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "USER=root",
+                "LOGNAME=root", "SHELL=/bin/bash", "TERM=dumb", "LANG=C.UTF-8", "PS1=", "PS2="]
+_TOOLS = ("bwrap", "unshare", "nsenter", "setpriv", "prlimit", "env", "mount")
+# Top-level directories that are the system itself and must stay visible.
+_SYSTEM_DIRS = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "var", "opt", "boot", "dev",
+                "proc", "sys"}
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot be built here; nothing was run on the host."""
+
+
+class TaskSetupError(RuntimeError):
+    """An init/start script failed (upstream aborts the task as an error)."""
+
+
+class TaskNotRunnable(ValueError):
+    """The task is marked as not runnable here (Task.skip_reason)."""
+
+
+@dataclass
+class SandboxConfig:
+    step_timeout: float = 30.0      # one agent command; then Ctrl-C, then the episode ends
+    setup_timeout: float = 60.0     # each init script and the start script
+    check_timeout: float = 30.0     # each check script
+    memory_bytes: int = 1 << 30     # RLIMIT_AS of every process (upstream container: 1 GiB)
+    cpu_seconds: int = 120          # RLIMIT_CPU of every process
+    max_processes: int = 256        # pids.max of the whole sandbox
+    file_bytes: int = 256 << 20     # RLIMIT_FSIZE
+    disk_bytes: int = 512 << 20     # tmpfs holding everything the sandbox writes
+    output_bytes: int = 1 << 20     # output kept per command (head + the tail); the rest is dropped
+    observation_chars: int = 800    # upstream cut
+    hidden_paths: tuple[str, ...] = field(default_factory=lambda: default_hidden_paths())
+
+
+def default_hidden_paths() -> tuple[str, ...]:
+    """Paths covered by an empty tmpfs: the agent starts, as upstream, with an empty /root and
+    /tmp, and does not see host data (home directories, the checkout we run from)."""
+    paths = {"/root", "/home", "/tmp", "/var/tmp", "/run", "/mnt", "/media", "/srv"}
+    for p in (Path.cwd(), Path(tempfile.gettempdir()), Path.home()):
+        parts = p.resolve().parts
+        if len(parts) > 1 and parts[1] not in _SYSTEM_DIRS:
+            paths.add("/" + parts[1])
+    return tuple(sorted(paths))
+
+
+# --- cgroup ------------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def _pids_hierarchy() -> tuple[Path, int] | None:
+    """(mount point, version) of a cgroup hierarchy where we can create a child with pids.max."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        mountpoint, (fstype, _source, superopts) = Path(left.split()[4]), right.split()[:3]
+        if fstype == "cgroup" and "pids" in superopts.split(",") and os.access(mountpoint, os.W_OK):
+            return mountpoint, 1
+        if fstype == "cgroup2" and os.access(mountpoint, os.W_OK):
+            try:
+                if "pids" in (mountpoint / "cgroup.subtree_control").read_text().split():
+                    return mountpoint, 2
+            except OSError:
+                continue
+    return None
+
+
+class _Cgroup:
+    def __init__(self, name: str, config: SandboxConfig):
+        found = _pids_hierarchy()
+        if found is None:
+            raise SandboxUnavailable("no writable pids cgroup: the process count could not be bounded")
+        root, self.version = found
+        self.path = root / name
+        self.path.mkdir()
+        (self.path / "pids.max").write_text(str(config.max_processes))
+        if self.version == 2 and (self.path / "memory.max").exists():
+            (self.path / "memory.max").write_text(str(config.memory_bytes + config.disk_bytes))
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        """Join the cgroup before exec, so that everything the command forks is counted."""
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"), *argv]
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            return []
+
+    def current(self) -> int:
+        return int((self.path / "pids.current").read_text())
+
+    def destroy(self) -> None:
+        if not self.path.exists():
+            return
+        kill_file = self.path / "cgroup.kill"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if kill_file.exists():
+                kill_file.write_text("1")
+            # Repeat: a fork bomb may fork between our read and our kill (pids.max bounds it).
+            for pid in self.pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError(f"could not remove cgroup {self.path}: processes left {self.pids()}")
+
+
+# --- sandbox -----------------------------------------------------------------------------------
+@dataclass
+class ScriptRun:
+    exit_code: int | None   # None: killed at timeout
+    stdout: str
+    stderr: str
+
+
+class Sandbox:
+    """Namespaces + disposable root fs; `spawn` starts a process inside, `close` removes all."""
+
+    def __init__(self, config: SandboxConfig | None = None):
+        self.config = config or SandboxConfig()
+        missing = [t for t in _TOOLS if shutil.which(t) is None]
+        if missing:
+            raise SandboxUnavailable(f"missing tools: {', '.join(missing)} (install bubblewrap and util-linux)")
+        if os.geteuid() != 0:
+            raise SandboxUnavailable("the sandbox needs root (overlay mount, pids cgroup); refusing to run on the host")
+        self.name = f"trajforge-{secrets.token_hex(6)}"
+        self._children: list[subprocess.Popen] = []
+        self._dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
+        self._cgroup: _Cgroup | None = None
+        self._anchor: subprocess.Popen | None = None
+        try:
+            self._cgroup = _Cgroup(self.name, self.config)
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        c, d = self.config, str(self._dir)
+        mount = ('d=$1; size=$2; shift 2; mount -t tmpfs -o "size=$size,mode=700" trajforge "$d" && '
+                 'mkdir "$d/upper" "$d/work" "$d/root" && '
+                 'mount -t overlay overlay -o "lowerdir=/,upperdir=$d/upper,workdir=$d/work" "$d/root" && exec "$@"')
+        read_fd, write_fd = os.pipe()
+        bwrap = ["bwrap", "--bind", f"{d}/root", "/", "--dev", "/dev", "--proc", "/proc",
+                 *[a for p in c.hidden_paths for a in ("--tmpfs", p)],
+                 "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+                 "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL",
+                 "--info-fd", str(write_fd), "--",
+                 # Runs once bwrap has finished building the root: "ready" means nsenter may enter.
+                 "sh", "-c", "echo ready && exec sleep infinity"]
+        argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", mount, "sh", d,
+                str(c.disk_bytes), *bwrap]
+        assert self._cgroup is not None
+        try:
+            self._anchor = subprocess.Popen(self._cgroup.wrap(argv), stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(write_fd,),
+                                            start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+        finally:
+            os.close(write_fd)
+        try:
+            info = self._read_info(read_fd)
+        finally:
+            os.close(read_fd)
+        if info is not None and self._wait_ready():
+            self.ns_pid = int(info["child-pid"])
+            return
+        err = b""
+        if self._anchor.poll() is not None and self._anchor.stderr:
+            err = self._anchor.stderr.read()
+        raise SandboxUnavailable(f"the sandbox did not start: {err.decode(errors='replace').strip()}")
+
+    def _wait_ready(self) -> bool:
+        assert self._anchor is not None and self._anchor.stdout is not None
+        ready, _, _ = select.select([self._anchor.stdout], [], [], 15)
+        return bool(ready) and self._anchor.stdout.readline() == b"ready\n"
+
+    def _read_info(self, fd: int) -> dict | None:
+        """bwrap's --info-fd JSON (it holds the host pid of the sandbox's pid 1)."""
+        buf, deadline = b"", time.monotonic() + 15
+        decoder = json.JSONDecoder()
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.05)
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                buf += chunk
+                try:
+                    return decoder.raw_decode(buf.decode().strip())[0]
+                except ValueError:
+                    continue
+            elif self._anchor is not None and self._anchor.poll() is not None:
+                break
+        return None
+
+    def inner_argv(self, argv: list[str], cwd: str = "/root") -> list[str]:
+        c = self.config
+        return self._cgroup.wrap([  # type: ignore[union-attr]
+            "nsenter", "-t", str(self.ns_pid), "-m", "-u", "-i", "-n", "-p", "-r", "-w", "--",
+            "setpriv", "--bounding-set", _CAPS, "--inh-caps", "-all", "--",
+            "prlimit", f"--as={c.memory_bytes}", f"--cpu={c.cpu_seconds}", f"--fsize={c.file_bytes}",
+            "--core=0", "--",
+            "env", "-i", "-C", cwd, *_SANDBOX_ENV, *argv])
+
+    def spawn(self, argv: list[str], **popen) -> subprocess.Popen:
+        if self._anchor is None or self._anchor.poll() is not None:
+            raise RuntimeError("the sandbox is closed")
+        proc = subprocess.Popen(self.inner_argv(argv), start_new_session=True,
+                                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, **popen)
+        self._children.append(proc)
+        return proc
+
+    def run_script(self, script: dict, args: list[str], timeout: float) -> ScriptRun:
+        """One non-interactive script (init, check) as its own process, as upstream runs them."""
+        if script["language"] == "python":
+            argv = ["python3", "-c", script["code"], *args]
+        else:
+            argv = ["bash", "-c", script["code"], "--", *args]
+        proc = self.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            code: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the process group spans the namespace boundary
+            out, err = proc.communicate()
+            code = None
+        return ScriptRun(code, out.decode(errors="replace"), err.decode(errors="replace"))
+
+    def processes(self) -> int:
+        """How many processes the sandbox holds now (our host-side helpers included)."""
+        return self._cgroup.current() if self._cgroup and self._cgroup.path.exists() else 0
+
+    def close(self) -> None:
+        if self._cgroup is not None:
+            self._cgroup.destroy()
+            self._cgroup = None
+        for proc in [self._anchor, *self._children]:
+            if proc is not None:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+                for stream in (proc.stdin, proc.stdout, proc.stderr):
+                    if stream:
+                        stream.close()
+        self._anchor, self._children = None, []
+        if self._dir.exists():
+            # Only ever an empty mount point on the host side: the tmpfs lived in the namespace.
+            self._dir.rmdir()
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@lru_cache(maxsize=1)
+def sandbox_unavailable_reason() -> str | None:
+    """None when a sandbox can be built here (tried for real, once per process), else why not."""
+    try:
+        with Sandbox(SandboxConfig(hidden_paths=("/tmp",))) as box:
+            run = box.run_script({"language": "bash", "code": "echo ok"}, [], timeout=20)
+            if run.stdout.strip() != "ok":
+                return f"probe command failed: {run.stderr.strip()}"
+    except SandboxUnavailable as e:
+        return str(e)
+    return None
+
+
+# --- the agent's shell -------------------------------------------------------------------------
+@dataclass
+class CommandResult:
+    output: str
+    exit_code: int | None     # None: the command did not finish
+    timed_out: bool = False
+    shell_alive: bool = True  # False: the shell no longer answers; the episode cannot go on
+
+
+class Shell:
+    """A persistent interactive bash inside the sandbox, driven through pipes.
+
+    The end of each command's output is found by a sentinel line carrying its exit code, printed by
+    a `printf` queued after the command; the marker is split into two printf arguments so that
+    neither an echo of the input (set -v/-x) nor a program reading stdin can forge it. At timeout
+    the shell's process group gets SIGINT (Ctrl-C: interactive bash abandons the command and its
+    foreground children die); if the shell still does not answer, it is declared dead.
+    """
+
+    _PREFIX = "__TRAJFORGE_END_"
+
+    def __init__(self, sandbox: Sandbox):
+        self._sandbox = sandbox
+        self._token = secrets.token_hex(8)
+        self._count = 0
+        self._stale = re.compile(rb"\n?" + re.escape(f"{self._PREFIX}{self._token}".encode()) + rb"\d+:\d+\n")
+        self._cond = threading.Condition()
+        self._buf = bytearray()
+        self._dropped = 0
+        self._eof = False
+        # setsid: the shell leads its own process group (only its foreground commands share it).
+        self._proc = sandbox.spawn(["setsid", "bash", "--noprofile", "--norc", "--noediting", "-i"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        # No history expansion ("!" in commands) and no history file, as in a script; $$ is the
+        # shell's pid inside the sandbox, the group that Ctrl-C goes to.
+        first = self.run("set +H; unset HISTFILE; echo $$", timeout=sandbox.config.setup_timeout)
+        # (bash's "no job control in this shell" warnings come first; no tty is expected.)
+        pid = first.output.strip().rsplit("\n", 1)[-1]
+        if first.exit_code is None or not pid.isdigit():
+            raise SandboxUnavailable(f"the shell did not start: {first.output}")
+        self._pgid = int(pid)
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        fd, cap = self._proc.stdout.fileno(), self._sandbox.config.output_bytes
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            with self._cond:
+                if not chunk:
+                    self._eof = True
+                    self._cond.notify_all()
+                    return
+                self._buf += chunk
+                if len(self._buf) > cap:
+                    # Keep the head (what the agent will see) and the tail (where the sentinel comes).
+                    cut = len(self._buf) - cap
+                    del self._buf[cap // 2: cap // 2 + cut]
+                    self._dropped += cut
+                self._cond.notify_all()
+
+    def _send(self, text: str) -> bool:
+        try:
+            assert self._proc.stdin is not None
+            self._proc.stdin.write(text.encode())
+            self._proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def _sentinel(self) -> tuple[str, re.Pattern[bytes]]:
+        self._count += 1
+        mark = f"{self._token}{self._count}"
+        line = f"printf '\\n%s%s:%s\\n' '{self._PREFIX}' '{mark}' \"$?\"\n"
+        return line, re.compile(rb"\n?" + re.escape(f"{self._PREFIX}{mark}".encode()) + rb":(\d+)\n")
+
+    def _wait(self, pattern: re.Pattern[bytes], deadline: float) -> re.Match[bytes] | None:
+        with self._cond:
+            while True:
+                m = pattern.search(self._buf)
+                if m or self._eof:
+                    return m
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def _take(self, end: int, skip_to: int) -> str:
+        with self._cond:
+            text = self._stale.sub(b"", bytes(self._buf[:end])).decode(errors="replace")
+            del self._buf[:skip_to]
+            if self._dropped:
+                text += f"\n[{self._dropped} bytes of output dropped]"
+                self._dropped = 0
+        return text
+
+    def run(self, command: str, timeout: float) -> CommandResult:
+        line, pattern = self._sentinel()
+        if not self._send(command.rstrip("\n") + "\n" + line):
+            return CommandResult(self._take(len(self._buf), len(self._buf)), None, shell_alive=False)
+        m = self._wait(pattern, time.monotonic() + timeout)
+        if m:
+            code = int(m.group(1))  # before _take: a match reads the (mutable) buffer lazily
+            return CommandResult(self._take(m.start(), m.end()), code)
+        if self._eof:
+            return CommandResult(self._take(len(self._buf), len(self._buf)), None, shell_alive=False)
+        # Timeout: Ctrl-C, then fresh sentinels (the queued one may have been eaten by a program
+        # reading stdin, dropped with bash's input buffer on SIGINT, or be stuck inside an unclosed
+        # quote). Bash drops its buffered input while it handles the signal, so wait a moment and
+        # retry; a late copy of an earlier sentinel is removed from later output by _take.
+        self._sandbox.run_script({"language": "bash", "code": f"kill -INT -- -{self._pgid}"}, [], timeout=5)
+        time.sleep(0.2)
+        recovered = None
+        for _ in range(3):
+            recover_line, recover = self._sentinel()
+            if not self._send(recover_line):
+                break
+            recovered = self._wait(recover, time.monotonic() + 1.0)
+            if recovered or self._eof:
+                break
+        with self._cond:
+            first = pattern.search(self._buf)
+            end = first.start() if first else (recovered.start() if recovered else len(self._buf))
+            skip = recovered.end() if recovered else len(self._buf)
+        return CommandResult(self._take(end, skip), None, timed_out=True, shell_alive=recovered is not None)
+
+
+# --- the environment ---------------------------------------------------------------------------
+_BASH_BLOCK = re.compile(r"```(?:bash|sh|shell)?[ \t]*\n(.*?)```", re.S)
+_ACT = re.compile(r"(?:^|\n)\s*Act:\s*", re.I)
+
+
+def parse_os_action(text: str) -> tuple[str, str | None]:
+    """("bash", code) | ("answer", value) | ("finish", None) | ("invalid", reason).
+
+    Takes the action part of a Think/Act turn, or the whole text when there is no `Act:`."""
+    parts = _ACT.split(text)
+    action = parts[-1].strip() if len(parts) > 1 else text.strip()
+    if action.startswith("bash"):
+        m = _BASH_BLOCK.search(action)
+        if not m:
+            return "invalid", "`bash` needs a ```bash code block"
+        return "bash", m.group(1)
+    if action.startswith("answer("):
+        end = action.rfind(")")
+        if end < len("answer("):
+            return "invalid", "`answer(` without a closing parenthesis"
+        return "answer", action[len("answer("):end]
+    if action.startswith("finish"):
+        return "finish", None
+    return "invalid", "the action must be `bash` with a code block, `answer(...)` or `finish`"
+
+
+def clean_observation(text: str, limit: int = 800) -> str:
+    """Upstream: ANSI escapes removed, cut at `limit` (first limit-20 + a truncation note)."""
+    text = _ANSI.sub("", text).replace("\r\n", "\n").replace("\r", "")
+    if len(text) > limit:
+        return text[: limit - 20] + TRUNCATION_NOTE
+    return text
+
+
+class OsSandboxEnv:
+    name = "os"
+
+    def __init__(self, **config: object):
+        known = {f.name for f in fields(SandboxConfig)}
+        unknown = set(config) - known
+        if unknown:
+            raise TypeError(f"unknown os env settings: {', '.join(sorted(unknown))}")
+        self.config = SandboxConfig(**config)  # type: ignore[arg-type]
+        self.sandbox: Sandbox | None = None
+        self._shell: Shell | None = None
+        self._task: Task | None = None
+        self._done = False
+
+    def reset(self, task: Task | dict) -> str:
+        self.close()
+        t = coerce_task(task)
+        if t.env != "os":
+            raise ValueError(f"task {t.id} is for env {t.env!r}, not 'os'")
+        if t.skip_reason:
+            raise TaskNotRunnable(f"{t.id}: {t.skip_reason}")
+        self._task, self._done = t, False
+        try:
+            self.sandbox = Sandbox(self.config)
+            for n, script in enumerate(t.data["init"]):
+                run = self.sandbox.run_script(script, [], timeout=self.config.setup_timeout)
+                if run.exit_code != 0:
+                    raise TaskSetupError(f"{t.id}: init script {n} exited with {run.exit_code}: "
+                                         f"{(run.stderr or run.stdout).strip()[-500:]}")
+            self._shell = Shell(self.sandbox)
+            if t.data.get("start"):
+                start = t.data["start"]
+                code = start["code"] if start["language"] == "bash" else f"python3 -c {_sh_quote(start['code'])}"
+                result = self._shell.run(code, timeout=self.config.setup_timeout)
+                if result.timed_out or not result.shell_alive:
+                    raise TaskSetupError(f"{t.id}: start script did not finish: {result.output[-500:]}")
+        except BaseException:
+            self.close()
+            raise
+        return task_prompt(t)
+
+    def step(self, action: str) -> StepResult:
+        if self._shell is None or self._task is None or self._done:
+            raise RuntimeError("step() before reset() or after the episode ended")
+        kind, arg = parse_os_action(action)
+        if kind == "invalid":
+            return StepResult(f"Invalid action: {arg}.", info={"valid": False})
+        if kind in ("answer", "finish"):
+            return self._finish(arg)
+        result = self._shell.run(arg or "", timeout=self.config.step_timeout)
+        info = {"valid": True, "exit_code": result.exit_code, "timed_out": result.timed_out}
+        observation = clean_observation(result.output, self.config.observation_chars)
+        if not result.shell_alive:
+            # The shell is gone or wedged (e.g. it ignores Ctrl-C): the episode ends and is scored.
+            end = self._finish(None)
+            end.observation = observation
+            end.info = {**info, **end.info, "error": "shell not responding after timeout"}
+            return end
+        return StepResult(observation, info=info)
+
+    def _finish(self, answer: str | None) -> StepResult:
+        assert self._task is not None and self.sandbox is not None
+        self._done = True
+        ev = self._task.data["evaluation"]
+        log: list[dict] = []
+        if "match" in ev:
+            success = os_match(answer, ev["match"])
+        else:
+            params, success = ["" if answer is None else str(answer)], True
+            for entry in ev["check"]:
+                script = entry if entry is not None else ev["example"]
+                run = self.sandbox.run_script(script, params, timeout=self.config.check_timeout)
+                log.append({"exit_code": run.exit_code, "stdout": run.stdout[-2000:], "stderr": run.stderr[-2000:]})
+                if run.exit_code != 0:
+                    success = False
+                    break
+                params.append(run.stdout)
+        score = float(success)
+        return StepResult("", reward=score, done=True,
+                          info={"valid": True, "answer": answer, "score": score, "success": success, "checks": log})
+
+    def close(self) -> None:
+        self._shell = None
+        if self.sandbox is not None:
+            self.sandbox.close()
+            self.sandbox = None
+
+    def __enter__(self) -> "OsSandboxEnv":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _sh_quote(s: str) -> str:
+    return "'" + s.replace("'", "'\"'\"'") + "'"
