@@ -57,126 +57,53 @@ def _joined(head: str, thought: str, sep: str, marker: str, action: str) -> str:
     return f"{head}{thought}{sep}{marker}{action}" if thought else f"{marker}{action}"
 
 
-# --- Think / Act (AgentBench OS, and our react rendering) -----------------------------------
-_THINK_ACT = re.compile(r"^(?:Think:[ \t]*(?P<thought>.*?)\s*\n\s*)?Act:[ \t]*(?P<action>\S.*)$", re.S)
+def _marker_dialect(name: str, thought_head: str, action_pattern: str, head: str, sep: str, marker: str,
+                    keywords: tuple[tuple[str, str], ...]) -> Dialect:
+    """A dialect of the shape `[<thought head> thought \n] <action marker> action`.
+
+    The thought is optional (upstream has turns with only an action); `action_pattern` must
+    capture the action, in its environment's syntax, as group `action`.
+    """
+    regex = re.compile(rf"^(?:{thought_head}(?P<thought>.*?)\s*\n\s*)?{action_pattern}$", re.S)
+
+    def parse(text: str) -> ParsedTurn | None:
+        m = regex.match(text)
+        return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), name) if m else None
+
+    def render(thought: str, action: str | None) -> str:
+        return _joined(head, thought, sep, marker, action or "")
+
+    return Dialect(name, parse, render, keywords)
 
 
-def _parse_think_act(text: str) -> ParsedTurn | None:
-    m = _THINK_ACT.match(text)
-    if not m:
-        return None
-    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "think_act")
-
-
-def _render_think_act(thought: str, action: str | None) -> str:
-    return _joined("Think: ", thought, "\n\n", "Act: ", action or "")
-
-
-# --- THOUGHT: / ACTION: (AgentInstruct ALFWorld) ---------------------------------------------
-_UPPER = re.compile(r"^(?:THOUGHT:[ \t]*(?P<thought>.*?)\s*\n\s*)?ACTION:[ \t]*(?P<action>\S.*)$", re.S)
-
-
-def _parse_upper(text: str) -> ParsedTurn | None:
-    m = _UPPER.match(text)
-    if not m:
-        return None
-    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "upper_thought_action")
-
-
-def _render_upper(thought: str, action: str | None) -> str:
-    return _joined("THOUGHT: ", thought, "\n", "ACTION: ", action or "")
-
-
-# --- Thought:\n...\n\nAction:\n... (AgentGym block style) ------------------------------------
-_BLOCK = re.compile(r"^(?:Thought:[ \t]*\n(?P<thought>.*?)\s*\n\s*)?Action:[ \t]*\n(?P<action>.*\S.*)$", re.S)
-
-
-def _parse_block(text: str) -> ParsedTurn | None:
-    m = _BLOCK.match(text)
-    if not m:
-        return None
-    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "thought_action_block")
-
-
-def _render_block(thought: str, action: str | None) -> str:
-    return _joined("Thought:\n", thought, "\n\n", "Action:\n", action or "")
-
-
-# --- Thought: ... Action: X with Action Input: {...} (AgentGym tool envs) --------------------
-_ACTION_INPUT = re.compile(
-    r"^(?:Thought:[ \t]*(?P<thought>.*?)\s*\n\s*)?Action:[ \t]*(?P<action>[\w.\-]+ with Action Input:.*)$", re.S)
-
-
-def _parse_action_input(text: str) -> ParsedTurn | None:
-    m = _ACTION_INPUT.match(text)
-    if not m:
-        return None
-    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "action_input")
-
-
-def _render_action_input(thought: str, action: str | None) -> str:
-    return _joined("Thought: ", thought, "\n\n", "Action: ", action or "")
-
-
-# --- Thought: ...\nAction: api\nAction Input: {...} (ToolBench ReAct) ------------------------
-_TOOLBENCH = re.compile(
-    r"^(?:Thought:[ \t]*(?P<thought>.*?)\s*\n\s*)?Action:[ \t]*(?P<action>[\w.\-]+[ \t]*\nAction Input:.*)$", re.S)
-
-
-def _parse_toolbench(text: str) -> ParsedTurn | None:
-    m = _TOOLBENCH.match(text)
-    if not m:
-        return None
-    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "toolbench_react")
-
-
-def _render_toolbench(thought: str, action: str | None) -> str:
-    return _joined("Thought: ", thought, "\n", "Action: ", action or "")
-
-
-# --- Thought: ... Answer: B.\nAction: CLICK (Mind2Web multiple choice) -----------------------
-_CHOICE = re.compile(r"^(?:Thought:[ \t]*(?P<thought>.*?)\s*\n\s*)?(?P<action>Answer:[ \t]*\S.*)$", re.S)
-
-
-def _parse_choice(text: str) -> ParsedTurn | None:
-    m = _CHOICE.match(text)
-    if not m:
-        return None
-    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "choice_action")
-
-
-def _render_choice(thought: str, action: str | None) -> str:
-    return _joined("Thought: ", thought, "\n", "", action or "")
-
-
-# --- Thought: ... Final Answer: #2 (AgentInstruct KG final turn) -----------------------------
-_FINAL = re.compile(r"^(?:Thought:[ \t]*(?P<thought>.*?)\s*\n\s*)?(?P<action>Final Answer:[ \t]*\S.*)$", re.S)
-
-
-def _parse_final(text: str) -> ParsedTurn | None:
-    m = _FINAL.match(text)
-    if not m:
-        return None
-    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "final_answer")
-
-
-def _render_final(thought: str, action: str | None) -> str:
-    return _joined("Thought: ", thought, "\n", "", action or "")
-
-
-# --- Thought: ... Action: ... on one line each (AgentInstruct KG, ALFWorld in AgentGym) -------
-_INLINE = re.compile(r"^(?:Thought:[ \t]*(?P<thought>.*?)\s*\n\s*)?Action:[ \t]*(?P<action>\S.*)$", re.S)
-
-
-def _parse_inline(text: str) -> ParsedTurn | None:
-    m = _INLINE.match(text)
-    if not m:
-        return None
-    return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), "thought_action")
-
-
-def _render_inline(thought: str, action: str | None) -> str:
-    return _joined("Thought: ", thought, "\n", "Action: ", action or "")
+_THOUGHT_ACTION_WORDS = (("Thought:", "Think:"), ("Action:", "Act:"))
+# (name, thought head, action pattern, rendered head, separator, rendered action marker, prompt keywords)
+_MARKER_DIALECTS = [
+    # AgentBench OS, and our react rendering.
+    ("think_act", r"Think:[ \t]*", r"Act:[ \t]*(?P<action>\S.*)", "Think: ", "\n\n", "Act: ",
+     (("Think:", "Think:"), ("Act:", "Act:"))),
+    # AgentInstruct ALFWorld.
+    ("upper_thought_action", r"THOUGHT:[ \t]*", r"ACTION:[ \t]*(?P<action>\S.*)", "THOUGHT: ", "\n", "ACTION: ",
+     (("THOUGHT", "Think"), ("ACTION", "Act"))),
+    # AgentGym block style: Thought:\n...\n\nAction:\n...
+    ("thought_action_block", r"Thought:[ \t]*\n", r"Action:[ \t]*\n(?P<action>.*\S.*)", "Thought:\n", "\n\n",
+     "Action:\n", _THOUGHT_ACTION_WORDS),
+    # AgentGym tool envs: Action: X with Action Input: {...}
+    ("action_input", r"Thought:[ \t]*", r"Action:[ \t]*(?P<action>[\w.\-]+ with Action Input:.*)", "Thought: ",
+     "\n\n", "Action: ", _THOUGHT_ACTION_WORDS),
+    # ToolBench ReAct: Action: api\nAction Input: {...}
+    ("toolbench_react", r"Thought:[ \t]*", r"Action:[ \t]*(?P<action>[\w.\-]+[ \t]*\nAction Input:.*)", "Thought: ",
+     "\n", "Action: ", _THOUGHT_ACTION_WORDS),
+    # Mind2Web multiple choice: Answer: B.\nAction: CLICK
+    ("choice_action", r"Thought:[ \t]*", r"(?P<action>Answer:[ \t]*\S.*)", "Thought: ", "\n", "",
+     (("Thought:", "Think:"),)),
+    # AgentInstruct KG final turn.
+    ("final_answer", r"Thought:[ \t]*", r"(?P<action>Final Answer:[ \t]*\S.*)", "Thought: ", "\n", "",
+     _THOUGHT_ACTION_WORDS),
+    # One line each: AgentInstruct KG, ALFWorld in AgentGym, SQL blocks in SQLGym.
+    ("thought_action", r"Thought:[ \t]*", r"Action:[ \t]*(?P<action>\S.*)", "Thought: ", "\n", "Action: ",
+     _THOUGHT_ACTION_WORDS),
+]
 
 
 # --- free prose then Action: Operation + ```sql / Action: Answer + Final Answer (DBBench) ----
@@ -248,14 +175,7 @@ def _render_dict_call(thought: str, action: str | None) -> str:
 DIALECTS: dict[str, Dialect] = {d.name: d for d in [
     Dialect("json_tool", _parse_json_tool, _render_json_tool),
     Dialect("dict_tool_call", _parse_dict_call, _render_dict_call),
-    Dialect("think_act", _parse_think_act, _render_think_act, (("Think:", "Think:"), ("Act:", "Act:"))),
-    Dialect("upper_thought_action", _parse_upper, _render_upper, (("THOUGHT", "Think"), ("ACTION", "Act"))),
-    Dialect("thought_action_block", _parse_block, _render_block, (("Thought:", "Think:"), ("Action:", "Act:"))),
-    Dialect("action_input", _parse_action_input, _render_action_input, (("Thought:", "Think:"), ("Action:", "Act:"))),
-    Dialect("toolbench_react", _parse_toolbench, _render_toolbench, (("Thought:", "Think:"), ("Action:", "Act:"))),
-    Dialect("choice_action", _parse_choice, _render_choice, (("Thought:", "Think:"),)),
-    Dialect("final_answer", _parse_final, _render_final, (("Thought:", "Think:"), ("Action:", "Act:"))),
-    Dialect("thought_action", _parse_inline, _render_inline, (("Thought:", "Think:"), ("Action:", "Act:"))),
+    *(_marker_dialect(*spec) for spec in _MARKER_DIALECTS),
     Dialect("prose_action", _parse_prose_action, _render_prose_action, (("Action:", "Act:"),)),
 ]}
 
