@@ -29,6 +29,7 @@ from pipeline.llm import ChatBackend, LLMError, family_of, prepare_messages
 from pipeline.normalize import SCHEMA_VERSION, extract_answer
 from pipeline.reasoning import split_reasoning
 from pipeline.validate import validate_record
+from sources.synthetic import DOMAINS
 
 log = logging.getLogger("trajforge.agent")
 
@@ -64,12 +65,6 @@ REPROMPTS = {
 
 EMPTY_OBSERVATION = "(no output)"
 
-# AgentGym env name -> record domain; `os` and `db` are their own domains.
-DOMAINS = {"os": "os", "db": "db", "webshop": "ecommerce", "alfworld": "household", "sciworld": "science",
-           "babyai": "game", "textcraft": "game", "maze": "game", "wordle": "game", "webarena": "web",
-           "sqlgym": "db", "movie": "tool", "todo": "tool", "weather": "tool", "academia": "tool", "sheet": "tool"}
-
-
 @dataclass(frozen=True)
 class AgentConfig:
     max_turns: int = 8                # AgentBench's round limit
@@ -89,7 +84,6 @@ class StepLog:
     issue: str | None = None          # why the reply or the action was not valid
     reasoning_issue: str | None = None  # action_in_reasoning | unclosed_think (recovered)
     finish_reason: str | None = None
-    cached: bool = False
 
 
 @dataclass
@@ -194,7 +188,7 @@ async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: A
                 split, issue, parsed = _check_reply(choice)
                 if issue is None:
                     break
-                episode.steps.append(StepLog(turn_no, False, issue, split.issue, choice.finish_reason, result.cached))
+                episode.steps.append(StepLog(turn_no, False, issue, split.issue, choice.finish_reason))
                 retries += 1
                 if retries > config.max_format_retries:
                     return _fail(episode, issue, f"{retries} replies in a row without an action", turns)
@@ -215,7 +209,7 @@ async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: A
             problem = None if valid else "invalid_action"
             if valid and info.get("error"):
                 problem = "action_error"
-            episode.steps.append(StepLog(turn_no, valid, problem, split.issue, choice.finish_reason, result.cached))
+            episode.steps.append(StepLog(turn_no, valid, problem, split.issue, choice.finish_reason))
             if step.done:
                 return _finish(episode, step, turns, backend, task, config)
             turns.append(_turn("user", step.observation.strip() or EMPTY_OBSERVATION))

@@ -6,8 +6,10 @@ from sources.agentinstruct import AgentInstruct
 from sources.agenttraj_l import AgentTrajL
 from sources.base import RawRow, Source, SourceError, SourceFile, iter_rows
 from sources.openmanus_rl import OpenManusRL
+from sources.synthetic import Synthetic
 
-REGISTRY: dict[str, Source] = {s.name: s for s in (AgentInstruct(), AgentFlan(), AgentTrajL(), OpenManusRL())}
+REGISTRY: dict[str, Source] = {s.name: s for s in (AgentInstruct(), AgentFlan(), AgentTrajL(), OpenManusRL(),
+                                                    Synthetic())}
 
 # What `trajforge build` reads when no --source is given: the three upstream datasets.
 DEFAULT_SOURCES = ("agentinstruct", "agent_flan", "agenttraj_l")

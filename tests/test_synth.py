@@ -1,0 +1,176 @@
+"""The synthesis job and flow end to end: loopback server, real environments, resume, faults, key hygiene."""
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.llm import LLMConfig
+from pipeline.synth import SynthConfig, synthesize
+from pipeline.validate import validate_record
+from tests.conftest import FIXTURES
+from tests.openai_server import Server, fixture_policy
+
+AGENTBENCH = FIXTURES / "tasks" / "agentbench"
+DB_FILE = AGENTBENCH / "db" / "dev.jsonl"
+OS_FILES = sorted((AGENTBENCH / "os").glob("*.json"))
+SECRET = "sk-live-SECRET-0123456789abcdef"
+MODEL = "deepseek-ai/DeepSeek-R1"
+
+
+def _config(server: Server, out: Path, tasks: Path = DB_FILE, env: str = "db", n: int = 2, **llm) -> SynthConfig:
+    return SynthConfig(tasks=str(tasks), env=env, out=str(out), n=n,
+                       llm=LLMConfig(model=MODEL, base_url=server.base_url, api_key=SECRET, backoff_base_s=0.01,
+                                     **llm))
+
+
+def _outcomes(out: Path, env: str) -> tuple[list[dict], list[dict], list[dict]]:
+    records = pq.read_table(out / "data" / "synthetic" / f"{env}.parquet").to_pylist()
+    failures = [f for f in pq.read_table(out / "failures.parquet").to_pylist() if f["env"] == env]
+    unselected_path = out / "unselected.parquet"
+    unselected = pq.read_table(unselected_path).to_pylist() if unselected_path.exists() else []
+    return records, failures, unselected
+
+
+def _assert_every_episode_once(out: Path, env: str, tasks: int, n: int) -> tuple[list[dict], list[dict]]:
+    records, failures, unselected = _outcomes(out, env)
+    ids = [r["id"] for r in records] + [f["id"] for f in failures] + [u["id"] for u in unselected]
+    assert len(ids) == len(set(ids)) == tasks * n, Counter(ids).most_common(3)
+    assert all(f["reason"] for f in failures)
+    return records, failures
+
+
+def _assert_valid_with_reasoning(records: list[dict]) -> None:
+    for record in records:
+        assert validate_record(record) is None, record["id"]
+        assert record["source"] == "synthetic" and record["success"] is True
+        assistant = [t for t in record["conversations"] if t["role"] == "assistant"]
+        assert assistant and all(t["reasoning"] for t in assistant)
+        meta = json.loads(record["meta"])
+        assert meta["generator"]["model"] == MODEL and meta["reward"] >= 1.0 and meta["sampling"]["temperature"] == 0.6
+
+
+def test_db_synthesis_writes_valid_records_and_a_rerun_makes_zero_calls(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "out"
+    with Server(fixture_policy(db_files=[DB_FILE])) as server:
+        report = synthesize(_config(server, out))
+        calls = server.calls
+        assert report["llm"]["calls"] == calls > 0
+        records, failures = _assert_every_episode_once(out, "db", 39, 2)
+        _assert_valid_with_reasoning(records)
+        assert len(records) == report["tasks_with_record"] >= 20  # best-of-2: one record per solved task
+        # The reference SQL upstream is sometimes broken: those tasks fail, scored, with the reason kept.
+        assert {f["reason"] for f in failures} == {"wrong_answer"}
+        first = (out / "data" / "synthetic" / "db.parquet").read_bytes()
+
+        again = synthesize(_config(server, out))
+        assert server.calls == calls and again["llm"]["calls"] == 0 and again["episodes_resumed"] == 78
+        assert pq.read_table(out / "data" / "synthetic" / "db.parquet").to_pylist() == records
+
+        # A crash that lost the episode journal: episodes replay, every call comes from the cache.
+        (out / ".synth" / "episodes.sqlite").unlink()
+        for extra in (out / ".synth").glob("episodes.sqlite-*"):
+            extra.unlink()
+        replay = synthesize(_config(server, out))
+        assert server.calls == calls and replay["llm"]["cache_hits"] == calls
+        assert pq.read_table(out / "data" / "synthetic" / "db.parquet").to_pylist() == records
+    assert f"Bearer {SECRET}" in server.authorizations
+    assert SECRET not in caplog.text
+    for path in out.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+    assert first
+
+
+FAULTS = ("429", "500", "reset", "malformed", "truncate", "empty", "slow")
+
+
+def test_under_injected_faults_every_episode_ends_once_with_a_reason(tmp_path):
+    rng = random.Random(4)
+    plan: dict[int, str | None] = {}
+
+    def fault(number: int, body: dict) -> str | None:
+        return plan.setdefault(number, rng.choice(FAULTS) if rng.random() < 0.35 else None)
+
+    out = tmp_path / "out"
+    with Server(fixture_policy(db_files=[DB_FILE]), fault=fault, slow_s=1.5, retry_after="0.1") as server:
+        report = synthesize(_config(server, out, max_retries=2, timeout_s=0.5))
+    assert set(server.faults) == set(FAULTS)
+    records, failures = _assert_every_episode_once(out, "db", 39, 2)
+    _assert_valid_with_reasoning(records)
+    reasons = Counter(f["reason"] for f in failures)
+    assert set(reasons) <= {"wrong_answer", "truncated", "empty_response", "no_answer", "format_error",
+                            "llm_error:rate_limited", "llm_error:server_error", "llm_error:connection",
+                            "llm_error:malformed_response", "llm_error:timeout"}
+    assert report["llm"]["retries"] > 0
+
+    # Transient failures are not journaled: a later run without faults completes them.
+    with Server(fixture_policy(db_files=[DB_FILE])) as server:
+        after = synthesize(_config(server, out))
+    assert not any(r.startswith("llm_error") for r in after["failure_reasons"])
+    _assert_every_episode_once(out, "db", 39, 2)
+
+
+def _sandbox_reason() -> str | None:
+    try:
+        from pipeline.envs.os_sandbox import sandbox_unavailable_reason
+    except ImportError as exc:
+        return f"os env not importable: {exc}"
+    return sandbox_unavailable_reason()
+
+
+def test_os_synthesis_in_the_real_sandbox(tmp_path):
+    reason = _sandbox_reason()
+    if reason:
+        pytest.skip(f"no sandbox here: {reason}")
+    out = tmp_path / "out"
+    tasks = tmp_path / "os_tasks.json"
+    # Every OS fixture task in one AgentBench-style array (the loader reads arrays and single objects).
+    tasks.write_text(json.dumps([t for p in OS_FILES for t in (lambda d: d if isinstance(d, list) else [d])(
+        json.loads(p.read_text()))]))
+    with Server(fixture_policy(os_files=OS_FILES)) as server:
+        report = synthesize(_config(server, out, tasks=tasks, env="os", n=1))
+        calls = server.calls
+        records, failures = _assert_every_episode_once(out, "os", report["tasks"], 1)
+        _assert_valid_with_reasoning(records)
+        solved = {r["task"] for r in records}
+        assert "execute ~/test and get the output." in solved  # start script: su - jack, the agent is jack
+        assert any("SUID" in task for task in solved)           # a check task scored by its check script
+        assert {f["reason"] for f in failures} <= {"wrong_answer", "skipped", "env_error"}
+        assert synthesize(_config(server, out, tasks=tasks, env="os", n=1))["llm"]["calls"] == 0
+        assert server.calls == calls
+
+
+def test_cli_synth_flow_and_the_build_reads_the_output(tmp_path, monkeypatch, capsys):
+    """The one test that pays for Prefect: `trajforge synth` through the flow, then a build unit."""
+    from flows.cli import main
+    from pipeline.build import BuildConfig, process_unit
+    from sources import get_source
+
+    monkeypatch.setenv("MY_LLM_KEY", SECRET)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    out = tmp_path / "out"
+    with Server(fixture_policy(db_files=[DB_FILE])) as server:
+        code = main(["synth", "--tasks", str(DB_FILE), "--env", "db", "--model", MODEL, "--base-url",
+                     server.base_url, "--n", "1", "--out", str(out), "--api-key-env", "MY_LLM_KEY",
+                     "--sampling", "temperature=0.5"])
+    assert code == 0 and f"Bearer {SECRET}" in server.authorizations
+    assert all(r["temperature"] == 0.5 for r in server.requests)
+    printed = capsys.readouterr()
+    assert "tasks with a record" in printed.out and SECRET not in printed.out + printed.err
+    records, _ = _assert_every_episode_once(out, "db", 39, 1)
+    for path in list(out.rglob("*")) + list((tmp_path / "prefect").rglob("*")):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+
+    [unit_file] = get_source("synthetic").files(str(out))
+    unit = process_unit("synthetic", unit_file, tmp_path / "staging", BuildConfig())
+    assert unit.written == len(records) and unit.quarantined == 0
+    built = pq.read_table(unit.records_path).to_pylist()
+    assert {r["id"] for r in built} == {r["id"] for r in records}
