@@ -123,7 +123,8 @@ def plot_stages(report: dict, out: Path) -> str:
         ax.text(left[y], y, f" read {report['sources'][s]['read']}", va="center", fontsize=8)
     ax.set_xlabel("records")
     ax.set_title("Where every input record went, per source")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    ax.set_xlim(0, max(left) * 1.15 if max(left, default=0) else 1)
     return _save(fig, out, "stages.png")
 
 
@@ -142,11 +143,12 @@ def plot_duplicates(duplicates: list[dict], out: Path) -> str:
     kept = sorted({d["kept_source"] for d in duplicates})
     grid = [[sum(1 for d in duplicates if d["source"] == s and d["kept_source"] == k) for k in kept] for s in dropped]
     ax.imshow(grid, cmap="Blues")
+    top = max(max(row) for row in grid)
     ax.set_xticks(range(len(kept)), kept, rotation=20)
     ax.set_yticks(range(len(dropped)), dropped)
     for y, row in enumerate(grid):
         for x, n in enumerate(row):
-            ax.text(x, y, str(n), ha="center", va="center", color="black")
+            ax.text(x, y, str(n), ha="center", va="center", color="white" if n > top / 2 else "black")
     ax.set_xlabel("kept record's source")
     ax.set_ylabel("dropped record's source")
     ax.set_title("Duplicates: dropped -> kept, by source")
