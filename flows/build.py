@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger, task
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from pipeline.build import BuildConfig, UnitResult, finalize, process_unit, summary_lines, unit_key
+from pipeline.dedup import DedupConfig
 from pipeline.manifest import code_version
 from pipeline.shards import ShardConfig, read_marker, unit_fingerprint, unit_marker, write_marker
 from sources import DEFAULT_SOURCES, SourceFile, get_source
@@ -96,16 +97,20 @@ def process_units(files: list[tuple[str, SourceFile]], staging: str, config: Bui
 @flow(name="build-dataset", log_prints=True)
 def build_dataset(sources: dict[str, str | None] | None = None, out: str = "build", rendering: str = "native",
                   runner: str = "threads", address: str | None = None, workers: int = 4,
-                  shard_rows: int | None = None) -> dict:
+                  shard_rows: int | None = None, decontaminate: str | None = None,
+                  dedup_threshold: float | None = None) -> dict:
     """Build the dataset. `sources` maps a source name to a local path or Hub repo id (None: its Hub repo).
 
     `runner`/`address` choose where the units run (threads, or a Dask / Ray cluster); the output is
     byte-identical whichever is used. `shard_rows` caps the rows per Parquet shard (default: by size).
+    `decontaminate` is a file of evaluation tasks whose trajectories are quarantined;
+    `dedup_threshold` the Jaccard similarity from which two trajectories are near duplicates.
     """
     logger = get_run_logger()
     sources = sources or {name: None for name in DEFAULT_SOURCES}
     shards = ShardConfig(max_rows=shard_rows) if shard_rows else ShardConfig()
-    config = BuildConfig(rendering=rendering, shards=shards)
+    dedup = DedupConfig(threshold=dedup_threshold) if dedup_threshold is not None else DedupConfig()
+    config = BuildConfig(rendering=rendering, shards=shards, dedup=dedup, decontaminate=decontaminate)
     out_dir = Path(out)
     staging = (out_dir / ".staging").resolve()
     staging.mkdir(parents=True, exist_ok=True)

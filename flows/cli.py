@@ -29,6 +29,11 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default=None,
                    help="cluster address for --runner dask (tcp://host:8786) or ray (ray://host:10001); "
                         "default: start a local cluster")
+    p.add_argument("--decontaminate", metavar="FILE", default=None,
+                   help="evaluation tasks (one per line, or JSON/JSONL strings or {task}); trajectories whose "
+                        "task shares an 8-word n-gram with one go to the quarantine as `contaminated`")
+    p.add_argument("--dedup-threshold", type=float, default=None, metavar="J",
+                   help="shingle Jaccard similarity from which two trajectories are near duplicates (default 0.85)")
     p.set_defaults(func=_run_build)
 
 
@@ -43,8 +48,11 @@ def _run_build(args: argparse.Namespace) -> int:
         if location is not None and not os.path.exists(location) and location.count("/") != 1:
             raise SourceError(f"source {name}: path {location} does not exist")
         sources[name] = location
+    if args.decontaminate and not os.path.isfile(args.decontaminate):
+        raise SourceError(f"--decontaminate: no file {args.decontaminate}")
     report = build_dataset(sources=sources or None, out=args.out, rendering=args.rendering, runner=args.runner,
-                           address=args.address)
+                           address=args.address, decontaminate=args.decontaminate and os.path.abspath(args.decontaminate),
+                           dedup_threshold=args.dedup_threshold)
     print("\n".join(summary_lines(report)))
     print(f"dataset: {args.out}/data  quarantine: {args.out}/quarantine  report: {args.out}/report.json")
     return 0

@@ -124,7 +124,7 @@ def test_config_rejects_bad_values():
     with pytest.raises(ValueError):
         DedupConfig(bands=20, rows=10)
     with pytest.raises(ValueError):
-        DedupConfig(bands=4)
+        DedupConfig(bands=4, rows=None)
 
 
 def test_decontamination_quarantines_overlapping_tasks(tmp_path, fixtures_build):
