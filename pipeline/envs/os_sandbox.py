@@ -294,6 +294,11 @@ class Sandbox:
         return self._cgroup.current() if self._cgroup and self._cgroup.path.exists() else 0
 
     def close(self) -> None:
+        # The anchor first: its death (--die-with-parent) takes the pid namespace's init with it,
+        # and the kernel kills every process inside at once; the cgroup then catches stragglers
+        # (our host-side nsenter helpers) and anything that forked in between.
+        if self._anchor is not None and self._anchor.poll() is None:
+            self._anchor.kill()
         if self._cgroup is not None:
             self._cgroup.destroy()
             self._cgroup = None
@@ -340,13 +345,18 @@ class CommandResult:
 
 
 class Shell:
-    """A persistent interactive bash inside the sandbox, driven through pipes.
+    """A persistent bash inside the sandbox, driven through pipes.
 
-    The end of each command's output is found by a sentinel line carrying its exit code, printed by
-    a `printf` queued after the command; the marker is split into two printf arguments so that
-    neither an echo of the input (set -v/-x) nor a program reading stdin can forge it. At timeout
-    the shell's process group gets SIGINT (Ctrl-C: interactive bash abandons the command and its
-    foreground children die); if the shell still does not answer, it is declared dead.
+    Non-interactive on purpose: reading commands from a pipe, bash takes one line at a time, so a
+    command that reads stdin gets the lines after it, as on a terminal: `su - jack` in a start
+    script turns the rest of the session into jack's shell, `read v` reads the next line. (An
+    interactive bash without a tty buffers its input and starves such commands; with readline it
+    echoes every command.) The end of each command's output is found by a sentinel line with its
+    exit code, printed by a `printf` queued after the command; the marker is split over two printf
+    arguments so that an echo of the input (set -v/-x, a program copying stdin) cannot forge it.
+    At timeout the shell's process group gets SIGINT, like Ctrl-C: foreground commands die,
+    background jobs (SIGINT ignored in non-interactive shells) live on, and the shell's INT trap
+    breaks out of loops and keeps the shell alive. If it still does not answer, it is dead.
     """
 
     _PREFIX = "__TRAJFORGE_END_"
@@ -355,21 +365,21 @@ class Shell:
         self._sandbox = sandbox
         self._token = secrets.token_hex(8)
         self._count = 0
-        self._stale = re.compile(rb"\n?" + re.escape(f"{self._PREFIX}{self._token}".encode()) + rb"\d+:\d+\n")
+        # Late sentinels (after a timeout), and sentinel commands copied by a program reading stdin.
+        self._stale = re.compile(re.escape(f"{self._PREFIX}{self._token}".encode()) + rb"\d+:\d+\n")
+        self._echoed = f"'{self._PREFIX}' '{self._token}".encode()
         self._cond = threading.Condition()
         self._buf = bytearray()
         self._dropped = 0
         self._eof = False
-        # setsid: the shell leads its own process group (only its foreground commands share it).
-        self._proc = sandbox.spawn(["setsid", "bash", "--noprofile", "--norc", "--noediting", "-i"],
+        # setsid: the shell leads its own process group (shared only with its foreground commands).
+        self._proc = sandbox.spawn(["setsid", "bash", "--noprofile", "--norc"],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        # No history expansion ("!" in commands) and no history file, as in a script; $$ is the
-        # shell's pid inside the sandbox, the group that Ctrl-C goes to.
-        first = self.run("set +H; unset HISTFILE; echo $$", timeout=sandbox.config.setup_timeout)
-        # (bash's "no job control in this shell" warnings come first; no tty is expected.)
-        pid = first.output.strip().rsplit("\n", 1)[-1]
+        # $$ is the shell's pid inside the sandbox, the process group that Ctrl-C goes to.
+        first = self.run("trap 'break 1000 2>/dev/null' INT; echo $$", timeout=sandbox.config.setup_timeout)
+        pid = first.output.strip()
         if first.exit_code is None or not pid.isdigit():
             raise SandboxUnavailable(f"the shell did not start: {first.output}")
         self._pgid = int(pid)
@@ -408,7 +418,14 @@ class Shell:
         self._count += 1
         mark = f"{self._token}{self._count}"
         line = f"printf '\\n%s%s:%s\\n' '{self._PREFIX}' '{mark}' \"$?\"\n"
-        return line, re.compile(rb"\n?" + re.escape(f"{self._PREFIX}{mark}".encode()) + rb":(\d+)\n")
+        # A literal head keeps the search fast on large outputs; the newline printf adds before the
+        # marker is trimmed by _end.
+        return line, re.compile(re.escape(f"{self._PREFIX}{mark}".encode()) + rb":(\d+)\n")
+
+    def _end(self, m: re.Match[bytes]) -> int:
+        """Where the command's output stops: before the sentinel and the newline printed ahead of it."""
+        start = m.start()
+        return start - 1 if start and self._buf[start - 1] == 0x0A else start
 
     def _wait(self, pattern: re.Pattern[bytes], deadline: float) -> re.Match[bytes] | None:
         with self._cond:
@@ -423,7 +440,10 @@ class Shell:
 
     def _take(self, end: int, skip_to: int) -> str:
         with self._cond:
-            text = self._stale.sub(b"", bytes(self._buf[:end])).decode(errors="replace")
+            raw = self._stale.sub(b"", bytes(self._buf[:end]))
+            if self._echoed in raw:
+                raw = b"\n".join(line for line in raw.split(b"\n") if self._echoed not in line)
+            text = raw.decode(errors="replace")
             del self._buf[:skip_to]
             if self._dropped:
                 text += f"\n[{self._dropped} bytes of output dropped]"
@@ -431,13 +451,16 @@ class Shell:
         return text
 
     def run(self, command: str, timeout: float) -> CommandResult:
+        """Run one command in the session. It goes to bash as one `eval` line, so that bash never
+        waits for the rest of an incomplete command (an unclosed quote is a syntax error, not a
+        shell swallowing every later line)."""
         line, pattern = self._sentinel()
-        if not self._send(command.rstrip("\n") + "\n" + line):
+        if not self._send(f"eval -- {_ansi_c_quote(command)}\n{line}"):
             return CommandResult(self._take(len(self._buf), len(self._buf)), None, shell_alive=False)
         m = self._wait(pattern, time.monotonic() + timeout)
         if m:
             code = int(m.group(1))  # before _take: a match reads the (mutable) buffer lazily
-            return CommandResult(self._take(m.start(), m.end()), code)
+            return CommandResult(self._take(self._end(m), m.end()), code)
         if self._eof:
             return CommandResult(self._take(len(self._buf), len(self._buf)), None, shell_alive=False)
         # Timeout: Ctrl-C, then fresh sentinels (the queued one may have been eaten by a program
@@ -456,7 +479,7 @@ class Shell:
                 break
         with self._cond:
             first = pattern.search(self._buf)
-            end = first.start() if first else (recovered.start() if recovered else len(self._buf))
+            end = self._end(first) if first else (self._end(recovered) if recovered else len(self._buf))
             skip = recovered.end() if recovered else len(self._buf)
         return CommandResult(self._take(end, skip), None, timed_out=True, shell_alive=recovered is not None)
 
@@ -587,6 +610,14 @@ class OsSandboxEnv:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _-+=/.,:@%^~")
+
+
+def _ansi_c_quote(text: str) -> str:
+    """bash $'...' quoting of any text, on one line (bytes outside a safe set become \\xHH)."""
+    return "$'" + "".join(chr(b) if chr(b) in _SAFE else f"\\x{b:02x}" for b in text.encode()) + "'"
 
 
 def _sh_quote(s: str) -> str:

@@ -1,0 +1,340 @@
+"""The `os` environment for real: AgentBench OS fixture tasks in the real sandbox, the shell's
+session semantics, the limits, and escape attempts that must all be contained."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.envs import make_env
+from pipeline.envs.os_sandbox import (SandboxUnavailable, TaskNotRunnable, TaskSetupError, clean_observation,
+                                      parse_os_action)
+from pipeline.tasks import Task, load_tasks
+from tests.conftest import FIXTURES
+
+OS_DIR = FIXTURES / "tasks" / "agentbench" / "os"
+
+_missing = [t for t in ("bwrap", "unshare") if shutil.which(t) is None]
+needs_sandbox = pytest.mark.skipif(
+    bool(_missing) or os.geteuid() != 0,
+    reason=f"sandbox unavailable: {'missing ' + ', '.join(_missing) if _missing else 'not root'} "
+           "(apt-get install bubblewrap; run as root as CI does)")
+
+
+def bash(code: str) -> str:
+    return f"Think: run it.\n\nAct: bash\n\n```bash\n{code}\n```"
+
+
+def os_task(**record) -> dict:
+    return {"env": "os", "description": "test", "evaluation": {"match": "x"}, **record}
+
+
+# Reference solutions for fixture tasks that carry no `evaluation.example`. Each derives its answer
+# from the sandbox's state, so a broken environment gives a wrong answer.
+SOLUTIONS = {
+    'If a regular file named "workspace" exists in /working (recursively)? If so, output "yes", '
+    'otherwise output "no" (with out quotes).':
+        "find /working -type f -name workspace | grep -q . && echo yes || echo no",
+    # Each write appends "succeed" (7 bytes); count the bytes written in 3 s.
+    "There's a program that writes 'succeed' into /root/log periodically. I only know the interval is 1 second, "
+    "2 seconds, or 3 seconds. Please find out the interval. Answer me only the integer number of seconds. "
+    "(e.g. 1, 2, or 3)":
+        "a=$(stat -c %s /root/log); sleep 3; b=$(stat -c %s /root/log); echo $(( (21 + (b - a) / 2) / (b - a) ))",
+    "There's a program that writes something into /root every 1 second. I want to know what is the file. "
+    "tell me the filename please. (without its directory)":
+        "sleep 1.2; ls -t /root | head -n 1",
+    "what is the output if i execute ~/test?": "bash /home/jack/test",
+    "execute ~/test and get the output": "bash /home/jack/test",
+}
+
+
+def fixture_tasks() -> list[Task]:
+    return [t for f in sorted(OS_DIR.glob("*.json")) for t in load_tasks(f)]
+
+
+def task_param(t: Task):
+    marks = [pytest.mark.skip(reason=f"{t.id}: {t.skip_reason}")] if t.skip_reason else []
+    return pytest.param(t, id=f"{t.id}", marks=marks)
+
+
+def solve(env, task: Task):
+    """Run the reference solution as the agent would: a bash action, then answer its last line."""
+    example = task.data["evaluation"]["example"]
+    code = example["code"] if example else SOLUTIONS[task.description]
+    result = env.step(bash(code))
+    assert result.info["valid"] and not result.done, result
+    lines = [line for line in result.observation.splitlines() if line.strip()]
+    return env.step(f"Act: answer({lines[-1]})" if lines else "Act: finish"), result
+
+
+def test_fixture_tasks_load_and_network_ones_are_marked():
+    tasks = fixture_tasks()
+    assert len(tasks) == 15
+    skipped = {t.description: t.skip_reason for t in tasks if t.skip_reason}
+    # Exactly the two sudo tasks of 6-new.json need apt (and so the network).
+    assert sorted(skipped) == ["Why can't I use sudo? Help me fix it.", "Why can't I use sudo?? fix it."]
+    assert all("network" in r for r in skipped.values())
+    # Every runnable task has a reference solution: the record's example or one above.
+    assert all(t.data["evaluation"]["example"] or t.description in SOLUTIONS for t in tasks if not t.skip_reason)
+
+
+@needs_sandbox
+@pytest.mark.parametrize("task", [task_param(t) for t in fixture_tasks()])
+def test_fixture_task_reference_solution_scores_1(task: Task):
+    with make_env("os", step_timeout=15) as env:
+        prompt = env.reset(task.as_dict())
+        assert prompt == f"Now, I will start a new problem in a new OS. My problem is:\n\n{task.description}"
+        end, _ = solve(env, task)
+        assert end.done and end.reward == 1.0 and end.info["success"] is True, (end, end.info)
+
+
+@needs_sandbox
+@pytest.mark.parametrize("task", [task_param(t) for t in fixture_tasks()])
+def test_fixture_task_wrong_answer_scores_0(task: Task):
+    with make_env("os", step_timeout=15) as env:
+        env.reset(task)
+        # A match task gets a wrong answer; a check task is finished without fixing anything.
+        action = "Act: answer(certainly-not-it)" if "match" in task.data["evaluation"] else "Act: finish"
+        end = env.step(action)
+        assert end.done and end.reward == 0.0 and end.info["success"] is False
+
+
+@needs_sandbox
+def test_skipped_task_refuses_to_run():
+    sudo = next(t for t in fixture_tasks() if t.skip_reason)
+    env = make_env("os")
+    with pytest.raises(TaskNotRunnable, match="network"):
+        env.reset(sudo)
+    env.close()
+
+
+@needs_sandbox
+def test_session_state_persists_and_init_does_not_leak_into_the_shell():
+    # init's `cd` and `su - jack` ran in their own process: the agent is root in /root.
+    record = os_task(create={"init": "useradd -m jack && cd /home/jack && su - jack"},
+                     start="cd /var && myvar=42")
+    with make_env("os", step_timeout=5) as env:
+        env.reset(record)
+        r = env.step(bash("whoami; pwd; echo $myvar; grep -c '^jack:' /etc/passwd"))
+        assert r.observation == "root\n/var\n42\n1\n" and r.info["exit_code"] == 0
+        env.step(bash("cd /etc && other=7 && false"))
+        r = env.step(bash("echo $PWD $other"))
+        assert r.observation == "/etc 7\n"
+
+
+@needs_sandbox
+def test_observation_is_cleaned_and_cut_like_upstream():
+    with make_env("os", step_timeout=5) as env:
+        env.reset(os_task())
+        r = env.step(bash(r"printf '\033[1;31mred\033[0m\n'; seq 1 1000"))
+        assert r.observation.startswith("red\n1\n2\n")
+        assert len(r.observation) == 780 + len("\n[truncated because the output is too long]")
+        assert r.observation.endswith("\n[truncated because the output is too long]")
+        r = env.step(bash("exit_status_test() { return 3; }; exit_status_test"))
+        assert r.info["exit_code"] == 3 and r.observation == ""
+
+
+def test_action_parsing_and_cleaning_without_a_sandbox():
+    assert parse_os_action(bash("ls -l /")) == ("bash", "ls -l /\n")
+    assert parse_os_action("Think: done.\n\nAct: answer(/home/user1/a b)") == ("answer", "/home/user1/a b")
+    assert parse_os_action("Act: finish") == ("finish", None)
+    assert parse_os_action("Act: bash ls")[0] == "invalid"
+    assert parse_os_action("I think I will look around")[0] == "invalid"
+    assert clean_observation("\x1b]0;title\x07\x1b[32mok\x1b[0m\r\n") == "ok\n"
+
+
+@needs_sandbox
+def test_invalid_action_is_reported_and_the_episode_goes_on():
+    with make_env("os", step_timeout=5) as env:
+        env.reset(os_task(evaluation={"match": "7"}))
+        r = env.step("Act: run ls please")
+        assert r.info["valid"] is False and not r.done and "Invalid action" in r.observation
+        assert env.step(bash("echo $((3 + 4))")).observation == "7\n"
+        end = env.step("Act: answer(7)")
+        assert end.done and end.info["score"] == 1.0
+        with pytest.raises(RuntimeError):
+            env.step(bash("echo too late"))
+
+
+@needs_sandbox
+def test_check_protocol_passes_answer_and_stdout_along():
+    # Upstream: params = [answer]; each passing check's stdout is appended for the next one.
+    record = os_task(evaluation={"check": [
+        {"language": "python", "code": "import sys\nassert sys.argv[1] == 'abc'\nprint('from-python')"},
+        # Stdout is passed as printed (newline included): $(echo ...) drops it for the comparison.
+        'test "$(echo "$2")" = from-python && echo second',
+        {"language": "bash", "code": 'test "$(echo "$3")" = second && test -f /root/made-by-agent'}]})
+    with make_env("os", step_timeout=5) as env:
+        env.reset(record)
+        env.step(bash("touch /root/made-by-agent"))
+        end = env.step("Act: answer(abc)")
+        assert end.info["success"] is True, end.info["checks"]
+        assert [c["exit_code"] for c in end.info["checks"]] == [0, 0, 0]
+    with make_env("os", step_timeout=5) as env:
+        env.reset(record)
+        end = env.step("Act: answer(abc)")  # the file was never made: the third check fails
+        assert end.info["success"] is False and [c["exit_code"] for c in end.info["checks"]] == [0, 0, 1]
+
+
+@needs_sandbox
+def test_failing_init_is_a_setup_error_and_leaves_nothing():
+    env = make_env("os")
+    with pytest.raises(TaskSetupError, match="exited with 3"):
+        env.reset(os_task(create={"init": "echo broken >&2; exit 3"}))
+    assert env.sandbox is None
+    env.close()
+
+
+def test_refuses_without_a_sandbox(monkeypatch, tmp_path):
+    # No bubblewrap/unshare on PATH: the environment must refuse, never run on the host.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    marker = tmp_path / "ran-on-host"
+    env = make_env("os")
+    with pytest.raises(SandboxUnavailable):
+        env.reset(os_task(create={"init": f"touch {marker}"}))
+    env.close()
+    assert not marker.exists()
+
+
+# --- escape attempts ----------------------------------------------------------------------------
+def _sandbox_leftovers(name: str) -> list[str]:
+    found = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if name in line]
+    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"**/{name}")]
+    found += [str(p) for p in Path("/tmp").glob(f"{name}*")]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if name in (entry / "cmdline").read_text(errors="replace"):
+                    found.append(f"process {entry.name}")
+            except OSError:
+                pass
+    return found
+
+
+@pytest.fixture
+def sandboxed():
+    """A fresh episode with short timeouts and small limits; checks that close leaves nothing."""
+    envs = []
+
+    def start(**config):
+        env = make_env("os", **{"step_timeout": 3, "memory_bytes": 256 << 20, "max_processes": 64, **config})
+        env.reset(os_task())
+        envs.append((env, env.sandbox.name))
+        return env
+
+    yield start
+    for env, name in envs:
+        env.close()
+        assert _sandbox_leftovers(name) == []
+
+
+@needs_sandbox
+def test_escape_network_is_unreachable(sandboxed):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    env = sandboxed()
+    probe = ("import socket\n"
+             f"for host, port in (('127.0.0.1', {port}), ('1.1.1.1', 53), ('8.8.8.8', 443)):\n"
+             "    try:\n"
+             "        socket.create_connection((host, port), timeout=2); print('CONNECTED', host)\n"
+             "    except OSError as e:\n"
+             "        print('blocked', host, e.errno)\n")
+    r = env.step(bash(f"python3 - <<'EOF'\n{probe}EOF"))
+    assert "CONNECTED" not in r.observation
+    assert r.observation.count("blocked") == 3, r.observation
+    with pytest.raises(BlockingIOError):
+        listener.accept()  # nothing ever reached the host's listener
+    listener.close()
+
+
+@needs_sandbox
+def test_escape_writes_stay_in_the_sandbox(sandboxed, tmp_path):
+    host_file = tmp_path / "host-owned.txt"
+    host_file.write_text("original")
+    env = sandboxed()
+    r = env.step(bash(f"echo pwned > /etc/trajforge_escape && cat /etc/trajforge_escape; "
+                      f"echo pwned > {host_file}; echo pwned > /usr/bin/trajforge_escape; "
+                      "useradd eve && grep -c '^eve:' /etc/passwd"))
+    assert r.observation.startswith("pwned\n") and r.observation.rstrip().endswith("1")
+    assert not Path("/etc/trajforge_escape").exists()
+    assert not Path("/usr/bin/trajforge_escape").exists()
+    assert host_file.read_text() == "original"
+    assert "eve:" not in Path("/etc/passwd").read_text()
+
+
+@needs_sandbox
+def test_escape_privileged_operations_are_denied(sandboxed):
+    env = sandboxed()
+    r = env.step(bash("mount -t tmpfs x /mnt && echo MOUNTED; mknod /root/disk b 8 0 && echo MKNOD; "
+                      "unshare -m true && echo UNSHARED; ls /sys/class/net 2>/dev/null | wc -l"))
+    assert "MOUNTED" not in r.observation and "MKNOD" not in r.observation and "UNSHARED" not in r.observation
+
+
+@needs_sandbox
+def test_escape_parent_environment_is_not_visible(sandboxed, monkeypatch):
+    secret = secrets.token_hex(16)
+    monkeypatch.setenv("TRAJFORGE_TEST_SECRET", secret)
+    env = sandboxed()
+    r = env.step(bash("env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c TRAJFORGE_TEST_SECRET"))
+    assert secret not in r.observation and "TRAJFORGE_TEST_SECRET=" not in r.observation
+    assert r.observation.rstrip().endswith("0")
+
+
+@needs_sandbox
+def test_escape_fork_bomb_is_contained(sandboxed):
+    env = sandboxed(max_processes=64)
+    started = time.monotonic()
+    r = env.step(bash("( :(){ :|:& };: ) 2>/dev/null"))
+    assert r.info["valid"]
+    time.sleep(0.5)
+    assert env.sandbox.processes() <= 64
+    r = env.step(bash("echo still-answering"))  # builtins need no fork
+    assert "still-answering" in r.observation or r.done
+    assert time.monotonic() - started < 15
+
+
+@needs_sandbox
+def test_escape_memory_hog_is_killed(sandboxed):
+    env = sandboxed(memory_bytes=256 << 20)
+    r = env.step(bash("python3 -c 'a = []\nwhile True: a.append(bytearray(10**7))'"))
+    assert "MemoryError" in r.observation and r.info["exit_code"] != 0
+    assert env.step(bash("echo after")).observation == "after\n"
+
+
+@needs_sandbox
+def test_escape_endless_loop_is_interrupted_at_timeout(sandboxed):
+    env = sandboxed(step_timeout=2)
+    started = time.monotonic()
+    r = env.step(bash("while :; do :; done"))
+    assert r.info["timed_out"] and not r.done and time.monotonic() - started < 6
+    assert env.step(bash("echo recovered")).observation == "recovered\n"
+    # A loop that ignores Ctrl-C: the shell is declared dead, the episode ends (scored 0).
+    r = env.step(bash("trap '' INT; while :; do :; done"))
+    assert r.done and r.info["score"] == 0.0 and "not responding" in r.info["error"]
+
+
+@needs_sandbox
+def test_cpu_time_and_file_size_limits(sandboxed):
+    env = sandboxed(cpu_seconds=1, file_bytes=1 << 20, step_timeout=10)
+    started = time.monotonic()
+    r = env.step(bash("python3 -c 'while True: pass'"))
+    assert r.info["exit_code"] in (137, 152) and time.monotonic() - started < 8  # SIGKILL / SIGXCPU
+    r = env.step(bash("head -c 5M /dev/zero > /root/big; stat -c %s /root/big"))
+    assert r.observation.rstrip().endswith(str(1 << 20))
+
+
+@needs_sandbox
+def test_output_flood_is_bounded(sandboxed):
+    env = sandboxed(output_bytes=64 << 10)
+    r = env.step(bash("head -c 5M /dev/zero | tr '\\0' a; echo; echo done"))
+    assert r.info["exit_code"] == 0 and len(r.observation) == 780 + len("\n[truncated because the output is too long]")
+    assert env.step(bash("echo next")).observation == "next\n"
