@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, hf_hub_download
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
 from pipeline.manifest import MANIFEST, file_sha256, read_manifest
@@ -76,12 +75,15 @@ def git_blob_oid(path: Path) -> str:
 
 
 def local_files(folder: Path) -> dict[str, dict]:
-    """What the release publishes: the manifest's files (checked against the disk) plus the manifest."""
+    """What the release publishes: the manifest's files (checked against the disk) plus the manifest.
+
+    Checking sha256 here lets the remote check compare git object ids of these very bytes.
+    """
     manifest = read_manifest(folder)
     files = dict(manifest["files"])
     for path, entry in files.items():
         local = folder / path
-        if not local.is_file() or local.stat().st_size != entry["size"]:
+        if not local.is_file() or local.stat().st_size != entry["size"] or file_sha256(local) != entry["sha256"]:
             raise ReleaseError(f"{local} is missing or differs from {MANIFEST}; rebuild before releasing")
     manifest_path = folder / MANIFEST
     files[MANIFEST] = {"size": manifest_path.stat().st_size, "sha256": file_sha256(manifest_path)}
@@ -132,16 +134,15 @@ def plan_release(api: HfApi, folder: Path, repo_id: str, revision: str = "main")
 def verify_remote(api: HfApi, folder: Path, repo_id: str, commit: str) -> int:
     """Compare the remote files at `commit` with the manifest; raise on any difference.
 
-    Large files live in LFS on the Hub, whose tree gives their sha256; files stored as git blobs
-    only have a git oid there, so those are downloaded at the commit and hashed.
+    Large files live in LFS on the Hub, whose tree gives their sha256. Files stored as git blobs
+    only have a git object id there; it is compared with the id of the local bytes, which
+    `local_files` has checked against the manifest's sha256.
     """
     files = local_files(folder)
     remote = remote_tree(api, repo_id, commit)
     problems = []
-    # A private download folder: verification must read the remote, never a cached copy.
-    with tempfile.TemporaryDirectory(prefix="trajforge-verify-") as cache:
-        for path, entry in sorted(files.items()):
-            problems += _check(api, repo_id, commit, path, entry, remote.get(path), cache)
+    for path, entry in sorted(files.items()):
+        problems += _check(folder / path, path, entry, remote.get(path))
     extra = sorted(p for p in remote if p not in files and p not in HUB_MANAGED)
     problems += [f"{p}: on the remote but not in the manifest" for p in extra]
     if problems:
@@ -149,17 +150,18 @@ def verify_remote(api: HfApi, folder: Path, repo_id: str, commit: str) -> int:
     return len(files)
 
 
-def _check(api: HfApi, repo_id: str, commit: str, path: str, entry: dict, item, cache: str) -> list[str]:
+def _check(local: Path, path: str, entry: dict, item) -> list[str]:
     if item is None:
         return [f"{path}: missing on the remote"]
     if item.size != entry["size"]:
         return [f"{path}: size {item.size} on the remote, {entry['size']} in the manifest"]
     if item.lfs is not None:
-        sha = item.lfs.sha256
-    else:
-        sha = file_sha256(Path(hf_hub_download(repo_id, path, repo_type="dataset", revision=commit,
-                                               cache_dir=cache, endpoint=api.endpoint)))
-    return [] if sha == entry["sha256"] else [f"{path}: sha256 {sha} on the remote, {entry['sha256']} in the manifest"]
+        if item.lfs.sha256 != entry["sha256"]:
+            return [f"{path}: sha256 {item.lfs.sha256} on the remote, {entry['sha256']} in the manifest"]
+    elif item.blob_id != git_blob_oid(local):
+        return [f"{path}: content on the remote (git oid {item.blob_id}) differs from sha256 {entry['sha256']} "
+                "in the manifest"]
+    return []
 
 
 def release(folder: Path, repo_id: str, revision: str = "main", tag: str | None = None, private: bool = False,

@@ -195,7 +195,7 @@ class Handler(BaseHTTPRequestHandler):
         url = f"{self.server.endpoint}/datasets/{repo_id}"
         if repo_id in self.state.repos:
             return self._json(409, {"error": "You already created this dataset repo", "url": url})
-        repo = Repo(repo_id, bool(payload.get("private")))
+        repo = Repo(repo_id, payload.get("visibility") == "private" or bool(payload.get("private")))
         # The Hub starts every repo with one commit holding .gitattributes.
         first = repo.add_commit(None, {".gitattributes": b"*.parquet filter=lfs diff=lfs merge=lfs -text\n"},
                                 "initial commit")
