@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.envs import make_env
 from pipeline.envs.os_sandbox import (SandboxUnavailable, TaskNotRunnable, TaskSetupError, clean_observation,
-                                      parse_os_action)
+                                      parse_os_action, sandbox_unavailable_reason)
 from pipeline.tasks import Task, load_tasks
 from tests.conftest import FIXTURES
 
@@ -103,6 +103,12 @@ def test_fixture_task_wrong_answer_scores_0(task: Task):
         action = "Act: answer(certainly-not-it)" if "match" in task.data["evaluation"] else "Act: finish"
         end = env.step(action)
         assert end.done and end.reward == 0.0 and end.info["success"] is False
+
+
+@needs_sandbox
+def test_sandbox_probe_succeeds_here():
+    # Where the tests can use the sandbox, the probe the synth flow can call up front agrees.
+    assert sandbox_unavailable_reason() is None
 
 
 @needs_sandbox

@@ -40,6 +40,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
@@ -187,12 +188,16 @@ class Sandbox:
         if os.geteuid() != 0:
             raise SandboxUnavailable("the sandbox needs root (overlay mount, pids cgroup); refusing to run on the host")
         self.name = f"trajforge-{secrets.token_hex(6)}"
-        self._children: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen] = []  # the anchor first, then everything spawned
+        self._cgroups: list[_Cgroup] = []
         self._dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
+        # Runs on close(), on garbage collection, or at interpreter exit, whichever comes first.
+        self._release = weakref.finalize(self, _release, self._procs, self._cgroups, self._dir)
         self._cgroup: _Cgroup | None = None
         self._anchor: subprocess.Popen | None = None
         try:
             self._cgroup = _Cgroup(self.name, self.config)
+            self._cgroups.append(self._cgroup)
             self._start()
         except BaseException:
             self.close()
@@ -218,6 +223,7 @@ class Sandbox:
             self._anchor = subprocess.Popen(self._cgroup.wrap(argv), stdin=subprocess.DEVNULL,
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(write_fd,),
                                             start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+            self._procs.append(self._anchor)
         finally:
             os.close(write_fd)
         try:
@@ -270,7 +276,7 @@ class Sandbox:
             raise RuntimeError("the sandbox is closed")
         proc = subprocess.Popen(self.inner_argv(argv), start_new_session=True,
                                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, **popen)
-        self._children.append(proc)
+        self._procs.append(proc)
         return proc
 
     def run_script(self, script: dict, args: list[str], timeout: float) -> ScriptRun:
@@ -294,32 +300,36 @@ class Sandbox:
         return self._cgroup.current() if self._cgroup and self._cgroup.path.exists() else 0
 
     def close(self) -> None:
-        # The anchor first: its death (--die-with-parent) takes the pid namespace's init with it,
-        # and the kernel kills every process inside at once; the cgroup then catches stragglers
-        # (our host-side nsenter helpers) and anything that forked in between.
-        if self._anchor is not None and self._anchor.poll() is None:
-            self._anchor.kill()
-        if self._cgroup is not None:
-            self._cgroup.destroy()
-            self._cgroup = None
-        for proc in [self._anchor, *self._children]:
-            if proc is not None:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-                for stream in (proc.stdin, proc.stdout, proc.stderr):
-                    if stream:
-                        stream.close()
-        self._anchor, self._children = None, []
-        if self._dir.exists():
-            # Only ever an empty mount point on the host side: the tmpfs lived in the namespace.
-            self._dir.rmdir()
+        self._release()
+        self._cgroup = self._anchor = None
 
     def __enter__(self) -> "Sandbox":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release(procs: list[subprocess.Popen], cgroups: list[_Cgroup], directory: Path) -> None:
+    """Free everything a sandbox holds. The anchor goes first: its death (--die-with-parent) takes
+    the pid namespace's init with it, and the kernel kills every process inside at once; the
+    cgroup then catches stragglers (our host-side nsenter helpers) and anything forked meanwhile."""
+    if procs and procs[0].poll() is None:
+        procs[0].kill()
+    for cgroup in cgroups:
+        cgroup.destroy()
+    cgroups.clear()
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream:
+                stream.close()
+    procs.clear()
+    if directory.exists():
+        # Only ever an empty mount point on the host side: the tmpfs lived in the namespace.
+        directory.rmdir()
 
 
 @lru_cache(maxsize=1)
@@ -372,10 +382,19 @@ class Shell:
         self._buf = bytearray()
         self._dropped = 0
         self._eof = False
-        # setsid: the shell leads its own process group (shared only with its foreground commands).
-        self._proc = sandbox.spawn(["setsid", "bash", "--noprofile", "--norc"],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self._reader = threading.Thread(target=self._read, daemon=True)
+        # The output pipe belongs to the reader thread, which closes it at EOF (when the sandbox's
+        # processes are gone), so no other thread closes an fd it may still be reading.
+        read_fd, write_fd = os.pipe()
+        try:
+            # setsid: the shell leads its own process group (shared only with its foreground commands).
+            self._proc = sandbox.spawn(["setsid", "bash", "--noprofile", "--norc"],
+                                       stdin=subprocess.PIPE, stdout=write_fd, stderr=write_fd)
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        self._reader = threading.Thread(target=self._read, args=(read_fd,), daemon=True)
         self._reader.start()
         # $$ is the shell's pid inside the sandbox, the process group that Ctrl-C goes to.
         first = self.run("trap 'break 1000 2>/dev/null' INT; echo $$", timeout=sandbox.config.setup_timeout)
@@ -384,9 +403,8 @@ class Shell:
             raise SandboxUnavailable(f"the shell did not start: {first.output}")
         self._pgid = int(pid)
 
-    def _read(self) -> None:
-        assert self._proc.stdout is not None
-        fd, cap = self._proc.stdout.fileno(), self._sandbox.config.output_bytes
+    def _read(self, fd: int) -> None:
+        cap = self._sandbox.config.output_bytes
         while True:
             try:
                 chunk = os.read(fd, 65536)
@@ -394,6 +412,7 @@ class Shell:
                 chunk = b""
             with self._cond:
                 if not chunk:
+                    os.close(fd)
                     self._eof = True
                     self._cond.notify_all()
                     return
