@@ -143,7 +143,17 @@ def test_observation_is_cleaned_and_cut_like_upstream():
         assert len(r.observation) == 780 + len("\n[truncated because the output is too long]")
         assert r.observation.endswith("\n[truncated because the output is too long]")
         r = env.step(bash("exit_status_test() { return 3; }; exit_status_test"))
-        assert r.info["exit_code"] == 3 and r.observation == ""
+        assert r.info["exit_code"] == 3 and r.observation == "" and r.info["error"] == "exit status 3"
+
+
+@needs_sandbox
+def test_exiting_the_shell_ends_the_episode_and_it_is_still_scored():
+    record = os_task(evaluation={"check": "test -f /root/flag"})
+    with make_env("os", step_timeout=5) as env:
+        env.reset(record)
+        assert env.step(bash("touch /root/flag")).info["error"] is None
+        end = env.step(bash("exit 0"))
+        assert end.done and end.info["error"] == "the shell exited" and end.info["success"] is True
 
 
 def test_action_parsing_and_cleaning_without_a_sandbox():

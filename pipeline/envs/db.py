@@ -32,7 +32,8 @@ def _quote(name: str) -> str:
 
 
 def build_database(tables: list[dict]) -> sqlite3.Connection:
-    conn = sqlite3.connect(":memory:", isolation_level=None)
+    # The episode uses its connection sequentially, possibly from a worker thread of the agent loop.
+    conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
     for t in tables:
         cols = ", ".join(f"{_quote(c['name'])} TEXT" for c in t["columns"])
         conn.execute(f"CREATE TABLE {_quote(t['name'])} ({cols})")

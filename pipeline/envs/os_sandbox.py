@@ -587,13 +587,17 @@ class OsSandboxEnv:
         if kind in ("answer", "finish"):
             return self._finish(arg)
         result = self._shell.run(arg or "", timeout=self.config.step_timeout)
-        info = {"valid": True, "exit_code": result.exit_code, "timed_out": result.timed_out}
+        # `error`: the command ran but failed (the agent loop counts these apart from invalid actions).
+        error = (f"timed out after {self.config.step_timeout:g}s" if result.timed_out
+                 else f"exit status {result.exit_code}" if result.exit_code else None)
+        info = {"valid": True, "exit_code": result.exit_code, "timed_out": result.timed_out, "error": error}
         observation = clean_observation(result.output, self.config.observation_chars)
         if not result.shell_alive:
-            # The shell is gone or wedged (e.g. it ignores Ctrl-C): the episode ends and is scored.
+            # The shell exited (`exit`) or is wedged (it ignores Ctrl-C): the episode ends, scored.
             end = self._finish(None)
             end.observation = observation
-            end.info = {**info, **end.info, "error": "shell not responding after timeout"}
+            end.info = {**info, **end.info, "error": "shell not responding after timeout" if result.timed_out
+                        else "the shell exited"}
             return end
         return StepResult(observation, info=info)
 
