@@ -90,12 +90,13 @@ def _context_words(record: dict) -> set[str]:
     return set(re.findall(r"[\w.\-]+", text))
 
 
-def _negative(parent: dict, kind: str, conversations: list[dict], answer=..., extra: dict | None = None) -> dict:
+def _negative(parent: dict, kind: str, conversations: list[dict], extra: dict | None = None) -> dict:
+    """A negative keeps its parent's task and expected `answer`: what a reward compares against."""
     meta = json.loads(parent["meta"])
     meta.update(extra or {})
     return {**parent, "id": f"{parent['id']}#neg-{kind}", "kind": "negative", "negative_type": kind,
             "parent_id": parent["id"], "conversations": conversations,
-            "answer": parent["answer"] if answer is ... else answer, "reward": None, "success": False,
+            "reward": None, "success": False,
             "meta": json.dumps(meta, sort_keys=True)}
 
 
@@ -115,7 +116,7 @@ def _replace_name(turn: dict, old: str, new: str) -> dict | None:
     return out if out["action"] is not None and action_name(out["action"], out["dialect"]) == new else None
 
 
-def _renamed_action(record: dict, names: tuple[str, ...]) -> dict | None:
+def _renamed_action(record: dict, names: tuple[str, ...]) -> list[dict] | None:
     turns = record["conversations"]
     known = _context_words(record)
     new = next((n for n in names if n not in known), None)
@@ -124,7 +125,7 @@ def _renamed_action(record: dict, names: tuple[str, ...]) -> dict | None:
         changed = _replace_name(turns[i], old, new) if old and new else None
         if changed is not None:
             # The trajectory stops at the bad action: the environment never answered it.
-            return {"at": i, "conversations": turns[:i] + [changed]}
+            return turns[:i] + [changed]
     return None
 
 
@@ -133,7 +134,7 @@ def make_invalid_action(record: dict, pool: list[dict], seed: int) -> dict | Non
     if record["env"] not in ACTION_SPACE_ENVS or record["domain"] == "tool":
         return None
     made = _renamed_action(record, INVENTED_COMMANDS)
-    return _negative(record, "invalid_action", made["conversations"]) if made else None
+    return _negative(record, "invalid_action", made) if made else None
 
 
 def make_invented_tool(record: dict, pool: list[dict], seed: int) -> dict | None:
@@ -141,7 +142,7 @@ def make_invented_tool(record: dict, pool: list[dict], seed: int) -> dict | None
     if record["domain"] != "tool":
         return None
     made = _renamed_action(record, INVENTED_TOOLS)
-    return _negative(record, "invented_tool", made["conversations"]) if made else None
+    return _negative(record, "invented_tool", made) if made else None
 
 
 def make_irrelevant_tools(record: dict, pool: list[dict], seed: int) -> dict | None:
@@ -165,13 +166,13 @@ def make_irrelevant_tools(record: dict, pool: list[dict], seed: int) -> dict | N
     name = action_name(turns[first]["action"], turns[first]["dialect"])
     if name is None or name.lower() in _context_words(probe):
         return None
-    dialect = turns[first]["dialect"]
-    # The reply the swapped prompt asks for: finish without calling a tool, in the env's syntax.
+    # The right reply to the swapped prompt: finish without calling a tool, in the env's own syntax
+    # (AgentGym tool envs end with `finish with Action Input: {"answer": ...}`).
     finish = next((t for t in reversed(turns) if t["role"] == "assistant" and t["action"]
                    and extract_answer(t["action"], t["dialect"]) is not None), None)
     if finish is None or not finish["action"].startswith("finish with Action Input:"):
         return None
-    chosen = render_turn(dialect, f"None of the available actions can help with this request about {record['env']}.",
+    chosen = render_turn(finish["dialect"], f"None of the available actions can help with this request about {record['env']}.",
                          "finish with Action Input: " + json.dumps({"answer": NO_FITTING_TOOL}))
     return _negative(record, "irrelevant_tools", conversations,
                      extra={"tools_from_env": donor_env, "chosen": chosen})

@@ -1,0 +1,122 @@
+"""Near-duplicate detection: our vectorized numpy MinHash against datasketch's, in one run.
+
+Usage: python bench/bench_dedup.py [--docs 100000] [--fixtures ../shared/fixtures/raw]
+
+The corpus is scaled from the real fixture rows: every trajectory is a window of 60-120 words of
+a real row's dedup text (task + trajectory, as `pipeline.dedup` folds it) with 30 % of its words
+replaced, so the originals are distinct from one another; a quarter of them get a near copy with
+0.5-3 % of the words changed. Planted pairs whose true shingle Jaccard reaches the threshold are
+the positives.
+
+Both backends run the same pipeline (`pipeline.dedup.near_duplicates`: datasketch's MinHashLSH
+index, candidates confirmed by the true Jaccard); only the signatures differ. Reported: signature
+throughput and end-to-end throughput of each, their ratio, the recall of the planted pairs, false
+merges, and how often the two backends decide the same. Shingling is shared and timed apart.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.build import BuildConfig, process_unit  # noqa: E402
+from pipeline.dedup import DedupConfig, dedup_tokens, jaccard, near_duplicates, shingles, signatures  # noqa: E402
+from sources import get_source  # noqa: E402
+
+SOURCES = ("agentinstruct", "agenttraj_l", "openmanus_rl")
+
+
+def real_texts(raw: Path, staging: Path) -> list[list[str]]:
+    import pyarrow.parquet as pq
+
+    words = []
+    for name in SOURCES:
+        for f in get_source(name).files(str(raw / name)):
+            unit = process_unit(name, f, staging, BuildConfig())
+            for record in pq.read_table(unit.records_path).to_pylist():
+                words.append([t for t in dedup_tokens(record) if t.isalnum()])
+    return [w for w in words if len(w) >= 60]
+
+
+def corpus(real: list[list[str]], n_docs: int, seed: int = 0) -> tuple[list[list[str]], list[tuple[int, int]]]:
+    rng = np.random.default_rng(seed)
+    vocab = np.array(sorted({w for doc in real for w in doc}))
+    n_orig = int(n_docs / 1.25)
+    docs: list[list[str]] = []
+    for k in range(n_orig):
+        base = real[k % len(real)]
+        size = int(rng.integers(60, 121))
+        start = int(rng.integers(0, max(1, len(base) - size)))
+        doc = np.array(base[start:start + size], dtype=object)
+        swap = rng.random(len(doc)) < 0.30
+        doc[swap] = vocab[rng.integers(0, len(vocab), swap.sum())]
+        docs.append(list(doc))
+    pairs = []
+    for k in range(n_docs - n_orig):
+        orig = docs[k]
+        copy = np.array(orig, dtype=object)
+        swap = rng.random(len(copy)) < rng.uniform(0.005, 0.03)
+        copy[swap] = vocab[rng.integers(0, len(vocab), swap.sum())]
+        pairs.append((k, len(docs)))
+        docs.append(list(copy))
+    return docs, pairs
+
+
+def run(backend: str, sets, groups, config: DedupConfig) -> dict:
+    cfg = DedupConfig(**{**config.__dict__, "backend": backend})
+    t0 = time.perf_counter()
+    sigs = signatures(sets, cfg)
+    t1 = time.perf_counter()
+    hits = near_duplicates(sets, groups, cfg, sigs=sigs)
+    t2 = time.perf_counter()
+    return {"backend": backend, "signature_s": t1 - t0, "total_s": t2 - t0, "hits": hits}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--docs", type=int, default=100_000)
+    p.add_argument("--fixtures", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "raw")
+    p.add_argument("--threshold", type=float, default=DedupConfig.threshold)
+    args = p.parse_args()
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        real = real_texts(args.fixtures, Path(tmp))
+    docs, pairs = corpus(real, args.docs)
+    config = DedupConfig(threshold=args.threshold)
+    t0 = time.perf_counter()
+    sets = [shingles(d, config.shingle_size) for d in docs]
+    shingle_s = time.perf_counter() - t0
+    groups = ["positive"] * len(sets)
+    positives = {(a, b) for a, b in pairs if jaccard(sets[a], sets[b]) >= config.threshold}
+    n_shingles = sum(len(s) for s in sets)
+    print(f"corpus: {len(docs)} trajectories from {len(real)} real rows, {n_shingles} shingles "
+          f"({n_shingles / len(docs):.0f} per trajectory); planted near pairs {len(pairs)}, "
+          f"of which {len(positives)} have Jaccard >= {config.threshold}; shingling {shingle_s:.1f} s (shared)")
+
+    results = [run(b, sets, groups, config) for b in ("datasketch", "numpy")]
+    for r in results:
+        found = {(hit[0], i) for i, hit in enumerate(r["hits"]) if hit is not None}
+        r["recall"] = len(found & positives) / max(1, len(positives))
+        # Merges that are not planted pairs, and merges below the threshold (must be none).
+        r["other_merges"] = len(found - {(a, b) for a, b in pairs})
+        r["below_threshold"] = sum(1 for hit in r["hits"] if hit is not None and hit[1] < config.threshold)
+        print(f"{r['backend']:>10}: signatures {len(docs) / r['signature_s']:>9.0f} traj/s "
+              f"({r['signature_s']:.1f} s), near-dedup end to end {len(docs) / r['total_s']:>8.0f} traj/s "
+              f"({r['total_s']:.1f} s), recall {r['recall']:.4f}, other merges {r['other_merges']}, "
+              f"below threshold {r['below_threshold']}")
+    lib, ours = results
+    same = sum(1 for a, b in zip(lib["hits"], ours["hits"]) if (a is None) == (b is None)) / len(docs)
+    print(f"ratio numpy/datasketch: signatures x{lib['signature_s'] / ours['signature_s']:.1f}, "
+          f"end to end x{lib['total_s'] / ours['total_s']:.1f}; recall {ours['recall']:.4f} vs "
+          f"{lib['recall']:.4f}; same keep/drop decision on {same:.2%} of trajectories")
+
+
+if __name__ == "__main__":
+    main()
