@@ -354,3 +354,18 @@ def test_output_flood_is_bounded(sandboxed):
     r = env.step(bash("head -c 5M /dev/zero | tr '\\0' a; echo; echo done"))
     assert r.info["exit_code"] == 0 and len(r.observation) == 780 + len("\n[truncated because the output is too long]")
     assert env.step(bash("echo next")).observation == "next\n"
+
+
+@needs_sandbox
+def test_hanging_check_script_is_killed_at_its_timeout():
+    env = make_env("os", step_timeout=3, check_timeout=1)
+    try:
+        env.reset(os_task(evaluation={"check": "sleep 30 & setsid sleep 30 & sleep 30"}))
+        started = time.monotonic()
+        end = env.step("Act: finish")
+        assert end.done and end.info["success"] is False and end.info["checks"][0]["exit_code"] is None
+        assert time.monotonic() - started < 6
+    finally:
+        name = env.sandbox.name if env.sandbox else None
+        env.close()
+    assert name is None or _sandbox_leftovers(name) == []

@@ -11,7 +11,7 @@ The sandbox (one per episode), built from stock tools, needs root (as in CI):
   never sees it, and the mounts vanish with the namespace's last process;
 - `bwrap` binds that tree as `/` with fresh /dev and /proc, empty tmpfs over paths that hold host
   data (/root, /home, /tmp, the checkout...), and new pid, net (loopback only, down), ipc and uts
-  namespaces; its pid-1 stays alive (`sleep infinity`) as the anchor of the sandbox and dies with
+  namespaces; its pid 1 and a `sleep infinity` are the anchor of the sandbox and die with
   us (--die-with-parent);
 - every process we start inside (init scripts, the agent's shell, check scripts) enters those
   namespaces with `nsenter`, keeps only a docker-like set of capabilities (no CAP_SYS_ADMIN,
@@ -55,7 +55,7 @@ TRUNCATION_NOTE = "\n[truncated because the output is too long]"
 # (MKNOD: device nodes of host disks; NET_RAW, SETFCAP, SETPCAP, SYS_CHROOT: not needed).
 _CAPS = "-all,+chown,+dac_override,+fowner,+fsetid,+kill,+setgid,+setuid,+net_bind_service,+audit_write"
 _SANDBOX_ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "USER=root",
-                "LOGNAME=root", "SHELL=/bin/bash", "TERM=dumb", "LANG=C.UTF-8", "PS1=", "PS2="]
+                "LOGNAME=root", "SHELL=/bin/bash", "TERM=dumb", "LANG=C.UTF-8"]
 _TOOLS = ("bwrap", "unshare", "nsenter", "setpriv", "prlimit", "env", "mount")
 # Top-level directories that are the system itself and must stay visible.
 _SYSTEM_DIRS = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "var", "opt", "boot", "dev",
@@ -290,9 +290,16 @@ class Sandbox:
             out, err = proc.communicate(timeout=timeout)
             code: int | None = proc.returncode
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the process group spans the namespace boundary
-            out, err = proc.communicate()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the process group spans the namespace boundary
+            except ProcessLookupError:
+                pass
             code = None
+            try:
+                out, err = proc.communicate(timeout=2)
+            except subprocess.TimeoutExpired:
+                # A process that left the group (setsid) still holds the pipes; close() reaps it.
+                out, err = b"", b""
         return ScriptRun(code, out.decode(errors="replace"), err.decode(errors="replace"))
 
     def processes(self) -> int:
