@@ -110,6 +110,9 @@ def test_errors_invalid_actions_and_columns_stored_as_text():
         r = env.step(operation("SELECT nope FROM `Medal Tally`"))
         assert r.info["valid"] and r.info["error"] and r.observation.startswith("Error: ")
         assert env.step("I would like to see the table").info["valid"] is False
+        # The declared action wins over words in the prose.
+        r = env.step("I'll check before giving the Final Answer: [1]\nAction: Operation\n```sql\nSELECT 1\n```")
+        assert not r.done and r.observation == "[(1,)]"
         # Upstream creates every column as TEXT: MAX compares strings unless the agent casts.
         assert env.step(operation("SELECT MAX(Bronze) FROM `Medal Tally`")).observation == "[('9',)]"
         assert env.step(operation("SELECT MAX(CAST(Bronze AS INTEGER)) FROM `Medal Tally`")).observation == "[(32,)]"

@@ -25,6 +25,9 @@ from pipeline.tasks import Task, coerce_task, db_answers_match, table_hash, task
 
 _SQL_BLOCK = re.compile(r"```sql\s*\n(.*?)```", re.S | re.I)
 _FINAL = re.compile(r"Final Answer:\s*(.*)", re.S)
+# The declared action (`Action: Operation` / `Action: Answer`, or the bare word the parsed action
+# starts with) decides when a turn holds both a SQL block and the words "Final Answer".
+_DECLARED = re.compile(r"(?:^|\n)\s*(?:Action:\s*)?(Operation|Answer)\b")
 
 
 def _quote(name: str) -> str:
@@ -98,7 +101,8 @@ class DbEnv:
     def step(self, action: str) -> StepResult:
         if self._conn is None or self._task is None or self._done:
             raise RuntimeError("step() before reset() or after the episode ended")
-        final = _FINAL.search(action)
+        declared = _DECLARED.search(action)
+        final = _FINAL.search(action) if not declared or declared.group(1) == "Answer" else None
         if final:
             answer = parse_answer(final.group(1))
             self._done = True
