@@ -273,10 +273,11 @@ def write_release_files(out: Path, report: dict, units: list[UnitResult], config
 
 def summary_lines(report: dict) -> list[str]:
     """The short human summary printed at the end of a build."""
-    lines = [f"{'source':<14}{'read':>8}{'written':>9}{'quarant.':>10}  reasons"]
+    lines = [f"{'source':<14}{'read':>8}{'written':>9}{'quarant.':>10}{'dups':>7}  reasons"]
     for name, entry in sorted(report["sources"].items()):
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(entry["reasons"].items())) or "-"
-        lines.append(f"{name:<14}{entry['read']:>8}{entry['written']:>9}{entry['quarantined']:>10}  {reasons}")
+        lines.append(f"{name:<14}{entry['read']:>8}{entry['written']:>9}{entry['quarantined']:>10}"
+                     f"{entry.get('duplicates', 0):>7}  {reasons}")
     t = report["total"]
-    lines.append(f"{'total':<14}{t['read']:>8}{t['written']:>9}{t['quarantined']:>10}")
+    lines.append(f"{'total':<14}{t['read']:>8}{t['written']:>9}{t['quarantined']:>10}{t.get('duplicates', 0):>7}")
     return lines
