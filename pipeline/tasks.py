@@ -34,7 +34,7 @@ ENVS = ("os", "db", "agentgym")
 # task whose setup or reference solution needs one cannot pass offline and is marked, not faked.
 _NEEDS_NETWORK = re.compile(
     r"\b(?:apt(?:-get)?\s+(?:-\S+\s+)*(?:update|install|upgrade|dist-upgrade)|pip3?\s+install|npm\s+install|"
-    r"curl|wget|git\s+clone)\b")
+    r"git\s+clone)\b|\b(?:curl|wget)\b[^\n]*\b(?:https?|ftp)://(?!localhost|127\.)")
 
 
 class TaskFormatError(ValueError):

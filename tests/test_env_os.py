@@ -270,6 +270,10 @@ def test_escape_network_is_unreachable(sandboxed):
     with pytest.raises(BlockingIOError):
         listener.accept()  # nothing ever reached the host's listener
     listener.close()
+    # Control: the sandbox's own loopback works (local servers in tasks), on the same port number.
+    r = env.step(bash(f"(python3 -m http.server {port} >/dev/null 2>&1 &); sleep 1; python3 -c "
+                      f"\"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/').status)\""))
+    assert r.observation == "200\n"
 
 
 @needs_sandbox

@@ -79,6 +79,9 @@ def test_unrunnable_tasks_are_marked_with_a_reason():
     needs_file = coerce_task({"description": "count", "evaluation": {
         "check": [None, {"language": "python", "file": "check/integer-match.py"}], "example": "ls | wc -l"}})
     assert needs_file.skip_reason and "check/integer-match.py" in needs_file.skip_reason
+    download = coerce_task({"description": "d", "evaluation": {"check": "wget -q https://example.com/x"}})
+    local = coerce_task({"description": "d", "evaluation": {"check": "curl -s http://localhost:8000/"}})
+    assert download.skip_reason and local.skip_reason is None
 
 
 @pytest.mark.parametrize("content, message", [
