@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -117,3 +118,23 @@ def test_build_writes_negatives_config(fixtures_build):
     sft_ids = {r["id"] for r in pq.read_table(fixtures_build / "data" / "sft").to_pylist()}
     assert {n["parent_id"] for n in negatives} <= sft_ids
     assert not sft_ids & {n["id"] for n in negatives}
+
+
+def test_agent_flan_rows_keep_their_label_and_their_negatives_fail_validation(tmp_path):
+    from pipeline.build import BuildConfig, process_unit
+    from pipeline.dedup import deduplicate
+    from sources import get_source
+    agent_flan = Path(__file__).parent / "data" / "agent_flan"
+    records = [r for f in get_source("agent_flan").files(str(agent_flan))
+               for r in pq.read_table(process_unit("agent_flan", f, tmp_path, BuildConfig()).records_path).to_pylist()]
+    labelled = [r for r in records if r["kind"] == "negative"]
+    assert [r["negative_type"] for r in labelled] == ["tool_irrelevance"]
+    kept, _ = deduplicate(records)
+    assert labelled[0] in kept
+    negatives = make_negatives(records, ALL)
+    assert labelled[0]["id"] not in {n["parent_id"] for n in negatives}
+    # Tool calls as JSON and as Python dicts get their own negatives too.
+    assert {"invented_tool", "broken_format"} <= {n["negative_type"] for n in negatives if n["domain"] == "tool"}
+    for negative in negatives:
+        violation = validate_record(_as_positive(negative))
+        assert violation is not None and violation.reason == EXPECTED_VIOLATION[negative["negative_type"]], negative["id"]
