@@ -5,13 +5,15 @@ observations), not the prompt: every row of an env shares the same boilerplate i
 re-releases (OpenManus-RL of AgentTraj-L, Agent-FLAN of AgentInstruct) rewrite the prompt or the
 whitespace while the task and the trajectory stay.
 
-- Exact: a hash over the token sequence of task and actions (case, whitespace, terminal escape
-  codes and literal `\\n` escapes folded).
-- Near: MinHash over word shingles of the same text (rewordings of thoughts, small edits), candidates from an LSH index (datasketch),
-  confirmed by the true Jaccard similarity of the shingle sets, so LSH false positives never merge.
-  Records are visited in keep-preference order and each one either joins the most similar kept
-  record or becomes kept itself: a dropped record is always similar to the record it points at
-  (no chaining through intermediate rows).
+- Exact: a hash over that text as tokens (case, whitespace, terminal escape codes and literal
+  `\\n` escapes folded).
+- Near: MinHash over word shingles of the same text (rewordings of thoughts, small edits),
+  candidates from datasketch's LSH index, confirmed by the true Jaccard similarity of the shingle
+  sets, so LSH false positives never merge. Records are visited in keep-preference order and each
+  one either joins the most similar kept record or becomes kept itself: a dropped record is always
+  similar to the record it points at (no chaining through intermediate rows). The signatures come
+  from a vectorized numpy MinHash (default; bench/bench_dedup.py measures it against datasketch's
+  on 100k trajectories: same recall, several times the throughput) or from datasketch's own.
 - Only records of the same kind (and negative type) are compared: an upstream negative is not a
   duplicate of a positive even when it repeats its task.
 
