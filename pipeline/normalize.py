@@ -162,6 +162,8 @@ def _task_text(content: str, env: str) -> str:
 def normalize_row(row: dict, source: Source, split: str, source_file: str, index: int,
                   config: NormalizeConfig = NormalizeConfig()) -> dict:
     """Turn one upstream row into a record, or raise NormalizeError with a reason code."""
+    if "schema_version" in row:
+        return _passthrough(row, source)
     source_id = source.row_id(row)
     if source_id is None or not source_id.strip():
         raise NormalizeError("missing_id", f"row has none of {ROW_ID_KEYS}")
@@ -237,6 +239,16 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
         "conversations": conversations,
         "meta": json.dumps(meta, sort_keys=True),
     }
+
+
+def _passthrough(row: dict, source: Source) -> dict:
+    """A row that already is a record (our own synthesis output) keeps everything it carries:
+    per-turn reasoning, generator and sampling in `meta`. Validation still decides."""
+    if row["schema_version"] != SCHEMA_VERSION:
+        raise NormalizeError("schema", f"schema_version {row['schema_version']!r}, expected {SCHEMA_VERSION}")
+    if row.get("source") != source.name:
+        raise NormalizeError("schema", f"a {row.get('source')!r} record read as source {source.name!r}")
+    return dict(row)
 
 
 def _render_react(conversations: list[dict], task_at: int) -> str:

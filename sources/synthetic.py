@@ -1,21 +1,13 @@
 """Our own synthesis output (`trajforge synth --out DIR`) as a build source.
 
 Location: a synth output folder (it reads `data/synthetic/*.parquet`), that folder's
-`data/synthetic`, or one of its Parquet files. The files hold finished schema records; the build
-re-derives records from upstream-shaped rows, so the source hands it each record's id and its
-`{role, content, loss}` turns (a small JSON Lines view written next to the input, under
-`DIR/.synth/build_view/`), and the env from the file name (`<env>.parquet`).
-
-What the view does not carry through the build: the per-turn `reasoning` and the synthesis
-`meta` (model, sampling, reward). The synth output itself keeps both; use it directly when
-training on reasoning.
+`data/synthetic`, or one of its Parquet files. The files hold finished schema records, which the
+build passes through unchanged (per-turn `reasoning`, generator and sampling in `meta`) and
+validates like any other record.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
-
-import pyarrow.parquet as pq
 
 from sources.base import Source, SourceError, SourceFile
 
@@ -49,23 +41,7 @@ class Synthetic(Source):
         parquet = synthetic_files(root)
         if not parquet:
             raise SourceError(f"source synthetic: no data/synthetic/*.parquet under {location}")
-        return [SourceFile(self._view(path), path.stem) for path in parquet]
-
-    def _view(self, path: Path) -> Path:
-        """Write (once per input version) the upstream-shaped rows the build normalizes."""
-        in_synth_out = path.parent.name == "synthetic" and path.parent.parent.name == "data"
-        base = path.parents[2] if in_synth_out else path.parent
-        view = base / ".synth" / "build_view" / f"{path.stem}.jsonl"
-        if view.exists() and view.stat().st_mtime >= path.stat().st_mtime:
-            return view
-        view.parent.mkdir(parents=True, exist_ok=True)
-        tmp = view.with_name(f".{view.name}.tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            for record in pq.read_table(path, columns=["source_id", "conversations"]).to_pylist():
-                turns = [{"role": t["role"], "content": t["content"], "loss": t["loss"]} for t in record["conversations"]]
-                fh.write(json.dumps({"id": record["source_id"], "conversations": turns}, ensure_ascii=False) + "\n")
-        tmp.replace(view)
-        return view
+        return [SourceFile(path, path.stem) for path in parquet]
 
     def split_of(self, path: Path) -> str:
         return path.stem

@@ -174,3 +174,10 @@ def test_cli_synth_flow_and_the_build_reads_the_output(tmp_path, monkeypatch, ca
     assert unit.written == len(records) and unit.quarantined == 0
     built = pq.read_table(unit.records_path).to_pylist()
     assert {r["id"] for r in built} == {r["id"] for r in records}
+    # The build passes synthetic records through whole: reasoning and generator metadata survive.
+    by_id = {r["id"]: r for r in records}
+    for record in built:
+        assert record["meta"] == by_id[record["id"]]["meta"] and "model" in record["meta"]
+        assert record["conversations"] == by_id[record["id"]]["conversations"]
+        assert all(t["reasoning"] for t in record["conversations"] if t["role"] == "assistant")
+        assert json.loads(record["meta"])["sampling"]["temperature"] == 0.5
