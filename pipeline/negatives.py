@@ -172,7 +172,8 @@ def make_irrelevant_tools(record: dict, pool: list[dict], seed: int) -> dict | N
                    and extract_answer(t["action"], t["dialect"]) is not None), None)
     if finish is None or not finish["action"].startswith("finish with Action Input:"):
         return None
-    chosen = render_turn(finish["dialect"], f"None of the available actions can help with this request about {record['env']}.",
+    thought = f"None of the available actions can help with this request about {record['env']}."
+    chosen = render_turn(finish["dialect"], thought,
                          "finish with Action Input: " + json.dumps({"answer": NO_FITTING_TOOL}))
     return _negative(record, "irrelevant_tools", conversations,
                      extra={"tools_from_env": donor_env, "chosen": chosen})

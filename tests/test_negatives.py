@@ -137,4 +137,5 @@ def test_agent_flan_rows_keep_their_label_and_their_negatives_fail_validation(tm
     assert {"invented_tool", "broken_format"} <= {n["negative_type"] for n in negatives if n["domain"] == "tool"}
     for negative in negatives:
         violation = validate_record(_as_positive(negative))
-        assert violation is not None and violation.reason == EXPECTED_VIOLATION[negative["negative_type"]], negative["id"]
+        assert violation is not None, negative["id"]
+        assert violation.reason == EXPECTED_VIOLATION[negative["negative_type"]], negative["id"]
