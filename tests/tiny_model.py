@@ -73,68 +73,38 @@ if __name__ == "__main__":
     print(build_tiny_model(Path(sys.argv[1]), Path(sys.argv[2] if len(sys.argv) > 2 else "build")))
 
 
-# --- stand-ins for the `grpo` and `preference` release configs ------------------------------
-# Used only while the build does not write those configs yet: derived from the real `sft` rows
-# with the columns the release will carry, and written in the same layout, so the launchers
-# read them exactly as they will read the real ones.
-
-def first_action_turn(conversations: list[dict]) -> int | None:
-    return next((i for i, t in enumerate(conversations)
-                 if t["role"] == "assistant" and t["loss"] and t["action"] is not None), None)
-
-
-def standin_grpo_rows(sft_rows: list[dict]) -> list[dict]:
-    """Prompt = messages up to the first trained action turn; that turn's dialect is the format."""
-    rows = []
-    for row in sft_rows:
-        k = first_action_turn(row["conversations"])
-        if k is None:
-            continue
-        rows.append({"id": row["id"], "prompt": [{"role": t["role"], "content": t["content"]}
-                                                for t in row["conversations"][:k]],
-                     "answer": row["answer"], "env": row["env"], "domain": row["domain"], "task": row["task"],
-                     "rendering": row["rendering"], "dialect": row["conversations"][k]["dialect"]})
-    return rows
-
-
-def standin_preference_rows(sft_rows: list[dict]) -> list[dict]:
-    """Chosen = the first trained action turn; rejected = the trajectory's next action (a step
-    taken out of order), a simple negative that is still in the env's own format."""
-    rows = []
-    for row in sft_rows:
-        turns = row["conversations"]
-        actions = [i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"] and t["action"]]
-        if len(actions) < 2 or turns[actions[0]]["content"] == turns[actions[1]]["content"]:
-            continue
-        k = actions[0]
-        rows.append({"id": row["id"],
-                     "prompt": [{"role": t["role"], "content": t["content"]} for t in turns[:k]],
-                     "chosen": [{"role": "assistant", "content": turns[k]["content"]}],
-                     "rejected": [{"role": "assistant", "content": turns[actions[1]]["content"]}]})
-    return rows
-
-
 def read_config(build_dir: Path, config: str) -> list[dict]:
+    """Every row of one config of a build folder, in shard order."""
     import pyarrow.parquet as pq
 
     return [r for path in sorted(glob.glob(str(build_dir / "data" / config / "*.parquet")))
             for r in pq.read_table(path).to_pylist()]
 
 
-def ensure_training_configs(build_dir: Path, out: Path) -> Path:
-    """A build folder with `sft`, `grpo` and `preference` configs: the real ones where the build
-    wrote them, stand-ins derived from `sft` otherwise."""
-    import shutil
+def warm_start(model_dir: Path, build_dir: Path, out: Path, steps: int = 60, rows: int = 1000) -> Path:
+    """The tiny model after a few steps of next-token fitting on the builds' first replies.
 
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    GRPO learns only from reward differences inside a group. A random policy never writes an
+    action marker, so every reward ties, every advantage is zero and no weight moves; a policy
+    that has seen the reply formats sometimes writes them, as a real SFT-then-GRPO run does.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    shutil.copytree(build_dir / "data" / "sft", out / "data" / "sft", dirs_exist_ok=True)
-    sft = read_config(build_dir, "sft")
-    for config, derive in (("grpo", standin_grpo_rows), ("preference", standin_preference_rows)):
-        if glob.glob(str(build_dir / "data" / config / "*.parquet")):
-            shutil.copytree(build_dir / "data" / config, out / "data" / config, dirs_exist_ok=True)
-        else:
-            (out / "data" / config).mkdir(parents=True, exist_ok=True)
-            pq.write_table(pa.Table.from_pylist(derive(sft)), out / "data" / config / "train-00000-of-00001.parquet")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    replies = []
+    for row in read_config(build_dir, "sft")[:rows]:
+        first = next(t for t in row["conversations"] if t["role"] == "assistant" and t["loss"])
+        replies.append(f"<|im_start|>assistant\n{first['content']}<|im_end|>")
+    batch = tokenizer(replies, add_special_tokens=False, padding=True, truncation=True, max_length=64,
+                      return_tensors="pt")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out

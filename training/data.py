@@ -110,7 +110,7 @@ class SFTStats:
     dropped_too_long: int = 0   # even the first trained turn does not fit
     dropped_no_loss: int = 0    # no assistant turn with loss
     trained_tokens: int = 0
-    dropped_ids: list[str] = field(default_factory=list)
+    dropped_ids: list[str] = field(default_factory=list, repr=False)
 
 
 def tokenize_trajectory(tokenizer, conversations: list[dict], max_length: int | None) -> dict | None:

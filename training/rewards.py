@@ -1,0 +1,199 @@
+"""GRPO reward functions for agent turns, in a registry (name -> function).
+
+Each function follows TRL's reward signature, `f(completions, **columns) -> list[float | None]`,
+where the columns are the `grpo` config's: `rendering` (native|react), `dialect` (the format
+the prompt asks for, as parsed from the reference turn), `answer`, `env`, `domain`, `task`.
+`None` means "does not apply to this row" and TRL leaves it out of the weighted sum.
+
+- `format`: the completion parses as the dialect its prompt asks for (Think/Act in the react
+  rendering, the env's own dialect in native), so a response always follows its prompt.
+- `tag_count`: partial credit per structural check (one thought marker, one action marker, in
+  order, a non-empty action), the agent analogue of open-r1's <think>/<answer> tag counting.
+- `accuracy`: the final answer the completion gives against the row's `answer`, normalized
+  exact match, and order-insensitive set match for list answers (DB rows, KG entity sets).
+- `env`: replays the action in the registered environment (`pipeline.envs.make_env`) for the
+  row's `env_task` and returns its reward; None where a row has no task or no environment.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import re
+from typing import Callable
+
+from pipeline.dialects import FREE_TEXT, parse_turn
+from pipeline.normalize import extract_answer
+
+logger = logging.getLogger(__name__)
+
+REACT_DIALECT = "think_act"
+
+# Per dialect: (thought marker, action marker) at the start of a line; None where the dialect
+# has no marker for it. JSON tool calls have no markers and are checked by parsing alone.
+MARKERS: dict[str, tuple[str | None, str]] = {
+    "think_act": ("Think:", "Act:"),
+    "upper_thought_action": ("THOUGHT:", "ACTION:"),
+    "thought_action_block": ("Thought:", "Action:"),
+    "action_input": ("Thought:", "Action:"),
+    "toolbench_react": ("Thought:", "Action:"),
+    "thought_action": ("Thought:", "Action:"),
+    "final_answer": ("Thought:", "Final Answer:"),
+    "choice_action": ("Thought:", "Answer:"),
+    "prose_action": (None, "Action:"),
+}
+
+
+def completion_text(completion) -> str:
+    """TRL passes a string for plain prompts and a message list for conversational ones."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m["content"] for m in completion if m.get("role", "assistant") == "assistant")
+
+
+def expected_dialect(rendering: str | None, dialect: str | None) -> str | None:
+    if rendering == "react":
+        return REACT_DIALECT
+    return dialect if dialect and dialect != FREE_TEXT else None
+
+
+def _column(kwargs: dict, name: str, n: int) -> list:
+    return kwargs.get(name) or [None] * n
+
+
+def format_reward(completions, **kwargs) -> list[float | None]:
+    n = len(completions)
+    rewards: list[float | None] = []
+    for completion, rendering, dialect in zip(completions, _column(kwargs, "rendering", n),
+                                              _column(kwargs, "dialect", n)):
+        want = expected_dialect(rendering, dialect)
+        text = completion_text(completion).strip()
+        if want is None:
+            rewards.append(None)
+        elif not text:
+            rewards.append(0.0)
+        else:
+            rewards.append(1.0 if parse_turn(text).dialect == want else 0.0)
+    return rewards
+
+
+def _line_starts(text: str, marker: str) -> list[int]:
+    return [m.start() for m in re.finditer(rf"(?m)^[ \t]*{re.escape(marker)}", text)]
+
+
+def tag_count_reward(completions, **kwargs) -> list[float | None]:
+    n = len(completions)
+    rewards: list[float | None] = []
+    for completion, rendering, dialect in zip(completions, _column(kwargs, "rendering", n),
+                                              _column(kwargs, "dialect", n)):
+        want = expected_dialect(rendering, dialect)
+        text = completion_text(completion).strip()
+        if want is None:
+            rewards.append(None)
+            continue
+        if want not in MARKERS:
+            # JSON / dict tool calls: one well-formed call is the whole structure.
+            rewards.append(1.0 if text and parse_turn(text).dialect == want else 0.0)
+            continue
+        thought_marker, action_marker = MARKERS[want]
+        thoughts = _line_starts(text, thought_marker) if thought_marker else []
+        actions = _line_starts(text, action_marker)
+        score = 0.25 * (len(thoughts) <= 1)                       # at most one thought (it is optional)
+        score += 0.25 * (len(actions) == 1)                       # exactly one action: one step per turn
+        score += 0.25 * (len(actions) == 1 and all(t < actions[0] for t in thoughts))  # think, then act
+        if len(actions) == 1:
+            body = text[actions[0]:].strip()[len(action_marker):].strip()
+            score += 0.25 * bool(body)                            # the action says something
+        rewards.append(score)
+    return rewards
+
+
+def _as_list(answer: str) -> list | None:
+    for loader in (json.loads, ast.literal_eval):
+        try:
+            value = loader(answer)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+        return value if isinstance(value, list) else None
+    return None
+
+
+def _norm(value) -> str:
+    """Case, spacing, quotes and number formatting do not change an answer: `12000.0` == `12000`."""
+    text = str(value).strip().strip("'\"`").strip().rstrip(".").casefold()
+    text = re.sub(r"\s+", " ", text)
+    try:
+        number = float(text.replace(",", ""))
+    except ValueError:
+        return text
+    return repr(round(number, 6)) if number != int(number) else str(int(number))
+
+
+def answers_match(predicted: str, reference: str) -> bool:
+    pred_list, ref_list = _as_list(predicted), _as_list(reference)
+    if pred_list is not None and ref_list is not None:
+        return sorted(map(_norm, pred_list)) == sorted(map(_norm, ref_list))
+    if ref_list is not None and len(ref_list) == 1:  # `Final Answer: 28` against `[28]`
+        return _norm(predicted) == _norm(ref_list[0])
+    return _norm(predicted) == _norm(reference)
+
+
+def accuracy_reward(completions, **kwargs) -> list[float | None]:
+    n = len(completions)
+    rewards: list[float | None] = []
+    for completion, answer in zip(completions, _column(kwargs, "answer", n)):
+        if answer is None:
+            rewards.append(None)
+            continue
+        text = completion_text(completion).strip()
+        parsed = parse_turn(text) if text else None
+        predicted = extract_answer(parsed.action, parsed.dialect) if parsed else None
+        rewards.append(float(predicted is not None and answers_match(predicted, answer)))
+    return rewards
+
+
+def env_reward(completions, **kwargs) -> list[float | None]:
+    """Replay each completion's action in a fresh environment for the row's `env_task` (a task
+    record as `pipeline.tasks` reads it, or its JSON text) and return the environment's reward.
+    None for rows without a task or whose env has no registered environment."""
+    n = len(completions)
+    try:
+        from pipeline.envs import make_env
+        from pipeline.tasks import coerce_task
+    except ImportError:
+        logger.warning("env reward: pipeline.envs is not available; the reward is skipped")
+        return [None] * n
+    rewards: list[float | None] = []
+    for completion, task in zip(completions, _column(kwargs, "env_task", n)):
+        if task is None:
+            rewards.append(None)
+            continue
+        task = coerce_task(json.loads(task) if isinstance(task, str) else task)
+        try:
+            env = make_env(task.env)
+        except KeyError:  # no environment registered under this name
+            rewards.append(None)
+            continue
+        text = completion_text(completion).strip()
+        parsed = parse_turn(text) if text else None
+        try:
+            env.reset(task)
+            rewards.append(float(env.step(parsed.action).reward) if parsed and parsed.action else 0.0)
+        finally:
+            env.close()
+    return rewards
+
+
+REWARDS: dict[str, Callable[..., list[float | None]]] = {
+    "format": format_reward,
+    "tag_count": tag_count_reward,
+    "accuracy": accuracy_reward,
+    "env": env_reward,
+}
+
+
+def get_rewards(names: list[str]) -> list[Callable]:
+    unknown = [n for n in names if n not in REWARDS]
+    if unknown:
+        raise KeyError(f"unknown reward(s) {unknown}; known: {sorted(REWARDS)}")
+    return [REWARDS[n] for n in names]
