@@ -1,0 +1,46 @@
+"""Every shipped config parses into its TRL-based dataclasses; the launchers reject bad input."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("trl")
+
+from training.arguments import DPOTrainConfig, GRPOTrainConfig, SFTTrainConfig, parse  # noqa: E402
+from training.cli import main  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[1] / "training" / "configs"
+CLASSES = {"sft": SFTTrainConfig, "grpo": GRPOTrainConfig, "dpo": DPOTrainConfig}
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_config_parses(path: Path):
+    trainer = path.name.split("_")[0]
+    # The GPU recipes ask for bf16, which TrainingArguments refuses on a machine without a GPU.
+    data_args, training_args, model_args = parse(CLASSES[trainer], [
+        "--config", str(path), "--bf16", "false", "--model_name_or_path", "m", "--dataset_name", "d"])
+    assert isinstance(training_args, CLASSES[trainer])
+    assert data_args.dataset_config == {"sft": "sft", "grpo": "grpo", "dpo": "preference"}[trainer]
+    if trainer == "grpo":
+        assert len(training_args.reward_weights) == len(training_args.reward_funcs)
+
+
+def test_recipes_name_the_model_and_the_hub_dataset():
+    recipe = yaml.safe_load((CONFIGS / "sft_qwen2.5-1.5b.yaml").read_text())
+    assert recipe["model_name_or_path"] == "Qwen/Qwen2.5-1.5B-Instruct" and recipe["bf16"] is True
+    assert recipe["dataset_name"].count("/") == 1  # a Hub repo id, not a local folder
+
+
+@pytest.mark.parametrize("name, kind", [("zero3.yaml", "DEEPSPEED"), ("fsdp.yaml", "FSDP")])
+def test_accelerate_configs(name, kind):
+    config = yaml.safe_load((CONFIGS / "accelerate" / name).read_text())
+    assert config["distributed_type"] == kind and config["mixed_precision"] == "bf16"
+
+
+def test_launcher_rejects_unknown_trainers_and_missing_arguments(capsys):
+    assert main([]) == 2 and main(["ppo"]) == 2
+    assert "usage" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(SFTTrainConfig, ["--config", str(CONFIGS / "sft_tiny.yaml"), "--model_name_or_path", "m"])
