@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
+from prefect.context import FlowRunContext
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from pipeline.build import BuildConfig, UnitResult, finalize, process_unit, summary_lines, unit_key
@@ -27,8 +28,15 @@ from sources import DEFAULT_SOURCES, SourceFile, get_source
 RUNNERS = ("threads", "dask", "ray")
 
 
-def make_task_runner(runner: str = "threads", address: str | None = None, workers: int = 4):
-    """The task runner for the units: threads here, or a Dask / Ray cluster (local when no address)."""
+def make_task_runner(runner: str = "threads", address: str | None = None, workers: int = 4,
+                     api_url: str | None = None):
+    """The task runner for the units: threads here, or a Dask / Ray cluster (local when no address).
+
+    Workers of a local cluster are told the Prefect API of this run (`api_url`): without it each
+    worker process of an embedded-mode run starts its own temporary server (a minute each on a
+    small machine). Workers of a remote cluster need PREFECT_API_URL in their own environment.
+    """
+    env = {"PREFECT_API_URL": api_url} if api_url else {}
     if runner == "threads":
         return ThreadPoolTaskRunner(max_workers=workers)
     if runner == "dask":
@@ -37,13 +45,14 @@ def make_task_runner(runner: str = "threads", address: str | None = None, worker
         if address:
             return DaskTaskRunner(address=address)
         return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1,
-                                              "dashboard_address": None})
+                                              "dashboard_address": None, "env": env})
     if runner == "ray":
         from prefect_ray import RayTaskRunner
 
         if address:
             return RayTaskRunner(address=address)
-        return RayTaskRunner(init_kwargs={"num_cpus": workers, "include_dashboard": False})
+        return RayTaskRunner(init_kwargs={"num_cpus": workers, "include_dashboard": False,
+                                          "runtime_env": {"env_vars": env}})
     raise ValueError(f"unknown runner {runner!r}; one of {', '.join(RUNNERS)}")
 
 
@@ -115,7 +124,8 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str = "buil
     staging = (out_dir / ".staging").resolve()
     staging.mkdir(parents=True, exist_ok=True)
     files = [(name, f) for name, location in sources.items() for f in resolve_source(name, location)]
-    units = process_units.with_options(task_runner=make_task_runner(runner, address, workers))(
+    api_url = str(FlowRunContext.get().client.api_url)
+    units = process_units.with_options(task_runner=make_task_runner(runner, address, workers, api_url))(
         files, str(staging), config)
     report = finalize_task(units, str(out_dir), config)
     for line in summary_lines(report):
