@@ -9,6 +9,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
+from flows.build import build_dataset
 from pipeline.release import ReleaseError, ReleasePlan, ReleaseResult, release
 
 
@@ -44,3 +45,12 @@ def release_dataset(folder: str, repo: str, revision: str = "main", tag: str | N
                 outcome.commit, f" (tag {tag})" if tag else "", outcome.verified)
     return {"dry_run": False, "commit": outcome.commit, "tag": outcome.tag, "added": plan.added,
             "changed": plan.changed, "deleted": plan.deleted, "verified": outcome.verified}
+
+
+@flow(name="build-and-release", log_prints=True)
+def build_and_release(repo: str, out: str = "build", sources: dict[str, str | None] | None = None,
+                      rendering: str = "native", runner: str = "threads", address: str | None = None,
+                      revision: str = "main", tag: str | None = None, private: bool = False) -> dict:
+    """Build, then release the build. Rerunning an unchanged build pushes nothing (empty plan)."""
+    build_dataset(sources=sources, out=out, rendering=rendering, runner=runner, address=address)
+    return release_dataset(folder=out, repo=repo, revision=revision, tag=tag, private=private)

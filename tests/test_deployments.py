@@ -1,0 +1,90 @@
+"""prefect.yaml against a real `prefect server start` on loopback: deploy all, trigger a run, see it done."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from conftest import RAW
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def prefect_server(tmp_path):
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect_home"), "PREFECT_API_URL": api,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_UI_ENABLED": "false",
+           "HF_HUB_OFFLINE": "1", "PWD": str(REPO), "PYTHONPATH": str(REPO)}
+    log = open(tmp_path / "server.log", "wb")
+    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(0.5)
+        yield api, env
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+        log.close()
+
+
+def run(cmd: list[str], env: dict, timeout: int = 180) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{cmd}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def test_prefect_yaml_deploys_and_an_adhoc_build_runs_on_a_worker(prefect_server, tmp_path):
+    api, env = prefect_server
+    declared = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    assert httpx.post(f"{api}/work_pools/", json={"name": "trajforge", "type": "process"}).status_code == 201
+    run([PREFECT, "--no-prompt", "deploy", "--all"], env)
+
+    deployments = httpx.post(f"{api}/deployments/filter", json={}).json()
+    flows = {f["id"]: f["name"] for f in httpx.post(f"{api}/flows/filter", json={}).json()}
+    found = {f"{flows[d['flow_id']]}/{d['name']}": d for d in deployments}
+    assert set(found) == {"synthesize/nightly", "build-and-release/weekly", "build-dataset/adhoc"}
+    assert len(declared) == 3
+    crons = {name: [s["schedule"]["cron"] for s in d["schedules"]] for name, d in found.items()}
+    assert crons == {"synthesize/nightly": ["0 2 * * *"], "build-and-release/weekly": ["0 4 * * 1"],
+                     "build-dataset/adhoc": []}
+
+    out = tmp_path / "adhoc"
+    sources = json.dumps({"openmanus_rl": str(RAW / "openmanus_rl")})
+    triggered = run([PREFECT, "deployment", "run", "build-dataset/adhoc", "-p", f"sources={sources}",
+                     "-p", f"out={out}"], env)
+    run_id = next(line.split()[-1] for line in triggered.stdout.splitlines() if "UUID" in line)
+    # A worker picks the run up, runs it in a subprocess from the checkout, and exits.
+    run([PREFECT, "worker", "start", "--pool", "trajforge", "--run-once"], env, timeout=240)
+
+    state = httpx.get(f"{api}/flow_runs/{run_id}").json()["state"]
+    assert state["type"] == "COMPLETED", state
+    report = json.loads((out / "report.json").read_text())
+    assert report["sources"]["openmanus_rl"]["read"] > 0
+    assert (out / "manifest.json").exists() and (out / "README.md").exists()
