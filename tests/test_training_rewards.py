@@ -10,8 +10,6 @@ from pipeline.dialects import render_react
 from tiny_model import read_config
 from training.rewards import REWARDS, accuracy_reward, env_reward, format_reward, get_rewards, tag_count_reward
 
-TASKS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tasks" / "agentbench"
-
 
 @pytest.fixture(scope="module")
 def sft_rows(fixtures_build: Path) -> list[dict]:
@@ -112,11 +110,11 @@ def test_accuracy_is_order_insensitive_for_list_answers(sft_rows):
     assert accuracy_reward([as_completion(missing)], answer=[row["answer"]]) == [0.0]
 
 
-def test_env_reward_replays_db_answers_in_the_registered_environment():
+def test_env_reward_replays_db_answers_in_the_registered_environment(raw_dir):
     pytest.importorskip("pipeline.envs.db")
     from pipeline.tasks import load_tasks
 
-    tasks = [t for t in load_tasks(TASKS / "db" / "dev.jsonl") if t.data.get("kind") == "select"][:3]
+    tasks = [t for t in load_tasks(raw_dir.parent / "tasks" / "agentbench" / "db" / "dev.jsonl") if t.data.get("kind") == "select"][:3]
     assert tasks
     right = [as_completion(f"The query gave the answer.\nAction: Answer\nFinal Answer: {json.dumps(t.data['label'])}")
              for t in tasks]

@@ -110,6 +110,13 @@ def test_sft_resumes_from_a_checkpoint(tiny, build, sft_run, tmp_path):
     assert all(torch.allclose(full[k], again[k], atol=1e-5) for k in full)
 
 
+def test_sft_packs_rows_when_asked(tiny, build, tmp_path):
+    out = tmp_path / "packed"
+    launch("sft", tiny, build, out, *SFT_OVERRIDES, "--packing", "true", "--max_steps", "2",
+           "--save_strategy", "no", "--eval_fraction", "0")
+    assert_trained(tiny, out)
+
+
 def test_grpo_trains_two_steps_with_the_reward_registry(tiny, build, tmp_path):
     policy = warm_start(tiny, build, tmp_path / "warm")
     out = tmp_path / "grpo"

@@ -145,30 +145,40 @@ def tokenize_trajectory(tokenizer, conversations: list[dict], max_length: int | 
     return {"input_ids": ids, "labels": labels, "truncated": truncated}
 
 
-def prepare_sft(dataset: Dataset, tokenizer, max_length: int | None) -> tuple[Dataset, SFTStats]:
-    """Tokenized rows with per-turn labels, TRL-ready (`input_ids`, `labels`), and the counts."""
-    stats = SFTStats(rows=len(dataset))
-    rows = []
-    for row in dataset:
-        conversations = row["conversations"]
-        if not any(t["role"] == "assistant" and t["loss"] for t in conversations):
-            stats.dropped_no_loss += 1
-            stats.dropped_ids.append(row.get("id", "?"))
-            continue
-        out = tokenize_trajectory(tokenizer, conversations, max_length)
-        if out is None:
-            stats.dropped_too_long += 1
-            stats.dropped_ids.append(row.get("id", "?"))
-            continue
-        stats.truncated += out["truncated"]
-        stats.trained_tokens += sum(label != IGNORE for label in out["labels"])
-        rows.append({"input_ids": out["input_ids"], "labels": out["labels"]})
-    stats.kept = len(rows)
+def _prepare_row(row: dict, tokenizer, max_length: int | None) -> dict:
+    conversations = row["conversations"]
+    if not any(t["role"] == "assistant" and t["loss"] for t in conversations):
+        return {"input_ids": [], "labels": [], "status": "no_loss", "trained": 0}
+    out = tokenize_trajectory(tokenizer, conversations, max_length)
+    if out is None:
+        return {"input_ids": [], "labels": [], "status": "too_long", "trained": 0}
+    return {"input_ids": out["input_ids"], "labels": out["labels"],
+            "status": "truncated" if out["truncated"] else "ok",
+            "trained": sum(label != IGNORE for label in out["labels"])}
+
+
+def prepare_sft(dataset: Dataset, tokenizer, max_length: int | None,
+                num_proc: int | None = None) -> tuple[Dataset, SFTStats]:
+    """Tokenized rows with per-turn labels, TRL-ready (`input_ids`, `labels`), and the counts.
+
+    Rendering every prefix is quadratic in the turns of a trajectory, so rows are prepared with
+    `Dataset.map` (cached, and parallel with `num_proc`, TRL's `dataset_num_proc`)."""
+    mapped = dataset.map(_prepare_row, fn_kwargs={"tokenizer": tokenizer, "max_length": max_length},
+                         remove_columns=[c for c in dataset.column_names if c != "id"], num_proc=num_proc,
+                         desc="Tokenizing trajectories with per-turn labels")
+    statuses = mapped["status"]
+    ids = mapped["id"] if "id" in mapped.column_names else [str(i) for i in range(len(mapped))]
+    stats = SFTStats(rows=len(dataset), truncated=statuses.count("truncated"),
+                     dropped_too_long=statuses.count("too_long"), dropped_no_loss=statuses.count("no_loss"),
+                     trained_tokens=sum(mapped["trained"]),
+                     dropped_ids=[i for i, s in zip(ids, statuses) if s in ("too_long", "no_loss")])
+    kept = mapped.filter(lambda status: status in ("ok", "truncated"), input_columns="status")
+    stats.kept = len(kept)
     if stats.truncated or stats.dropped_too_long or stats.dropped_no_loss:
         logger.warning("SFT data: %d rows, %d kept, %d truncated at a turn boundary to max_length=%s, "
                        "%d dropped (first trained turn longer than max_length), %d dropped (no turn with loss)",
                        stats.rows, stats.kept, stats.truncated, max_length, stats.dropped_too_long,
                        stats.dropped_no_loss)
-    if not rows:
+    if not stats.kept:
         raise ValueError(f"no SFT row left after preparation: {stats}")
-    return Dataset.from_list(rows), stats
+    return kept.select_columns(["input_ids", "labels"]), stats
