@@ -11,7 +11,6 @@ upstream cards state them, rather than one license for the whole.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections import defaultdict
@@ -150,6 +149,28 @@ def _provenance_rows(provenance: list[dict], licenses: dict[str, list[str]]) -> 
     return rows
 
 
+def _dedup_lines(dup: dict | None) -> list[str]:
+    if not dup:
+        return []
+    how = ", ".join(f"{n} {match}" for match, n in sorted(dup.get("by_match", {}).items()))
+    lines = ["## Deduplication", "", f"{dup.get('total', 0)} records dropped as duplicates"
+             + (f" ({how})" if how else "") + "; `duplicates.parquet` maps each to the id that was kept.", ""]
+    if dup.get("by_source"):
+        lines += _table(["source", "dropped"], [[s, n] for s, n in sorted(dup["by_source"].items())]) + [""]
+    if dup.get("cross_source"):
+        lines += _table(["across sources (dropped -> kept)", "records"],
+                        [[pair, n] for pair, n in sorted(dup["cross_source"].items())]) + [""]
+    return lines
+
+
+def _negative_lines(neg: dict | None) -> list[str]:
+    if not neg or not neg.get("by_type"):
+        return []
+    return (["## Negatives", "", f"{neg.get('total', 0)} negative trajectories, "
+             f"{neg.get('preference_pairs', 0)} preference pairs.", ""]
+            + _table(["negative_type", "records"], [[f"`{t}`", n] for t, n in sorted(neg["by_type"].items())]) + [""])
+
+
 def render_card(out: Path, report: dict, provenance: list[dict], build: str, code: str) -> str:
     """The full README.md text for the build in `out`."""
     files = layout(out)
@@ -176,8 +197,7 @@ def render_card(out: Path, report: dict, provenance: list[dict], build: str, cod
     lines += (_table(["reason", "records"], [[f"`{r}`", n] for r, n in sorted(reasons.items())]) if reasons
               else ["Nothing was quarantined."])
     lines += ["", "The quarantined records, with their raw input and a reason code, are in `quarantine/`.", ""]
-    if report.get("dedup"):
-        lines += ["## Deduplication", "", "```json", json.dumps(report["dedup"], indent=2, sort_keys=True), "```", ""]
+    lines += _dedup_lines(report.get("duplicates")) + _negative_lines(report.get("negatives"))
     lines += ["## Schema", "", f"Record schema `trajectory` {load_schema('trajectory').get('version', '')} "
               "(JSON Schema in the trajforge repository, `schemas/trajectory.schema.json`).", ""]
     lines += _schema_lines()

@@ -54,6 +54,12 @@ def test_body_has_counts_quarantine_schema_and_ids(card, fixtures_build):
     assert f"| **total** | {total['read']} | {total['written']} | {total['quarantined']} |" in body
     for reason, n in total["reasons"].items():
         assert f"| `{reason}` | {n} |" in body
+    dup = report["duplicates"]
+    assert f"{dup['total']} records dropped as duplicates" in body
+    for source, n in dup["by_source"].items():
+        assert f"| {source} | {n} |" in body
+    for kind, n in report["negatives"]["by_type"].items():
+        assert f"| `{kind}` | {n} |" in body
     for field in arrow_schema("trajectory").names:
         assert f"| `{field}` |" in body
     assert f"build id: `{read_manifest(fixtures_build)['build_id']}`" in body

@@ -74,10 +74,13 @@ def test_markers_skip_done_shards_and_repair_damaged_ones(sft_table, tmp_path):
 def test_build_folder_loads_like_the_hub_and_manifest_lists_every_file(fixtures_build, tmp_path):
     import datasets
 
-    ds = datasets.load_dataset(str(fixtures_build), "sft", split="train", cache_dir=str(tmp_path / "cache"))
-    table = pa.concat_tables(pq.read_table(fixtures_build / p) for p in layout(fixtures_build)["sft"]["train"])
-    assert ds.num_rows == table.num_rows > 100
-    assert ds.to_list() == table.to_pylist()
+    configs = layout(fixtures_build)
+    assert {"sft", "negatives", "preference", "grpo"} <= set(configs)
+    for name, splits in configs.items():
+        ds = datasets.load_dataset(str(fixtures_build), name, split="train", cache_dir=str(tmp_path / "cache"))
+        table = pa.concat_tables(pq.read_table(fixtures_build / p) for p in splits["train"])
+        assert ds.num_rows == table.num_rows > 0, name
+        assert ds.to_list() == table.to_pylist(), name
 
     manifest = read_manifest(fixtures_build)
     published = sorted(p.relative_to(fixtures_build).as_posix() for p in fixtures_build.rglob("*")
