@@ -114,3 +114,17 @@ def test_eval_split_is_stable_and_keeps_repeats_together(fixtures_build):
     assert len(train) + len(evaluation) == len(data["train"]) and 0 < len(evaluation) < len(train)
     # The fixtures do hold repeated trajectories (`~n` ids), so the grouping is exercised.
     assert any("~" in i for i in data["train"]["id"])
+
+
+def test_dpo_pairs_that_do_not_fit_are_dropped_not_cut(tokenizer, fixtures_build):
+    from datasets import Dataset
+
+    from training.dpo import fit_pairs
+
+    pairs = Dataset.from_list(read_config(fixtures_build, "preference")).select_columns(["prompt", "chosen", "rejected"])
+    kept = fit_pairs(pairs, tokenizer, 512)
+    assert 0 < len(kept) < len(pairs)
+    for row in kept:
+        for side in ("chosen", "rejected"):
+            rendered = tokenizer.apply_chat_template(row["prompt"] + row[side], tokenize=True, return_dict=True)
+            assert len(rendered["input_ids"]) <= 512
