@@ -72,6 +72,7 @@ def grpo_prompt(record: dict) -> dict | None:
     return {"id": record["id"], "source": record["source"], "domain": record["domain"], "env": record["env"],
             "task": record["task"], "prompt": _messages(turns[:first]), "answer": record["answer"],
             "expected_actions": actions, "first_action": turns[first]["action"],
+            "rendering": record["rendering"], "dialect": turns[first]["dialect"],
             "reward": record["reward"], "success": record["success"]}
 
 

@@ -8,7 +8,6 @@ from trl import GRPOTrainer, get_peft_config
 
 from training.arguments import GRPOTrainConfig, parse
 from training.common import load_model, load_splits, load_tokenizer, run
-from training.data import load_release
 from training.rewards import get_rewards
 
 logger = logging.getLogger(__name__)
@@ -32,41 +31,12 @@ def limit_prompts(dataset: Dataset, tokenizer, max_prompt_tokens: int | None) ->
     return dataset.select(keep)
 
 
-def reference_formats(dataset_name: str, revision: str | None) -> dict[str, tuple[str, str | None]]:
-    """id -> (rendering, dialect of the first trained assistant turn), from the `sft` config.
-
-    The `grpo` rows carry the prompt but not the format it asks for; the trajectory they were cut
-    from does: its rendering, and the dialect its own first reply was parsed as.
-    """
-    formats = {}
-    for split in load_release(dataset_name, "sft", revision).values():
-        for row in split.select_columns(["id", "rendering", "conversations"]):
-            first = next((t for t in row["conversations"] if t["role"] == "assistant" and t["loss"]), None)
-            formats[row["id"]] = (row["rendering"], first["dialect"] if first else None)
-    return formats
-
-
-def with_expected_format(dataset: Dataset, formats: dict[str, tuple[str, str | None]]) -> Dataset:
-    """Add `rendering` and `dialect` (what the `format` and `tag_count` rewards check) by id."""
-    if {"rendering", "dialect"} <= set(dataset.column_names):
-        return dataset
-    missing = sum(i not in formats for i in dataset["id"])
-    if missing:
-        logger.warning("GRPO data: %d of %d prompts have no trajectory in the sft config; the format rewards "
-                       "skip them", missing, len(dataset))
-    return dataset.map(lambda row: dict(zip(("rendering", "dialect"), formats.get(row["id"], (None, None)))))
-
-
 def build_trainer(data_args, training_args: GRPOTrainConfig, model_args, callbacks=None) -> GRPOTrainer:
     tokenizer = load_tokenizer(model_args, training_args)
     train, evaluation = load_splits(data_args, "grpo", training_args.seed)
-    formats = None
-    if not {"rendering", "dialect"} <= set(train.column_names):
-        formats = reference_formats(data_args.dataset_name, data_args.dataset_revision)
-    train = with_expected_format(limit_prompts(train, tokenizer, training_args.max_prompt_tokens), formats)
+    train = limit_prompts(train, tokenizer, training_args.max_prompt_tokens)
     if evaluation is not None:
-        evaluation = with_expected_format(limit_prompts(evaluation, tokenizer, training_args.max_prompt_tokens),
-                                          formats)
+        evaluation = limit_prompts(evaluation, tokenizer, training_args.max_prompt_tokens)
     if training_args.reward_weights is not None and len(training_args.reward_weights) != len(training_args.reward_funcs):
         raise ValueError(f"reward_weights {training_args.reward_weights} do not match reward_funcs "
                          f"{training_args.reward_funcs}")
