@@ -5,8 +5,11 @@ endpoint at the loopback server, as HF_ENDPOINT does for a fresh process.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -58,21 +61,44 @@ def rows_hash(rows: list[dict]) -> str:
     return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def test_cli_dry_run_release_and_load_dataset_through_hf_endpoint(hub, build, tmp_path, capfd):
+class Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(self.format(record))
+
+
+def cli(args: list[str]) -> str:
+    """Run `trajforge ARGS` in this process; its stdout. (Prefect's log handlers keep the real streams.)"""
     from flows.cli import main
 
-    assert main(["release", str(build), "--repo", REPO, "--tag", "v1", "--dry-run"]) == 0
-    dry = capfd.readouterr()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(args) == 0
+    return out.getvalue()
+
+
+def test_cli_dry_run_release_and_load_dataset_through_hf_endpoint(hub, build, tmp_path):
+    dry = cli(["release", str(build), "--repo", REPO, "--tag", "v1", "--dry-run"])
     assert REPO not in hub.state.repos, "a dry run must not create or push anything"
     expected = sorted(read_manifest(build)["files"]) + ["manifest.json"]
-    assert [line[2:] for line in dry.out.splitlines() if line.startswith("+ ")] == sorted(expected)
-
-    assert main(["release", str(build), "--repo", REPO, "--tag", "v1", "--private"]) == 0
-    pushed = capfd.readouterr()
-    assert TOKEN not in dry.out + dry.err + pushed.out + pushed.err
+    assert [line[2:] for line in dry.splitlines() if line.startswith("+ ")] == sorted(expected)
+    # Prefect configured its logging during the first run; from now on every log record is seen here.
+    logs = Collect()
+    for name in ("", "prefect", "trajforge", "huggingface_hub"):
+        logging.getLogger(name).addHandler(logs)
+    try:
+        pushed = cli(["release", str(build), "--repo", REPO, "--tag", "v1", "--private"])
+    finally:
+        for name in ("", "prefect", "trajforge", "huggingface_hub"):
+            logging.getLogger(name).removeHandler(logs)
+    assert any(f"released {REPO}@main" in line for line in logs.lines)
+    assert TOKEN not in dry + pushed + "\n".join(logs.lines)
     repo = hub.state.repos[REPO]
     assert repo.private and repo.tags["v1"] == repo.branches["main"]
-    assert f"{len(expected)} files verified" in pushed.out
+    assert f"{len(expected)} files verified" in pushed
     # One release, one commit on top of the repo's initial one.
     head = repo.commits[repo.branches["main"]]
     assert repo.commits[head.parent].parent is None
