@@ -1,6 +1,7 @@
 """Shared test fixtures: the real upstream records in ../shared/fixtures, never copied here."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -10,6 +11,12 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+# Prefect binds its console log handler to sys.stderr when its flow machinery is first imported.
+# Importing it here, at collection, binds it to pytest's session-wide stream; imported first inside a
+# test that captures output (capsys), it would keep that test's stream and every later in-process
+# flow would log to a closed file.
+import flows.build  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("TRAJFORGE_FIXTURES", REPO.parent / "shared" / "fixtures"))
@@ -41,3 +48,20 @@ def fixtures_build(tmp_path_factory) -> Path:
              for name, location in FIXTURE_SOURCES.items() for f in get_source(name).files(location)]
     finalize(units, out, config)
     return out
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Stop Prefect's temporary servers while pytest still captures output.
+
+    Prefect stops them at interpreter exit otherwise, after pytest has closed the stream its log
+    handler writes to, and every test run would end with a "Logging error" traceback.
+    """
+    from prefect.logging.handlers import APILogHandler
+    from prefect.server.api.server import SubprocessASGIServer
+
+    APILogHandler().flush()  # send the logs still queued for the server before it goes
+    # Its "Stopping temporary server" notice would land after pytest's closing summary line.
+    logging.getLogger("prefect").setLevel(logging.WARNING)
+    for server in list(SubprocessASGIServer._instances.values()):
+        server.stop()

@@ -61,51 +61,47 @@ def _column(kwargs: dict, name: str, n: int) -> list:
     return kwargs.get(name) or [None] * n
 
 
-def format_reward(completions, **kwargs) -> list[float | None]:
+def _score_each(completions, kwargs: dict, score) -> list[float | None]:
+    """Apply `score(text, expected_dialect)` to each completion; None where no format is expected."""
     n = len(completions)
     rewards: list[float | None] = []
     for completion, rendering, dialect in zip(completions, _column(kwargs, "rendering", n),
                                               _column(kwargs, "dialect", n)):
         want = expected_dialect(rendering, dialect)
-        text = completion_text(completion).strip()
-        if want is None:
-            rewards.append(None)
-        elif not text:
-            rewards.append(0.0)
-        else:
-            rewards.append(1.0 if parse_turn(text).dialect == want else 0.0)
+        rewards.append(None if want is None else score(completion_text(completion).strip(), want))
     return rewards
+
+
+def _format_score(text: str, want: str) -> float:
+    return 1.0 if text and parse_turn(text).dialect == want else 0.0
+
+
+def format_reward(completions, **kwargs) -> list[float | None]:
+    return _score_each(completions, kwargs, _format_score)
 
 
 def _line_starts(text: str, marker: str) -> list[int]:
     return [m.start() for m in re.finditer(rf"(?m)^[ \t]*{re.escape(marker)}", text)]
 
 
+def _tag_count_score(text: str, want: str) -> float:
+    if want not in MARKERS:
+        # JSON / dict tool calls: one well-formed call is the whole structure.
+        return _format_score(text, want)
+    thought_marker, action_marker = MARKERS[want]
+    thoughts = _line_starts(text, thought_marker) if thought_marker else []
+    actions = _line_starts(text, action_marker)
+    score = 0.25 * (len(thoughts) <= 1)                       # at most one thought (it is optional)
+    score += 0.25 * (len(actions) == 1)                       # exactly one action: one step per turn
+    score += 0.25 * (len(actions) == 1 and all(t < actions[0] for t in thoughts))  # think, then act
+    if len(actions) == 1:
+        body = text[actions[0]:].strip()[len(action_marker):].strip()
+        score += 0.25 * bool(body)                            # the action says something
+    return score
+
+
 def tag_count_reward(completions, **kwargs) -> list[float | None]:
-    n = len(completions)
-    rewards: list[float | None] = []
-    for completion, rendering, dialect in zip(completions, _column(kwargs, "rendering", n),
-                                              _column(kwargs, "dialect", n)):
-        want = expected_dialect(rendering, dialect)
-        text = completion_text(completion).strip()
-        if want is None:
-            rewards.append(None)
-            continue
-        if want not in MARKERS:
-            # JSON / dict tool calls: one well-formed call is the whole structure.
-            rewards.append(1.0 if text and parse_turn(text).dialect == want else 0.0)
-            continue
-        thought_marker, action_marker = MARKERS[want]
-        thoughts = _line_starts(text, thought_marker) if thought_marker else []
-        actions = _line_starts(text, action_marker)
-        score = 0.25 * (len(thoughts) <= 1)                       # at most one thought (it is optional)
-        score += 0.25 * (len(actions) == 1)                       # exactly one action: one step per turn
-        score += 0.25 * (len(actions) == 1 and all(t < actions[0] for t in thoughts))  # think, then act
-        if len(actions) == 1:
-            body = text[actions[0]:].strip()[len(action_marker):].strip()
-            score += 0.25 * bool(body)                            # the action says something
-        rewards.append(score)
-    return rewards
+    return _score_each(completions, kwargs, _tag_count_score)
 
 
 def _as_list(answer: str) -> list | None:
