@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import httpx
 
-from pipeline.envs.base import StepResult
+from pipeline.envs.base import ClosingEnvironment, StepResult
 from pipeline.tasks import Task, coerce_task
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def item_index(value: Any) -> int:
     return int(found.group(1))
 
 
-class AgentGymEnv:
+class AgentGymEnv(ClosingEnvironment):
     name = "agentgym"
 
     def __init__(self, base_url: str, env_name: str = "", timeout: float = 30.0, busy_retries: int = 3):
@@ -174,9 +174,3 @@ class AgentGymEnv:
             if self._client is not None:
                 self._client.close()
                 self._client = None
-
-    def __enter__(self) -> "AgentGymEnv":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -26,3 +26,16 @@ class Environment(Protocol):
     def step(self, action: str) -> StepResult: ...
 
     def close(self) -> None: ...
+
+
+class ClosingEnvironment:
+    """`with make_env(...) as env:` closes the environment however the block ends."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -20,7 +20,7 @@ import re
 import sqlite3
 from typing import Any
 
-from pipeline.envs.base import StepResult
+from pipeline.envs.base import ClosingEnvironment, StepResult
 from pipeline.tasks import Task, coerce_task, db_answers_match, table_hash, task_prompt
 
 _SQL_BLOCK = re.compile(r"```sql\s*\n(.*?)```", re.S | re.I)
@@ -81,7 +81,7 @@ def parse_answer(text: str) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-class DbEnv:
+class DbEnv(ClosingEnvironment):
     name = "db"
 
     def __init__(self) -> None:
@@ -142,9 +142,3 @@ class DbEnv:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-
-    def __enter__(self) -> "DbEnv":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.envs.base import StepResult
+from pipeline.envs.base import ClosingEnvironment, StepResult
 from pipeline.tasks import Task, coerce_task, os_match, task_prompt
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
@@ -544,7 +544,7 @@ def clean_observation(text: str, limit: int = 800) -> str:
     return text
 
 
-class OsSandboxEnv:
+class OsSandboxEnv(ClosingEnvironment):
     name = "os"
 
     def __init__(self, **config: object):
@@ -634,12 +634,6 @@ class OsSandboxEnv:
         if self.sandbox is not None:
             self.sandbox.close()
             self.sandbox = None
-
-    def __enter__(self) -> "OsSandboxEnv":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _-+=/.,:@%^~")
