@@ -183,35 +183,49 @@ def request_key(model: str, messages: list[dict], params: dict[str, Any], sample
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-class RequestCache:
-    """Responses by request key in SQLite (WAL: several processes may share one file)."""
+class JsonStore:
+    """JSON values by key in one SQLite table; each put is committed, so a crash loses nothing done.
 
-    def __init__(self, path: str | Path):
+    WAL lets several processes share one file. The request cache and the synthesis episode
+    journal are both one of these.
+    """
+
+    def __init__(self, path: str | Path, table: str):
+        if not table.isidentifier():
+            raise ValueError(f"bad table name {table!r}")
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._table = table
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(path), check_same_thread=False, timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS responses (key TEXT PRIMARY KEY, body TEXT NOT NULL)")
+        self._db.execute(f"CREATE TABLE IF NOT EXISTS {table} (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
         self._db.commit()
 
-    def get(self, key: str) -> dict | None:
+    def get(self, key: str) -> Any | None:
         with self._lock:
-            row = self._db.execute("SELECT body FROM responses WHERE key = ?", (key,)).fetchone()
+            row = self._db.execute(f"SELECT value FROM {self._table} WHERE key = ?", (key,)).fetchone()
         return json.loads(row[0]) if row else None
 
-    def put(self, key: str, body: dict) -> None:
+    def put(self, key: str, value: Any) -> None:
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?)", (key, json.dumps(body)))
+            self._db.execute(f"INSERT OR REPLACE INTO {self._table} VALUES (?, ?)", (key, json.dumps(value)))
             self._db.commit()
 
     def __len__(self) -> int:
         with self._lock:
-            return self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+            return self._db.execute(f"SELECT COUNT(*) FROM {self._table}").fetchone()[0]
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+class RequestCache(JsonStore):
+    """Response bodies by request key."""
+
+    def __init__(self, path: str | Path):
+        super().__init__(path, "responses")
 
 
 class ChatBackend(Protocol):

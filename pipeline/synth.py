@@ -21,8 +21,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import sqlite3
-import threading
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,7 +31,7 @@ import pyarrow.parquet as pq
 
 from pipeline.agent import AgentConfig, Episode, StepLog, record_id, run_episode
 from pipeline.build import write_parquet
-from pipeline.llm import LLMConfig, make_backend
+from pipeline.llm import JsonStore, LLMConfig, make_backend
 from schemas import arrow_schema
 
 log = logging.getLogger("trajforge.synth")
@@ -68,33 +66,23 @@ class SynthConfig:
 
 
 class EpisodeJournal:
-    """Finished episodes by key, in SQLite (a crash loses at most the episodes in flight)."""
+    """Finished episodes by key (a crash loses at most the episodes in flight)."""
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, timeout=30)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS episodes (key TEXT PRIMARY KEY, episode TEXT NOT NULL)")
-        self._db.commit()
+        self._store = JsonStore(path, "episodes")
 
     def get(self, key: str) -> Episode | None:
-        with self._lock:
-            row = self._db.execute("SELECT episode FROM episodes WHERE key = ?", (key,)).fetchone()
-        if row is None:
+        data = self._store.get(key)
+        if data is None:
             return None
-        data = json.loads(row[0])
         data["steps"] = [StepLog(**s) for s in data["steps"]]
         return Episode(**data)
 
     def put(self, key: str, episode: Episode) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO episodes VALUES (?, ?)", (key, json.dumps(asdict(episode))))
-            self._db.commit()
+        self._store.put(key, asdict(episode))
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._store.close()
 
 
 def episode_key(task: Any, sample: int, model: str, params: dict, agent: AgentConfig) -> str:
