@@ -13,7 +13,7 @@ from pipeline.normalize import NormalizeConfig, normalize_row
 from pipeline.validate import validate_record
 from schemas import arrow_schema, validator
 from sources import get_source, iter_rows
-from tests.conftest import RAW, REPO
+from tests.conftest import FIXTURE_SOURCES, RAW, REPO
 
 AGENT_FLAN = REPO / "tests" / "data" / "agent_flan"
 
@@ -148,3 +148,19 @@ def test_three_containers_give_the_same_records(mode, tmp_path):
         strip = lambda r: [(t["role"], t["content"], t["action"]) for t in r["conversations"]]  # noqa: E731
         assert strip(other) == strip(rec)
         assert other["loss_flags"] == "inferred" and rec["loss_flags"] == "upstream"
+
+
+def test_react_build_of_every_fixture_validates(tmp_path):
+    """The whole fixture set in react rendering: same accounting, every record valid, few left native."""
+    config = BuildConfig(rendering="react")
+    sources = dict(FIXTURE_SOURCES, agent_flan=str(AGENT_FLAN))
+    units = [process_unit(name, f, tmp_path, config) for name, location in sources.items()
+             for f in get_source(name).files(location)]
+    records = [r for u in units for r in pq.read_table(u.records_path).to_pylist()]
+    assert sum(u.quarantined for u in units) <= 0.02 * sum(u.read for u in units)
+    for record in records:
+        assert validate_record(record) is None, record["id"]
+    renderings = Counter(r["rendering"] for r in records)
+    # Only the JSON / dict tool-call rows, whose prompts ask for JSON, stay native.
+    assert {r["env"] for r in records if r["rendering"] == "native"} == {"toolbench"}
+    assert renderings["react"] > 0.9 * len(records)
