@@ -193,13 +193,17 @@ class Source:
         if location is None or looks_like_repo_id(location):
             root = download_from_hub(location or self.hub_repo, list(self.hub_patterns))
         else:
-            root = Path(location)
-            if not root.exists():
-                raise SourceError(f"source {self.name}: path {location} does not exist")
+            root = self.local_root(location)
         paths = find_data_files(root)
         if not paths:
             raise SourceError(f"source {self.name}: no data files ({', '.join(DATA_SUFFIXES)}) under {root}")
         return [SourceFile(p, self.split_of(p)) for p in paths]
+
+    def local_root(self, location: str) -> Path:
+        root = Path(location)
+        if not root.exists():
+            raise SourceError(f"source {self.name}: path {location} does not exist")
+        return root
 
     def split_of(self, path: Path) -> str:
         """Upstream split or env from an upstream file name (`os-00000-of-00001-<hash>.parquet`)."""

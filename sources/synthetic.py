@@ -35,10 +35,7 @@ class Synthetic(Source):
     def files(self, location: str | None) -> list[SourceFile]:
         if not location:
             raise SourceError("source synthetic: give the output folder of `trajforge synth` (synthetic=DIR)")
-        root = Path(location)
-        if not root.exists():
-            raise SourceError(f"source synthetic: path {location} does not exist")
-        parquet = synthetic_files(root)
+        parquet = synthetic_files(self.local_root(location))
         if not parquet:
             raise SourceError(f"source synthetic: no data/synthetic/*.parquet under {location}")
         return [SourceFile(path, path.stem) for path in parquet]

@@ -124,6 +124,14 @@ class Handler(BaseHTTPRequestHandler):
             self._error(404, f"Invalid rev id: {revision}", {"X-Error-Code": "RevisionNotFound"})
         return commit
 
+    def _repo_commit(self, repo_id: str, rest: list[str], write: bool = False):
+        """(repo, commit at the revision in the path, default main), or None once an error is sent."""
+        repo = self._repo(repo_id, write)
+        if repo is None:
+            return None
+        commit = self._revision(repo, rest[0] if rest else "main")
+        return None if commit is None else (repo, commit)
+
     def _entries(self, commit: Commit, prefix: str, recursive: bool) -> list[dict]:
         """Tree entries under `prefix` (files and folders), as /tree and /paths-info answer."""
         prefix = prefix.strip("/")
@@ -204,12 +212,10 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, {"url": url, "name": repo_id})
 
     def _info(self, repo_id: str, rest: list[str], query: dict) -> None:
-        repo = self._repo(repo_id)
-        if repo is None:
+        found = self._repo_commit(repo_id, rest)
+        if found is None:
             return
-        commit = self._revision(repo, rest[0] if rest else "main")
-        if commit is None:
-            return
+        repo, commit = found
         self._json(200, {"id": repo_id, "_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24],
                          "author": repo_id.split("/")[0], "sha": commit.oid, "private": repo.private,
                          "disabled": False, "gated": False, "downloads": 0, "likes": 0, "tags": [],
@@ -231,12 +237,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def _paths_info(self, repo_id: str, rest: list[str], query: dict) -> None:
         form = parse_qs(self._body().decode())
-        repo = self._repo(repo_id)
-        if repo is None:
+        found = self._repo_commit(repo_id, rest)
+        if found is None:
             return
-        commit = self._revision(repo, rest[0] if rest else "main")
-        if commit is None:
-            return
+        repo, commit = found
         out = []
         for path in form.get("paths", []):
             path = path.strip("/")
@@ -259,12 +263,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def _preupload(self, repo_id: str, rest: list[str], query: dict) -> None:
         payload = json.loads(self._body())
-        repo = self._repo(repo_id, write=True)
-        if repo is None:
+        found = self._repo_commit(repo_id, rest, write=True)
+        if found is None:
             return
-        commit = self._revision(repo, rest[0] if rest else "main")
-        if commit is None:
-            return
+        repo, commit = found
         files = []
         for f in payload["files"]:
             existing = commit.files.get(f["path"])
@@ -328,12 +330,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def _tag(self, repo_id: str, rest: list[str], query: dict) -> None:
         payload = json.loads(self._body() or b"{}")
-        repo = self._repo(repo_id, write=True)
-        if repo is None:
+        found = self._repo_commit(repo_id, rest, write=True)
+        if found is None:
             return
-        commit = self._revision(repo, rest[0] if rest else "main")
-        if commit is None:
-            return
+        repo, commit = found
         if payload["tag"] in repo.tags:
             return self._error(409, f"Tag {payload['tag']} already exists")
         repo.tags[payload["tag"]] = commit.oid
