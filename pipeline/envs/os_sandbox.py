@@ -91,7 +91,7 @@ class SandboxConfig:
 
     @property
     def shm_bytes(self) -> int:
-        """SysV shared memory of the sandbox's IPC namespace (kernel.shmall); the tmpfs gets the rest."""
+        """SysV shared memory of the sandbox's IPC namespace (shmmax, shmall); the tmpfs gets the rest."""
         return self.disk_bytes // 8
 
     @property
@@ -142,6 +142,13 @@ class _Cgroup:
             raise SandboxUnavailable("no writable memory cgroup (v1 `memory` hierarchy, or v2 with `memory` "
                                      "enabled): the episode's memory could not be bounded")
         self.paths: list[Path] = []
+        try:
+            self._create(name, config, roots)
+        except BaseException:
+            self.destroy()
+            raise
+
+    def _create(self, name: str, config: SandboxConfig, roots: dict[str, tuple[Path, int]]) -> None:
         for controller in ("pids", "memory"):
             path = roots[controller][0] / name
             if path not in self.paths:
@@ -248,7 +255,8 @@ class Sandbox:
     def _start(self) -> None:
         c, d = self.config, str(self._dir)
         read_fd, write_fd = os.pipe()
-        bwrap = ["bwrap", "--dev-bind", f"{d}/root", "/", "--proc", "/proc",  # dev: keeps /dev/null usable
+        # --dev-bind, not --bind: bwrap would remount everything below nodev, /dev/null included.
+        bwrap = ["bwrap", "--dev-bind", f"{d}/root", "/", "--proc", "/proc",
                  "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
                  "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL",
                  "--info-fd", str(write_fd), "--",
