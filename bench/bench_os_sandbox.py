@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.envs import make_env  # noqa: E402
+from trajforge.pipeline.synth.envs import make_env  # noqa: E402
 
 
 def main() -> None:

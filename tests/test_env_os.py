@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.envs import make_env
-from pipeline.envs.os_sandbox import (SandboxConfig, SandboxUnavailable, TaskNotRunnable, TaskSetupError,
+from trajforge.pipeline.synth.envs import make_env
+from trajforge.pipeline.synth.envs.os_sandbox import (SandboxConfig, SandboxUnavailable, TaskNotRunnable, TaskSetupError,
                                       _Cgroup, cgroup_roots, clean_observation, parse_os_action,
                                       sandbox_unavailable_reason)
-from pipeline.tasks import Task, load_tasks
+from trajforge.pipeline.synth.tasks import Task, load_tasks
 from tests.conftest import FIXTURES, REPO
 
 OS_DIR = FIXTURES / "tasks" / "agentbench" / "os"
@@ -402,7 +402,7 @@ def _plant(directory: Path, token: str) -> Path:
 
 _READ_FROM_A_SANDBOX = r"""
 import json, sys
-from pipeline.envs import make_env
+from trajforge.pipeline.synth.envs import make_env
 files, folders, name = sys.argv[1].split(), sys.argv[2], sys.argv[3]
 bash = lambda code: "Act: bash\n\n```bash\n" + code + "\n```"
 with make_env("os", step_timeout=10) as env:

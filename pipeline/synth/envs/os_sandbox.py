@@ -50,9 +50,9 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.envs import sandbox_root
-from pipeline.envs.base import ClosingEnvironment, StepResult
-from pipeline.tasks import Task, coerce_task, os_match, task_prompt
+from trajforge.pipeline.synth.envs import sandbox_root
+from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
+from trajforge.pipeline.synth.tasks import Task, coerce_task, os_match, task_prompt
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 TRUNCATION_NOTE = "\n[truncated because the output is too long]"
