@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_FIXTURES = Path(os.environ.get("TRAJFORGE_FIXTURES", REPO.parent / "shared" / "fixtures")) / "raw"
 
 EXACT_SHARE, NEAR_SHARE = 0.08, 0.04
-MUTATE_SHARE = 0.30
+MUTATE_SHARE = 1.0
 NEAR_EDIT_EVERY, NEAR_MIN_WORDS = 150, 100
 ROWS_PER_PARQUET = 50_000
 # The family of a generated row is in its upstream id (kept in the record id and the duplicates map).

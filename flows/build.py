@@ -77,7 +77,8 @@ def process_unit_task(name: str, file: SourceFile, staging: str, config: BuildCo
     fingerprint = unit_fingerprint(name, file.path, file.split, asdict(config))
     marker = unit_marker(staging_dir, unit_key(name, file))
     done = read_marker(marker, fingerprint)
-    if done and Path(done["records_path"]).exists() and Path(done["quarantine_path"]).exists():
+    if done and all(Path(done.get(k) or "/nonexistent").exists()
+                    for k in ("records_path", "quarantine_path", "keys_path")):
         get_run_logger().info("%s/%s: done in an earlier run, skipped", name, file.path.name)
         return UnitResult(**done)
     result = process_unit(name, file, staging_dir, config)

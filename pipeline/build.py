@@ -16,17 +16,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trajforge.pipeline.assemble import KeysWriter, fill_pools, global_duplicates, iter_records, key_table
+
 from trajforge.pipeline.publish.card import hub_revision, write_card
-from trajforge.pipeline.quality.dedup import Contamination, DedupConfig, decontaminate, deduplicate, read_eval_tasks
-from trajforge.pipeline.quality.derived import grpo_prompts, preference_pairs
+from trajforge.pipeline.quality.dedup import DedupConfig
+from trajforge.pipeline.quality.derived import grpo_prompt, preference_pair
 from trajforge.pipeline.publish.manifest import build_id, code_version, file_sha256, write_manifest
-from trajforge.pipeline.quality.negatives import NegativesConfig, make_negatives
+from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
 from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
-from trajforge.pipeline.publish.shards import ShardConfig, write_config
+from trajforge.pipeline.publish.shards import ShardConfig, write_config_from_file
 from trajforge.pipeline.ingest.validate import ValidateConfig, validate_record
 from trajforge.schemas import arrow_schema
 from trajforge.sources import SourceFile, get_source, iter_rows
@@ -67,6 +70,7 @@ class UnitResult:
     source_file: str
     records_path: str
     quarantine_path: str
+    keys_path: str
     read: int = 0
     written: int = 0
     quarantined: int = 0
@@ -115,6 +119,7 @@ class StreamingParquet:
         self.writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
         self.pending: list[dict] = []
         self.count = 0
+        self.nbytes = 0  # Arrow size of what was written (shards are planned by it)
 
     def append(self, row: dict) -> None:
         self.pending.append(row)
@@ -124,7 +129,9 @@ class StreamingParquet:
 
     def _flush(self) -> None:
         if self.pending:
-            self.writer.write_table(pa.Table.from_pylist(self.pending, schema=self.schema))
+            table = pa.Table.from_pylist(self.pending, schema=self.schema)
+            self.nbytes += table.nbytes
+            self.writer.write_table(table)
             self.pending = []
 
     def close(self) -> None:
@@ -140,6 +147,7 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     key = unit_key(source_name, file)
     records = StreamingParquet(staging / f"{key}.records.parquet", arrow_schema("trajectory"))
     quarantine = StreamingParquet(staging / f"{key}.quarantine.parquet", arrow_schema("quarantine"))
+    keys = KeysWriter(staging / f"{key}.keys.parquet", config)
     reasons: Counter[str] = Counter()
 
     def reject(index: int, source_id: str | None, reason: str, detail: str, raw: str | None) -> None:
@@ -162,12 +170,14 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
             reject(raw.index, record["source_id"], violation.reason, violation.detail, _raw_text(raw.row))
             continue
         records.append(record)
+        keys.append(record)
         if records.count % config.progress_every == 0:
             log.info("%s/%s: %d records so far", source_name, name, records.count)
     records.close()
     quarantine.close()
+    keys.close()
     # A whole unreadable file counts as one input record.
-    result = UnitResult(source_name, name, str(records.path), str(quarantine.path),
+    result = UnitResult(source_name, name, str(records.path), str(quarantine.path), str(keys.path),
                         read=records.count + quarantine.count, written=records.count,
                         quarantined=quarantine.count, reasons=dict(reasons))
     log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, result.read, result.written,
@@ -212,49 +222,89 @@ def merge_counts(units: list[UnitResult]) -> dict:
 
 
 def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConfig()) -> dict:
-    """Merge staged units (in the given order) into the dataset, quarantine and report."""
-    records: list[dict] = []
-    quarantine: list[dict] = []
+    """Merge staged units (in the given order) into the dataset, quarantine and report.
+
+    Global stages run on the units' key tables, the outputs are written by streaming the staged
+    records (pipeline/assemble.py): memory stays one batch of records plus the key tables.
+    """
+    keys = key_table(units, config)
+    offsets = [0]
     for unit in units:
-        records.extend(pq.read_table(unit.records_path).to_pylist())
-        quarantine.extend(pq.read_table(unit.quarantine_path).to_pylist())
-    records = unique_ids(records)
-    # Decontamination, dedup and the derived datasets (pipeline/quality/dedup.py, negatives.py, derived.py).
+        offsets.append(offsets[-1] + unit.written)
+    duplicates = global_duplicates(keys, units, config)
+    contaminated_orders = set(keys.filter(pl.col("contaminated").is_not_null())["order"].to_list())
+    dropped = {d["order"] for d in duplicates} | contaminated_orders
+    kept_keys = keys.filter(~pl.col("order").is_in(list(dropped)))
+    kept = set(kept_keys["order"].to_list())
+    pools = fill_pools(units, kept, offsets)
+    repeats = dict(keys.filter(pl.col("repeat") > 1).select("order", "repeat").iter_rows())
+    details = dict(keys.filter(pl.col("contaminated").is_not_null()).select("order", "contaminated").iter_rows())
+
+    staged = out / ".staging" / "outputs"
+    writers = {name: StreamingParquet(staged / f"{name}.parquet", arrow_schema(schema))
+               for name, schema in [("sft", "trajectory"), ("negatives", "trajectory"), ("preference", "preference"),
+                                    ("grpo", "grpo")]}
     contaminated: list[dict] = []
-    if config.decontaminate:
-        index = Contamination(read_eval_tasks(Path(config.decontaminate)), config.decontaminate_ngram)
-        records, removed = decontaminate(records, index)
-        contaminated = [quarantine_entry(r["source"], r["source_file"], json.loads(r["meta"]).get("source_index", -1),
-                                         r["source_id"], "contaminated", detail, json.dumps(r, ensure_ascii=False))
-                        for r, detail in removed]
-        quarantine.extend(contaminated)
-    records, duplicates = deduplicate(records, config.dedup)
-    negatives = make_negatives(records, config.negatives)
-    pairs, unpaired = preference_pairs(negatives, records)
-    grpo = grpo_prompts(records)
-    derived = {name: write_config(out, name, {"train": pa.Table.from_pylist(rows, schema=arrow_schema(schema))},
-                                  config.shards)
-               for name, rows, schema in [("negatives", negatives, "trajectory"), ("preference", pairs, "preference"),
-                                          ("grpo", grpo, "grpo")]}
+    negatives_by_type: Counter[str] = Counter()
+    unpaired = 0
+    for u, row, batch in iter_records(units):
+        for i, record in enumerate(batch.to_pylist()):
+            order = offsets[u] + row + i
+            if order in repeats:
+                meta = json.loads(record["meta"])
+                meta["id_repeat"] = repeats[order]
+                record = {**record, "id": f"{record['id']}~{repeats[order]}", "meta": json.dumps(meta, sort_keys=True)}
+            if order in details:
+                contaminated.append(quarantine_entry(
+                    record["source"], record["source_file"], json.loads(record["meta"]).get("source_index", -1),
+                    record["source_id"], "contaminated", details[order], json.dumps(record, ensure_ascii=False)))
+            if order not in kept:
+                continue
+            writers["sft"].append(record)
+            for negative in negatives_of(record, pools, config.negatives):
+                writers["negatives"].append(negative)
+                negatives_by_type[negative["negative_type"]] += 1
+                pair = preference_pair(negative, record)
+                if pair is None:
+                    unpaired += 1
+                else:
+                    writers["preference"].append(pair)
+            prompt = grpo_prompt(record) if record["kind"] == "positive" else None
+            if prompt is not None:
+                writers["grpo"].append(prompt)
+    files = {}
+    for name, writer in writers.items():
+        writer.close()
+        files[name] = write_config_from_file(out, name, "train", writer.path, writer.schema, writer.nbytes,
+                                             config.shards)
+        writer.path.unlink()
+
+    duplicates = [{k: v for k, v in d.items() if k not in ("order", "kept_order")} for d in duplicates]
     duplicates_path = out / "duplicates.parquet"
     write_parquet(duplicates, arrow_schema("duplicates"), duplicates_path)
-    sft = write_config(out, "sft", {"train": pa.Table.from_pylist(records, schema=arrow_schema("trajectory"))},
-                       config.shards)
     quarantine_path = out / "quarantine" / "quarantine.parquet"
-    write_parquet(quarantine, arrow_schema("quarantine"), quarantine_path)
+    quarantine = StreamingParquet(quarantine_path, arrow_schema("quarantine"))
+    for unit in units:
+        for batch in pq.ParquetFile(unit.quarantine_path).iter_batches(batch_size=1000):
+            for entry in batch.to_pylist():
+                quarantine.append(entry)
+    for entry in contaminated:
+        quarantine.append(entry)
+    quarantine.close()
+
     report = merge_counts(units)
     report["config"] = asdict(config)
-    report["outputs"] = {"sft": sft["train"],
+    report["outputs"] = {"sft": files["sft"].get("train", []),
                          "quarantine": [str(quarantine_path.relative_to(out))]}
-    report["renderings"] = dict(Counter(r["rendering"] for r in records))
-    report["domains"] = dict(sorted(Counter(r["domain"] for r in records).items()))
-    report["envs"] = dict(sorted(Counter(r["env"] for r in records).items()))
-    report["kinds"] = dict(Counter(r["kind"] for r in records))
+    for column, name in [("rendering", "renderings"), ("domain", "domains"), ("env", "envs"), ("kind", "kinds")]:
+        report[name] = dict(sorted(Counter(kept_keys[column].to_list()).items()))
     stage_counts(report, contaminated, duplicates)
-    report["outputs"].update({name: files.get("train", []) for name, files in derived.items()},
+    report["outputs"].update({name: files[name].get("train", []) for name in ("negatives", "preference", "grpo")},
                              duplicates=[str(duplicates_path.relative_to(out))])
-    report_extras(report, records, duplicates, negatives, len(pairs), unpaired, len(grpo))
-    write_html(out, report, records, duplicates)
+    turns, chars = kept_keys["turns"].to_list(), kept_keys["chars"].to_list()
+    report_extras(report, duplicates, negatives_by_type, writers["preference"].count, unpaired,
+                  writers["grpo"].count, turns, chars)
+    write_html(out, report, duplicates, turns, chars)
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     write_release_files(out, report, units, config)
     return report
