@@ -297,7 +297,7 @@ def main() -> None:
     p.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
     p.add_argument("--work", type=Path, default=None, help="folder for the corpus and the build (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
-    p.add_argument("--runner", default="threads")
+    p.add_argument("--runner", default="processes")
     p.add_argument("--timeout", type=float, default=3600)
     args = p.parse_args()
 

@@ -25,18 +25,24 @@ from trajforge.pipeline.publish.manifest import code_version
 from trajforge.pipeline.publish.shards import ShardConfig, read_marker, unit_fingerprint, unit_marker, write_marker
 from trajforge.sources import DEFAULT_SOURCES, SourceFile, get_source
 
-RUNNERS = ("threads", "dask", "ray")
+RUNNERS = ("processes", "threads", "dask", "ray")
 
 
 def make_task_runner(runner: str = "threads", address: str | None = None, workers: int = 4,
                      api_url: str | None = None):
-    """The task runner for the units: threads here, or a Dask / Ray cluster (local when no address).
+    """The task runner for the units: processes or threads here, or a Dask / Ray cluster (local when no address).
 
     Workers of a local cluster are told the Prefect API of this run (`api_url`): without it each
     worker process of an embedded-mode run starts its own temporary server (a minute each on a
     small machine). Workers of a remote cluster need PREFECT_API_URL in their own environment.
     """
     env = {"PREFECT_API_URL": api_url} if api_url else {}
+    if runner == "processes":
+        # Units are CPU-bound Python (parsing, normalizing, MinHash): processes use every core, threads
+        # only one (the GIL).
+        from prefect.task_runners import ProcessPoolTaskRunner
+
+        return ProcessPoolTaskRunner(max_workers=workers)
     if runner == "threads":
         return ThreadPoolTaskRunner(max_workers=workers)
     if runner == "dask":
