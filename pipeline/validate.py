@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from pipeline.dialects import FREE_TEXT, parse_turn
-from pipeline.grammars import Breach, Context, grammar_for
+from pipeline.grammars import GRAMMARS, Breach, Context, grammar_for
 from pipeline.normalize import extract_answer
 from schemas import first_error
 
@@ -243,3 +243,32 @@ def validate_record(record: dict, config: ValidateConfig = ValidateConfig()) -> 
         if violation is not None:
             return violation
     return None
+
+
+def tally_env(figures: dict[str, dict], record: dict, violation: Violation | None) -> None:
+    """Count one validated record into per-env figures (in place): records, trained actions
+    checked and valid by the env's grammar, and quarantined records by rule (the grammar rule for
+    `invalid_action`, the reason otherwise)."""
+    entry = figures.setdefault(record["env"], {"grammar": record["env"] in GRAMMARS, "records": 0,
+                                               "actions_checked": 0, "actions_valid": 0, "quarantined": {}})
+    checked, breaches = grammar_breaches(record)
+    entry["records"] += 1
+    entry["actions_checked"] += checked
+    entry["actions_valid"] += checked - len(breaches)
+    if violation is not None:
+        key = violation.rule or violation.reason
+        entry["quarantined"][key] = entry["quarantined"].get(key, 0) + 1
+
+
+def merge_env_figures(parts: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per-env figures of several units added up, envs sorted."""
+    total: dict[str, dict] = {}
+    for part in parts:
+        for env, entry in part.items():
+            into = total.setdefault(env, {"grammar": entry["grammar"], "records": 0, "actions_checked": 0,
+                                          "actions_valid": 0, "quarantined": {}})
+            for key in ("records", "actions_checked", "actions_valid"):
+                into[key] += entry[key]
+            for rule, n in entry["quarantined"].items():
+                into["quarantined"][rule] = into["quarantined"].get(rule, 0) + n
+    return dict(sorted(total.items()))
