@@ -401,29 +401,27 @@ def _wordle_breaks(action: str, context: Context) -> dict[str, str]:
 
 # --- tool use: AgentGym tool envs and ToolBench / Agent-FLAN -------------------------------------
 _AGENTGYM_TOOL = re.compile(r"(?P<name>[\w.\-]+) with Action Input:\s*(?P<input>.*)", re.S)
-_OFFERED = (
-    re.compile(r"^Name:\s*([\w.\-]+)\(", re.M),                        # AgentGym: Name: get_tasks(project_id)
-    re.compile(r"""['"]name['"]\s*:\s*['"]([\w.\-]+)['"]"""),          # ToolBench: {'name': 'x', ...}
-    re.compile(r"^([\w.\-]+):\s*This is the subfunction", re.M),      # Agent-FLAN tflan: a.b: This is ...
-)
-_TOOL_OF = re.compile(r"""for tool ['"\\]*([\w.\-]+)""")
+_AGENTGYM_TOOL_LIST = re.compile(r"^Name:\s*([\w.\-]+)\(([^)]*)\)", re.M)
+_WORD = re.compile(r"[\w.\-]+")
 
 
-def offered_tools(prompt: str) -> dict[str, list[str] | None]:
-    """Tool name -> its parameter names (None where the prompt does not list them)."""
-    tools: dict[str, list[str] | None] = {}
-    for m in re.finditer(r"^Name:\s*([\w.\-]+)\(([^)]*)\)", prompt, re.M):
-        tools[m.group(1)] = [p.strip() for p in m.group(2).split(",") if p.strip()]
-    for pattern in _OFFERED[1:]:
-        for name in pattern.findall(prompt):
-            tools.setdefault(name, None)
-    # ToolBench names a function `<tool>.<function>` when it calls it ("subfunction for tool X").
-    for tool in _TOOL_OF.findall(prompt):
-        for name in [n for n in tools if "." not in n]:
-            tools.setdefault(f"{tool}.{name}", tools[name])
-    if re.search(r"\bFinish\b", prompt):
-        tools.setdefault("Finish", None)
-    return tools
+def offered_tools(prompt: str) -> dict[str, list[str]]:
+    """The tools an AgentGym tool prompt lists (`Name: get_tasks(project_id)`) with their parameters."""
+    return {m.group(1): [p.strip() for p in m.group(2).split(",") if p.strip()]
+            for m in _AGENTGYM_TOOL_LIST.finditer(prompt)}
+
+
+def tool_offered(name: str, prompt: str) -> bool:
+    """AgentGym prompts list every tool (`Name: f(...)`): only those. ToolBench / Agent-FLAN prompts
+    describe their APIs in several layouts (`{'name': 'f', ...}` of tool "t", `t.f: This is the
+    subfunction ...`, a plain list) but always name them: the name, or `t.f` with both t and f named,
+    must appear in the prompt as a whole word (`Finish` included, where the prompt offers it)."""
+    listed = offered_tools(prompt)
+    if listed:
+        return name in listed
+    words = set(_WORD.findall(prompt))
+    tool, _, function = name.partition(".")
+    return name in words or bool(function and tool in words and function in words)
 
 
 def parse_arguments(text: str) -> dict | None:
@@ -471,13 +469,12 @@ def check_tool_call(action: str, context: Context) -> Breach | None:
     name, args = tool_call(action, context.dialect)
     if name is None:
         return Breach("tool.syntax", f"{action[:120]!r} is not a tool call with arguments")
-    tools = offered_tools(context.prompt)
-    if name not in tools:
+    if not tool_offered(name, context.prompt):
         return Breach("tool.unknown_tool", f"{name!r} is not a tool the prompt offers")
     parsed = parse_arguments(args or "")
     if parsed is None:
         return Breach("tool.arguments", f"{name}: the arguments {(args or '')[:100]!r} are not an object")
-    params = tools[name]
+    params = offered_tools(context.prompt).get(name)
     unknown = sorted(set(parsed) - set(params)) if params is not None else []
     if unknown:
         return Breach("tool.parameters", f"{name} takes {params}, not {unknown}")
@@ -490,7 +487,7 @@ def break_tool_call(action: str, context: Context) -> dict[str, str]:
         return {}
     sep = " with Action Input: " if context.dialect == "action_input" else "\nAction Input: "
     out = {"tool.arguments": f"{name}{sep}{{{(args or '').strip()[1:-1]}"}
-    if offered_tools(context.prompt).get(name) is not None:
+    if name in offered_tools(context.prompt):
         out["tool.parameters"] = f"{name}{sep}" + json.dumps({"teleport_to": "moon"})
     return out
 
@@ -499,7 +496,7 @@ TOOL_RULES = {"tool.syntax": "a tool call: `name with Action Input: {...}`, Tool
                              "or a JSON/dict call",
               "tool.unknown_tool": "the tool is one the prompt offers",
               "tool.arguments": "the arguments parse as an object (JSON, or a Python dict literal)",
-              "tool.parameters": "every argument is a parameter the prompt lists for the tool"}
+              "tool.parameters": "every argument is a parameter the prompt lists for the tool (AgentGym lists them)"}
 
 
 def _tool_grammar(name: str, source: str, terminal: Callable[[str], bool], ends: str,
