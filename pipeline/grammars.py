@@ -483,8 +483,15 @@ def check_tool_call(action: str, context: Context) -> Breach | None:
 
 def break_tool_call(action: str, context: Context) -> dict[str, str]:
     name, args = tool_call(action, context.dialect)
-    if name is None or context.dialect not in ("action_input", "toolbench_react"):
+    if name is None:
         return {}
+    if context.dialect in ("json_tool", "dict_tool_call"):
+        # The arguments written as a string instead of an object.
+        call = parse_arguments(action)
+        key = "Param" if context.dialect == "json_tool" else "parameters"
+        call[key] = ", ".join(f"{k}={v}" for k, v in (call.get(key) or {}).items()) or "none"
+        text = json.dumps(call, ensure_ascii=False) if context.dialect == "json_tool" else repr(call)
+        return {"tool.arguments": text}
     sep = " with Action Input: " if context.dialect == "action_input" else "\nAction Input: "
     out = {"tool.arguments": f"{name}{sep}{{{(args or '').strip()[1:-1]}"}
     if name in offered_tools(context.prompt):
