@@ -192,7 +192,8 @@ def _webshop_breaks(action: str, context: Context) -> dict[str, str]:
 
 # --- Mind2Web (AgentInstruct multiple choice) ---------------------------------------------------
 MIND2WEB_OPERATIONS = ("CLICK", "TYPE", "SELECT")
-_M2W = re.compile(r"Answer:\s*(?P<choice>[A-Z])\.?(?:\s*\nAction:\s*(?P<op>\S+))?(?:\s*\nValue:\s*(?P<value>.*\S))?\s*", re.S)
+_M2W = re.compile(r"Answer:\s*(?P<choice>[A-Z])\.?(?:\s*\nAction:\s*(?P<op>\S+))?"
+                  r"(?:\s*\nValue:\s*(?P<value>.*\S))?\s*", re.S)
 _M2W_CHOICES = re.compile(r"^([A-Z])\. ", re.M)
 
 
@@ -223,7 +224,10 @@ def _mind2web_breaks(action: str, context: Context) -> dict[str, str]:
            "mind2web.syntax": action.replace("\nAction: ", "\nAction ", 1)}
     if missing:
         out["mind2web.choice"] = action.replace(f"Answer: {m['choice']}", f"Answer: {missing}", 1)
-    out["mind2web.value"] = (action + "\nValue: x") if m["op"] == "CLICK" else action[:m.start("value")].rstrip().removesuffix("Value:").rstrip()
+    if m["op"] == "CLICK":
+        out["mind2web.value"] = action + "\nValue: x"
+    elif m["value"] is not None:
+        out["mind2web.value"] = action[:m.start("value")].rstrip().removesuffix("Value:").rstrip()
     return out
 
 
@@ -295,7 +299,8 @@ def _os_check(action: str, context: Context) -> Breach | None:
 
 def _os_breaks(action: str, context: Context) -> dict[str, str]:
     text = action.strip()
-    out = {"os.command": INVENTED_VERBS[0] + text[text.find("(") if text.startswith("answer(") else len(text.split()[0]):]}
+    verb_end = text.find("(") if text.startswith("answer(") else len(text.split()[0])
+    out = {"os.command": INVENTED_VERBS[0] + text[verb_end:]}
     if text.startswith("bash"):
         out["os.bash_block"] = "bash " + parse_os_action(text)[1].strip().replace("\n", "; ")
     if text.startswith("answer("):
@@ -323,7 +328,8 @@ def _db_check(action: str, context: Context) -> Breach | None:
             ok = m is not None and isinstance(ast.literal_eval(m["answer"]), list)
         except (ValueError, SyntaxError, MemoryError, RecursionError):
             ok = False
-        return None if ok else Breach("db.final_answer", f"{text[:120]!r}: `Answer` needs `Final Answer: [...]`, a list")
+        return None if ok else Breach("db.final_answer",
+                                      f"{text[:120]!r}: `Answer` needs `Final Answer: [...]`, a list")
     return Breach("db.command", f"{text[:120]!r} is neither `Operation` + SQL nor `Answer` + `Final Answer`")
 
 
@@ -443,8 +449,9 @@ def tool_call(action: str, dialect: str | None) -> tuple[str | None, str | None]
         call = parse_arguments(text)
         if call is None:
             return None, None
-        name, args = (call.get("Tool"), call.get("Param")) if dialect == "json_tool" else (call.get("name"), call.get("parameters"))
-        return (name if isinstance(name, str) else None), json.dumps(args, ensure_ascii=False) if args is not None else "{}"
+        name, args = call.get("Tool" if dialect == "json_tool" else "name"), call.get(
+            "Param" if dialect == "json_tool" else "parameters")
+        return (name if isinstance(name, str) else None), "{}" if args is None else json.dumps(args, ensure_ascii=False)
     m = _AGENTGYM_TOOL.fullmatch(text)
     if m:
         return m["name"], m["input"]
@@ -526,7 +533,8 @@ GRAMMARS: dict[str, Grammar] = {g.name: g for g in [
     command_grammar("alfworld", "ALFWorld admissible commands (TextWorld ALFRED grammar) as AgentInstruct/AgentGym "
                     "prompts use them; AgentGym's AVAILABLE ACTIONS list", ALFWORLD,
                     extra=_alfworld_available, extra_breaks=_alfworld_breaks,
-                    extra_rules={"alfworld.available": "when the observation lists AVAILABLE ACTIONS, the action is one"}),
+                    extra_rules={"alfworld.available":
+                                 "when the observation lists AVAILABLE ACTIONS, the action is one of them"}),
     command_grammar("webshop", "AgentBench/AgentGym WebShop prompt: `search[keywords]`, `click[value]`, the value "
                     "one of the page's clickables", WEBSHOP, extra=_webshop_clickable, extra_breaks=_webshop_breaks,
                     extra_rules={"webshop.click_target": "a clicked value is a `[SEP]` item of the page"}),

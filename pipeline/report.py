@@ -90,7 +90,8 @@ def validation_rows(figures: dict[str, dict]) -> list[list]:
     """One row per env of `report["validation_by_env"]`, for the html report and the card."""
     rows = []
     for env, e in sorted(figures.items()):
-        share = f"{e['actions_valid']} ({e['actions_valid'] / e['actions_checked']:.1%})" if e["actions_checked"] else "-"
+        checked, valid = e["actions_checked"], e["actions_valid"]
+        share = f"{valid} ({valid / checked:.1%})" if checked else "-"
         rules = ", ".join(f"{rule} {n}" for rule, n in sorted(e["quarantined"].items())) or "-"
         rows.append([env, "yes" if e["grammar"] else "none", e["records"], e["actions_checked"], share, rules])
     return rows

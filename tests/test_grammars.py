@@ -67,8 +67,10 @@ def test_every_real_fixture_action_passes_its_grammar(records):
 
 # (record id, a real action of it, the action edited to break one rule, that rule)
 BREAKS = [
-    ("agentinstruct/alfworld_155", "take spraybottle 1 from shelf 1", "grab spraybottle 1 from shelf 1", "alfworld.command"),
-    ("agentinstruct/alfworld_155", "take spraybottle 1 from shelf 1", "take spraybottle from shelf 1", "alfworld.arguments"),
+    ("agentinstruct/alfworld_155", "take spraybottle 1 from shelf 1", "grab spraybottle 1 from shelf 1",
+     "alfworld.command"),
+    ("agentinstruct/alfworld_155", "take spraybottle 1 from shelf 1", "take spraybottle from shelf 1",
+     "alfworld.arguments"),
     ("openmanus_rl/look_at_obj_in_light-AlarmClock-None-DeskLamp-301_trial_T20190907_174127_043461",
      "go to desk 1", "go to desk 2", "alfworld.available"),
     ("agentinstruct/webshop_330", "search[on-ear headphone noise cancelling price < 180.00]",
