@@ -27,7 +27,7 @@ from trajforge.pipeline.quality.negatives import NegativesConfig, make_negatives
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
 from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
 from trajforge.pipeline.publish.shards import ShardConfig, write_config
-from trajforge.pipeline.ingest.validate import ValidateConfig, validate_record
+from trajforge.pipeline.ingest.validate import ValidateConfig, merge_env_figures, tally_env, validate_record
 from trajforge.schemas import arrow_schema
 from trajforge.sources import SourceFile, get_source, iter_rows
 
@@ -74,6 +74,8 @@ class UnitResult:
     # Provenance for the card and the build id: the input's content and its Hub commit, if any.
     input_sha256: str = ""
     revision: str | None = None
+    # Per env: records validated, trained actions checked/valid by grammar, quarantined by rule.
+    envs: dict[str, dict] = field(default_factory=dict)
 
 
 def unit_key(source: str, file: SourceFile) -> str:
@@ -141,6 +143,7 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     records = StreamingParquet(staging / f"{key}.records.parquet", arrow_schema("trajectory"))
     quarantine = StreamingParquet(staging / f"{key}.quarantine.parquet", arrow_schema("quarantine"))
     reasons: Counter[str] = Counter()
+    envs: dict[str, dict] = {}
 
     def reject(index: int, source_id: str | None, reason: str, detail: str, raw: str | None) -> None:
         reasons[reason] += 1
@@ -158,6 +161,8 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
                    exc.reason, exc.detail, _raw_text(raw.row))
             continue
         violation = validate_record(record, config.validate) if record["kind"] == "positive" else None
+        if record["kind"] == "positive":
+            tally_env(envs, record, violation)
         if violation is not None:
             reject(raw.index, record["source_id"], violation.reason, violation.detail, _raw_text(raw.row))
             continue
@@ -169,7 +174,7 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     # A whole unreadable file counts as one input record.
     result = UnitResult(source_name, name, str(records.path), str(quarantine.path),
                         read=records.count + quarantine.count, written=records.count,
-                        quarantined=quarantine.count, reasons=dict(reasons))
+                        quarantined=quarantine.count, reasons=dict(reasons), envs=envs)
     log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, result.read, result.written,
              result.quarantined, result.reasons or "")
     return result
@@ -250,6 +255,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     report["domains"] = dict(sorted(Counter(r["domain"] for r in records).items()))
     report["envs"] = dict(sorted(Counter(r["env"] for r in records).items()))
     report["kinds"] = dict(Counter(r["kind"] for r in records))
+    report["validation_by_env"] = merge_env_figures([u.envs for u in units])
     stage_counts(report, contaminated, duplicates)
     report["outputs"].update({name: files.get("train", []) for name, files in derived.items()},
                              duplicates=[str(duplicates_path.relative_to(out))])

@@ -29,6 +29,18 @@ FIXTURE_SOURCES = {
     "openmanus_rl": str(RAW / "openmanus_rl"),
 }
 
+# What the fixture build quarantines, (upstream id, reason) -> rows: each a real defect of the row
+# (db_291/db_314/db_326 are in two containers). Anything else quarantined is a regression.
+FIXTURE_QUARANTINE = {
+    ("alfworld_53", "invalid_action"): 1,        # `End of the task.` is no ALFWorld command
+    ("mind2web_46", "invalid_action"): 1,        # operation `SET` is not CLICK/TYPE/SELECT
+    ("textcraft_251", "invalid_action"): 1,      # `get end stone brick stairs`: get needs a count
+    ("db_291", "incomplete_episode"): 2,         # ends on an Operation that never ran, no Answer
+    ("db_314", "incomplete_episode"): 2,
+    ("db_326", "action_loop"): 2,
+    ("textcraft_205", "unparsed_assistant_turn"): 1,
+}
+
 
 @pytest.fixture(scope="session")
 def raw_dir() -> Path:
