@@ -1,0 +1,178 @@
+"""Unusable arguments fail through the real CLI with exit 2, fast, in one line that names the
+argument and says what to do; every --help answers fast. Nothing here starts Prefect.
+
+The time bound is generous for loaded CI machines; on a quiet 2-core machine each case takes
+about 1 s (measured: bench figures in the README's "Arguments and help" section).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from flows.cli import _check_out
+from sources import REGISTRY, SourceError
+from sources.locate import is_local_path
+from tests.conftest import RAW, REPO
+from tests.hub_server import HubServer
+
+BOUND_S = 5.0
+
+
+def trajforge(*args: str, cwd=REPO, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    environ = dict(os.environ, PYTHONPATH=str(REPO), **env)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=environ, capture_output=True,
+                          text=True, timeout=120)
+    return proc, time.monotonic() - start
+
+
+def refused(*args: str, **kwargs) -> str:
+    """Run a command that must be refused; returns its one-line message."""
+    proc, seconds = trajforge(*args, **kwargs)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert seconds < BOUND_S, f"{seconds:.1f} s"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and not proc.stdout, proc.stderr
+    return lines[0]
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_unknown_source(tmp_path):
+    line = refused("build", "--out", str(tmp_path / "o"), "--source", "nope=x")
+    assert "--source nope: unknown source" in line and "agenttraj_l" in line
+
+
+def test_missing_path(tmp_path):
+    line = refused("build", "--out", str(tmp_path / "o"), "--source", f"agenttraj_l={tmp_path}/missing/dir")
+    assert f"--source agenttraj_l={tmp_path}/missing/dir: no such file or folder" in line
+    assert not (tmp_path / "o").exists()  # refused before anything is written
+
+
+def test_mistyped_relative_path_says_what_path_and_what_repo_were_tried(tmp_path):
+    line = refused("build", "--out", "o", "--source", "agentinstruct=fixtures/agentinstruct", cwd=tmp_path)
+    assert f"local path ({tmp_path}/fixtures/agentinstruct does not exist)" in line
+    assert "Hub dataset (fixtures/agentinstruct: offline" in line and "--source agentinstruct=PATH" in line
+
+
+def test_folder_without_data_files(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "README.md").write_text("no data here")
+    for folder in ("empty", "docs"):
+        line = refused("build", "--out", str(tmp_path / "o"), "--source", f"agenttraj_l={tmp_path / folder}")
+        assert f"--source agenttraj_l={tmp_path / folder}: no data files (.parquet" in line
+
+
+def test_unsupported_file_type(tmp_path):
+    (tmp_path / "rows.csv").write_text("a,b\n")
+    line = refused("build", "--out", str(tmp_path / "o"), "--source", f"agenttraj_l={tmp_path / 'rows.csv'}")
+    assert "rows.csv is not a data file (suffix .csv)" in line and ".jsonl" in line
+
+
+def test_foreign_out_folder_is_refused_and_left_alone(tmp_path):
+    out = tmp_path / "mine"
+    (out / "sub").mkdir(parents=True)
+    (out / "README.md").write_text("my own notes")
+    (out / "sub" / "thing.csv").write_text("1,2\n")
+    line = refused("build", "--out", str(out), "--source", f"agenttraj_l={RAW / 'agenttraj_l'}")
+    assert f"--out {out}: holds files that no trajforge build wrote (README.md, sub)" in line
+    assert "--overwrite" in line
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["README.md", "sub", "sub/thing.csv"]
+    assert (out / "README.md").read_text() == "my own notes"
+
+
+def test_out_folder_rules(tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("x")
+    with pytest.raises(SourceError, match="--overwrite"):
+        _check_out(str(foreign), overwrite=False)
+    _check_out(str(foreign), overwrite=True)
+    _check_out(str(tmp_path / "new"), overwrite=False)
+    (tmp_path / "empty").mkdir()
+    _check_out(str(tmp_path / "empty"), overwrite=False)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "manifest.json").write_text('{"build_id": "0123456789abcdef", "files": {}}')
+    _check_out(str(earlier), overwrite=False)
+    interrupted = tmp_path / "interrupted"
+    (interrupted / ".staging").mkdir(parents=True)
+    _check_out(str(interrupted), overwrite=False)
+    with pytest.raises(SourceError, match="is a file"):
+        _check_out(str(foreign / "notes.txt"), overwrite=False)
+
+
+def test_default_build_offline_names_the_source_and_repo(tmp_path):
+    line = refused("build", "--out", str(tmp_path / "o"), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    assert "--source agentinstruct (Hub dataset THUDM/AgentInstruct): offline" in line
+    assert "pass --source agentinstruct=PATH" in line
+
+
+def test_default_build_with_the_hub_down(tmp_path):
+    line = refused("build", "--out", str(tmp_path / "o"), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="0",
+                   HF_ENDPOINT=f"http://127.0.0.1:{closed_port()}")
+    assert "--source agentinstruct (Hub dataset THUDM/AgentInstruct): Hub unreachable (ConnectError" in line
+    assert "pass --source agentinstruct=PATH" in line
+
+
+def test_repo_missing_on_the_hub(tmp_path):
+    with HubServer() as hub:
+        env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.endpoint}
+        line = refused("build", "--out", str(tmp_path / "o"), "--source", "agentinstruct=org/missing", **env)
+        assert "readable Hub dataset (org/missing: not found on the Hub" in line
+        # Inside the flow the download raises a SourceError too, which the flow does not retry.
+        proc = subprocess.run([sys.executable, "-c", "from sources.base import download_from_hub; "
+                               "download_from_hub('org/missing', ['*'])"], cwd=REPO, capture_output=True, text=True,
+                              env=dict(os.environ, **env), timeout=60)
+        assert "sources.base.SourceError: Hub dataset org/missing: not found" in proc.stderr
+
+
+def test_retry_condition_skips_source_errors():
+    from prefect.states import Failed
+
+    from flows.build import _worth_retrying
+
+    assert not _worth_retrying(None, None, Failed(data=SourceError("offline")))
+    assert _worth_retrying(None, None, Failed(data=TimeoutError("slow")))
+
+
+@pytest.mark.parametrize("location, local", [
+    ("/abs/missing", True), ("./rel", True), ("~/data", True), ("tests/no/such", True),
+    ("fixtures/agentinstruct", False), ("THUDM/AgentInstruct", False), ("tests", True),
+])
+def test_local_path_or_repo_id(location, local, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert is_local_path(location) is local
+
+
+@pytest.mark.parametrize("command", [[], ["build"], ["release"], ["synth"], ["train"], ["train", "sft"],
+                                     ["train", "grpo"], ["train", "dpo"]], ids=lambda c: " ".join(c) or "top")
+def test_help_is_fast(command):
+    proc, seconds = trajforge(*command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert seconds < BOUND_S, f"{seconds:.1f} s"
+    text = proc.stdout
+    if command == ["build"]:
+        assert all(name in text for name in REGISTRY) and "THUDM/AgentInstruct" in text
+    if command == ["synth"]:
+        assert "(default: 8)" in text and "(default: openai)" in text and "(default: 4)" in text
+    if command == ["train"]:
+        assert all(f"  {name} " in text for name in ("sft", "grpo", "dpo"))
+    if command[:1] == ["train"] and len(command) == 2:
+        lines = text.splitlines()
+        assert lines[5].lstrip().startswith("--config FILE") and "--help-all" in text and len(lines) < 30
+
+
+def test_train_without_a_trainer_lists_them():
+    proc, _ = trajforge("train")
+    assert proc.returncode == 2 and "sft" in proc.stderr and "dpo" in proc.stderr
