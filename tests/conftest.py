@@ -1,4 +1,4 @@
-"""Shared test fixtures: the real upstream records in ../shared/fixtures, never copied here."""
+"""Shared test fixtures: the real upstream records in tests/fixtures (provenance in its README)."""
 from __future__ import annotations
 
 import logging
@@ -19,8 +19,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import flows.build  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("TRAJFORGE_FIXTURES", REPO.parent / "shared" / "fixtures"))
+FIXTURES = Path(os.environ.get("TRAJFORGE_FIXTURES", REPO / "tests" / "fixtures"))
 RAW = FIXTURES / "raw"
+# Agent-FLAN rows we wrote in the upstream layout (no raw rows are public in reach).
+AGENT_FLAN = FIXTURES / "agent_flan"
 
 # The build over all real fixture records: source name -> folder in the upstream layout.
 FIXTURE_SOURCES = {

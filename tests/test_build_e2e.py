@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.validate import validate_record
 from schemas import validator
-from tests.conftest import FIXTURE_SOURCES, REPO
+from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, REPO
 
 
 @pytest.mark.slow
@@ -23,7 +23,7 @@ def test_trajforge_build_on_the_fixtures(tmp_path):
     args = [sys.executable, "-m", "flows.cli", "build", "--out", str(out)]
     for name, location in FIXTURE_SOURCES.items():
         args += ["--source", f"{name}={location}"]
-    args += ["--source", f"agent_flan={REPO / 'tests' / 'data' / 'agent_flan'}"]
+    args += ["--source", f"agent_flan={AGENT_FLAN}"]
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Progress while running and a summary at the end.

@@ -13,9 +13,8 @@ from pipeline.normalize import NormalizeConfig, normalize_row
 from pipeline.validate import validate_record
 from schemas import arrow_schema, validator
 from sources import get_source, iter_rows
-from tests.conftest import FIXTURE_SOURCES, RAW, REPO
+from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, RAW
 
-AGENT_FLAN = REPO / "tests" / "data" / "agent_flan"
 
 
 def _records(fixtures_build):
