@@ -1,4 +1,8 @@
-"""`trajforge` command line: each subcommand parses its arguments and runs a flow."""
+"""`trajforge` command line: each subcommand parses its arguments and runs a flow.
+
+Arguments are checked, and `--help` answered, before Prefect, the stages or TRL load: only light
+modules are imported at the top, the rest inside the command that needs them.
+"""
 from __future__ import annotations
 
 import argparse
@@ -9,9 +13,6 @@ import sys
 from pathlib import Path
 
 from sources import DEFAULT_SOURCES, REGISTRY, SourceError
-
-# Only light modules are imported at the top: `--help` and the argument checks answer before
-# Prefect, pyarrow-heavy stages or TRL load.
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -129,7 +130,24 @@ def _add_release(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_release)
 
 
+def _check_release_args(args: argparse.Namespace) -> None:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    from pipeline.manifest import MANIFEST
+
+    if not (Path(args.dir) / MANIFEST).is_file():
+        raise SourceError(f"release {args.dir}: no {MANIFEST} there; give the --out folder of a finished "
+                          f"`trajforge build`")
+    try:
+        validate_repo_id(args.repo)
+    except HFValidationError as exc:
+        raise SourceError(f"--repo {args.repo}: not a Hub repo id ({exc}); give ORG/NAME") from None
+
+
 def _run_release(args: argparse.Namespace) -> int:
+    _check_release_args(args)
+    # Imported only now: Prefect takes seconds to load.
     from flows.release import release_dataset
     from pipeline.release import ReleaseError
 
@@ -221,7 +239,7 @@ COMMANDS = [_add_build, _add_release, _add_synth, _add_train]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trajforge", description=__doc__)
+    p = argparse.ArgumentParser(prog="trajforge", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True,
                            parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_HelpFormatter))
     for add in COMMANDS:

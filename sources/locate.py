@@ -42,10 +42,12 @@ def local_path(location: str) -> Path:
 
 def hub_failure(repo_id: str, exc: Exception) -> HubUnavailable:
     """What a huggingface_hub error means for the user, and whether a retry could change it."""
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
                                         OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
 
     login = "log in with `hf auth login` or set HF_TOKEN"
+    if isinstance(exc, HFValidationError):
+        return HubUnavailable(repo_id, "not a valid repo id (ORG/NAME)")
     if isinstance(exc, OfflineModeIsEnabled):
         return HubUnavailable(repo_id, "offline (HF_HUB_OFFLINE is set)", offline=True)
     if isinstance(exc, LocalEntryNotFoundError):
@@ -63,6 +65,7 @@ def hub_failure(repo_id: str, exc: Exception) -> HubUnavailable:
         if status == 404:
             return HubUnavailable(repo_id, "not found on the Hub")
         return HubUnavailable(repo_id, f"the Hub answered HTTP {status}", retryable=True)
+    # The transport's errors, by name: its library (httpx or a fork) is huggingface_hub's choice.
     name = type(exc).__name__
     if "Timeout" in name and "Connect" not in name:
         return HubUnavailable(repo_id, f"the Hub did not answer in time ({name})", retryable=True)
