@@ -11,6 +11,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Tests read Prefect's INFO records (progress, "released ...", secrets kept out of logs): a user's
+# PREFECT_LOGGING_LEVEL=WARNING must not hide them, here or in the CLI subprocesses.
+os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"
 
 # Prefect binds its console log handler to sys.stderr when its flow machinery is first imported.
 # Importing it here, at collection, binds it to pytest's session-wide stream; imported first inside a
