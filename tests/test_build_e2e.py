@@ -15,7 +15,7 @@ import pytest
 
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.schemas import validator
-from tests.conftest import FIXTURE_QUARANTINE, FIXTURE_SOURCES, REPO
+from tests.conftest import AGENT_FLAN, FIXTURE_QUARANTINE, FIXTURE_SOURCES, REPO
 
 
 @pytest.mark.slow
@@ -24,7 +24,7 @@ def test_trajforge_build_on_the_fixtures(tmp_path):
     args = [sys.executable, "-m", "trajforge.flows.cli", "build", "--out", str(out)]
     for name, location in FIXTURE_SOURCES.items():
         args += ["--source", f"{name}={location}"]
-    args += ["--source", f"agent_flan={REPO / 'tests' / 'data' / 'agent_flan'}"]
+    args += ["--source", f"agent_flan={AGENT_FLAN}"]
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Progress while running and a summary at the end.

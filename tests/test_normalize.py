@@ -13,9 +13,8 @@ from trajforge.pipeline.ingest.normalize import NormalizeConfig, normalize_row
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.schemas import arrow_schema, validator
 from trajforge.sources import get_source, iter_rows
-from tests.conftest import FIXTURE_QUARANTINE, FIXTURE_SOURCES, RAW, REPO
+from tests.conftest import AGENT_FLAN, FIXTURE_QUARANTINE, FIXTURE_SOURCES, RAW, REPO
 
-AGENT_FLAN = REPO / "tests" / "data" / "agent_flan"
 
 
 def _records(fixtures_build):

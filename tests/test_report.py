@@ -72,3 +72,31 @@ def test_report_opens_in_headless_chromium(fixtures_build, tmp_path):
     # themselves (the stage bars' blue) are on screen.
     assert len(colours) > 200
     assert any(abs(r - 0x4C) < 8 and abs(g - 0x72) < 8 and abs(b - 0xB0) < 8 for _, (r, g, b) in colours)
+
+
+def test_count_axes_have_whole_number_ticks(tmp_path, monkeypatch):
+    """Small counts (1 and 2 records) would get ticks at 0.25, 0.5, ... without an integer locator."""
+    from trajforge.pipeline.publish import report as report_module
+
+    figures = {}
+    real_save = report_module._save
+
+    def keep(fig, out, name):
+        figures[name] = fig  # _save closes the figure, but its axes stay readable
+        return real_save(fig, out, name)
+
+    monkeypatch.setattr(report_module, "_save", keep)
+    small = {"sources": {"a": {"read": 2, "written": 1, "quarantined": 1, "duplicates": 0}},
+             "total": {"reasons": {"malformed_json": 1, "too_long": 2}}, "negatives": {"by_type": {"x": 1}}}
+    records = [{"domain": "os", "env": "os", "conversations": [{"content": "hi"}] * n} for n in (2, 3)]
+    report_module.plot_stages(small, tmp_path)
+    report_module.plot_quarantine(small, tmp_path)
+    report_module.plot_negatives(small, tmp_path)
+    report_module.plot_mix(records, tmp_path)
+    report_module.plot_lengths(records, tmp_path)
+    count_axes = [figures[name].axes[0].get_xticks() for name in ("stages.png", "quarantine.png", "negatives.png")]
+    count_axes += [ax.get_xticks() for ax in figures["mix.png"].axes]
+    turns, chars = figures["lengths.png"].axes
+    count_axes += [turns.get_xticks(), turns.get_yticks(), chars.get_yticks()]
+    for ticks in count_axes:
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks

@@ -16,6 +16,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 PLOT_DIR = "report_files"
 
@@ -113,6 +114,12 @@ def _empty(ax, text: str) -> None:
     ax.set_axis_off()
 
 
+def _whole_numbers(*axes) -> None:
+    """Ticks at whole numbers only: these axes count records, and 2.5 records means nothing."""
+    for axis in axes:
+        axis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _barh(ax, counts: dict, title: str, color: str) -> None:
     if not counts:
         _empty(ax, f"{title}: none")
@@ -122,6 +129,7 @@ def _barh(ax, counts: dict, title: str, color: str) -> None:
     for y, (_, v) in enumerate(items):
         ax.text(v, y, f" {v}", va="center", fontsize=8)
     ax.set_title(title)
+    _whole_numbers(ax.xaxis)
 
 
 def plot_stages(report: dict, out: Path) -> str:
@@ -139,6 +147,7 @@ def plot_stages(report: dict, out: Path) -> str:
     ax.set_title("Where every input record went, per source")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     ax.set_xlim(0, max(left) * 1.15 if max(left, default=0) else 1)
+    _whole_numbers(ax.xaxis)
     return _save(fig, out, "stages.png")
 
 
@@ -187,6 +196,7 @@ def plot_lengths(records: list[dict], out: Path) -> str:
     b.set_xlabel("characters")
     for ax in (a, b):
         ax.set_ylabel("trajectories")
+    _whole_numbers(a.xaxis, a.yaxis, b.yaxis)
     return _save(fig, out, "lengths.png")
 
 
