@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_FIXTURES = Path(os.environ.get("TRAJFORGE_FIXTURES", REPO.parent / "shared" / "fixtures")) / "raw"
+DEFAULT_FIXTURES = Path(os.environ.get("TRAJFORGE_FIXTURES", REPO / "tests" / "fixtures")) / "raw"
 
 EXACT_SHARE, NEAR_SHARE = 0.08, 0.04
 MUTATE_SHARE = 1.0

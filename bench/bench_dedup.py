@@ -1,6 +1,6 @@
 """Near-duplicate detection: our vectorized numpy MinHash against datasketch's, in one run.
 
-Usage: python bench/bench_dedup.py [--docs 100000] [--fixtures ../shared/fixtures/raw]
+Usage: python bench/bench_dedup.py [--docs 100000] [--fixtures tests/fixtures/raw]
 
 The corpus is scaled from the real fixture rows: every trajectory is a window of 60-120 words of
 a real row's dedup text (task + trajectory, as `pipeline.dedup` folds it) with 30 % of its words
@@ -80,7 +80,7 @@ def run(backend: str, sets, groups, config: DedupConfig) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--docs", type=int, default=100_000)
-    p.add_argument("--fixtures", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "raw")
+    p.add_argument("--fixtures", type=Path, default=Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "raw")
     p.add_argument("--threshold", type=float, default=DedupConfig.threshold)
     args = p.parse_args()
 

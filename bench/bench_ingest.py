@@ -19,7 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-RAW = REPO.parent / "shared" / "fixtures" / "raw" / "agenttraj_l"
+RAW = REPO / "tests" / "fixtures" / "raw" / "agenttraj_l"
 
 
 def make_input(path: Path, rows: int) -> None:

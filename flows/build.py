@@ -19,11 +19,11 @@ from prefect import flow, get_run_logger, task
 from prefect.context import FlowRunContext
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_unit, summary_lines, unit_key
+from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_unit, unit_key
 from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.publish.manifest import code_version
 from trajforge.pipeline.publish.shards import ShardConfig, read_marker, unit_fingerprint, unit_marker, write_marker
-from trajforge.sources import DEFAULT_SOURCES, SourceFile, get_source
+from trajforge.sources import DEFAULT_SOURCES, SourceError, SourceFile, get_source
 
 RUNNERS = ("processes", "threads", "dask", "ray")
 
@@ -62,7 +62,12 @@ def make_task_runner(runner: str = "threads", address: str | None = None, worker
     raise ValueError(f"unknown runner {runner!r}; one of {', '.join(RUNNERS)}")
 
 
-@task(name="resolve-source", retries=2, retry_delay_seconds=5)
+def _worth_retrying(task, task_run, state) -> bool:
+    """A SourceError (missing path, offline, 401/403/404 from the Hub) fails the same way again."""
+    return not isinstance(state.result(raise_on_failure=False), SourceError)
+
+
+@task(name="resolve-source", retries=2, retry_delay_seconds=5, retry_condition_fn=_worth_retrying)
 def resolve_source(name: str, location: str | None) -> list[SourceFile]:
     """List a source's data files; downloads from the Hub when `location` is a repo id or None."""
     return get_source(name).files(location)
@@ -122,7 +127,6 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str = "buil
     `decontaminate` is a file of evaluation tasks whose trajectories are quarantined;
     `dedup_threshold` the Jaccard similarity from which two trajectories are near duplicates.
     """
-    logger = get_run_logger()
     sources = sources or {name: None for name in DEFAULT_SOURCES}
     shards = ShardConfig(max_rows=shard_rows) if shard_rows else ShardConfig()
     dedup = DedupConfig(threshold=dedup_threshold) if dedup_threshold is not None else DedupConfig()
@@ -134,7 +138,5 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str = "buil
     api_url = str(FlowRunContext.get().client.api_url)
     units = process_units.with_options(task_runner=make_task_runner(runner, address, workers, api_url))(
         files, str(staging), config)
-    report = finalize_task(units, str(out_dir), config)
-    for line in summary_lines(report):
-        logger.info(line)
-    return report
+    # The CLI prints the summary table; deployment runs have report.json and report.html.
+    return finalize_task(units, str(out_dir), config)

@@ -1,27 +1,49 @@
-"""`trajforge` command line: each subcommand parses its arguments and runs a flow."""
+"""`trajforge` command line: each subcommand parses its arguments and runs a flow.
+
+Arguments are checked, and `--help` answered, before Prefect, the stages or TRL load: only light
+modules are imported at the top, the rest inside the command that needs them.
+"""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
+from pathlib import Path
 
-from trajforge.sources import REGISTRY, SourceError
+from trajforge.sources import DEFAULT_SOURCES, REGISTRY, SourceError
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, [], False):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _source_arg(value: str) -> tuple[str, str | None]:
     name, sep, location = value.partition("=")
-    if name not in REGISTRY:
-        raise argparse.ArgumentTypeError(f"unknown source {name!r}; known: {', '.join(sorted(REGISTRY))}")
     return name, (location or None) if sep else None
+
+
+def _source_names() -> str:
+    return ", ".join(f"{name} ({source.hub_repo or 'a `trajforge synth` output folder'})"
+                     for name, source in REGISTRY.items())
 
 
 def _add_build(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="build the dataset from upstream sources (a Prefect flow)")
     p.add_argument("--source", action="append", type=_source_arg, default=[], metavar="NAME[=PATH_OR_REPO]",
-                   help="a source to read, from a local folder/file or a Hub repo id (repeatable); "
-                        "default: the three upstream datasets from the Hub")
-    p.add_argument("--out", required=True, help="output folder")
+                   help=f"a source to read (repeatable): NAME alone reads its Hub repo; NAME=PATH a local folder "
+                        f"or file (a path that exists, whose first folder exists, or that starts with . / ~); "
+                        f"NAME=ORG/REPO another Hub repo. Sources: {_source_names()}. "
+                        f"Default: {', '.join(DEFAULT_SOURCES)} from the Hub")
+    p.add_argument("--out", required=True, help="output folder: new, empty, or an earlier build (rebuilt)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="build into an --out folder that holds other files (they may be replaced)")
     p.add_argument("--rendering", choices=["native", "react"], default="native",
                    help="assistant turn text: upstream wording (native) or Think/Act (react)")
     p.add_argument("--runner", choices=["processes", "threads", "dask", "ray"], default="processes",
@@ -37,19 +59,58 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_build)
 
 
-def _run_build(args: argparse.Namespace) -> int:
-    from trajforge.flows.build import build_dataset
-    from trajforge.pipeline.build import summary_lines
+def _earlier_build(folder: Path) -> bool:
+    """A folder that `trajforge build` wrote: its manifest has a build id, or its staging is there
+    (a build that has not finished, which a rerun resumes)."""
+    from trajforge.pipeline.publish.manifest import MANIFEST
+
+    if (folder / ".staging").is_dir():
+        return True
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and "build_id" in manifest
+
+
+def _check_out(out: str, overwrite: bool) -> None:
+    folder = Path(out).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise SourceError(f"--out {out}: is a file; give a new or empty folder, or an earlier build")
+    if overwrite or not folder.is_dir() or _earlier_build(folder):
+        return
+    entries = sorted(entry.name for entry in folder.iterdir())
+    if entries:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise SourceError(f"--out {out}: holds files that no trajforge build wrote ({shown}); give a new or "
+                          f"empty folder, or add --overwrite to build into it anyway")
+
+
+def _check_build_args(args: argparse.Namespace) -> dict[str, str | None]:
+    """The sources to build from, once every argument is known to be usable (SourceError otherwise)."""
+    from trajforge.sources.locate import check_source
 
     sources: dict[str, str | None] = {}
     for name, location in args.source:
+        if name not in REGISTRY:
+            raise SourceError(f"--source {name}: unknown source; use one of {', '.join(sorted(REGISTRY))}")
         if name in sources:
-            raise SourceError(f"source {name} given twice")
-        if location is not None and not os.path.exists(location) and location.count("/") != 1:
-            raise SourceError(f"source {name}: path {location} does not exist")
+            raise SourceError(f"--source {name}: given twice; keep one")
         sources[name] = location
+    _check_out(args.out, args.overwrite)
     if args.decontaminate and not os.path.isfile(args.decontaminate):
-        raise SourceError(f"--decontaminate: no file {args.decontaminate}")
+        raise SourceError(f"--decontaminate {args.decontaminate}: no such file; give a file of evaluation tasks")
+    for name, location in (sources or dict.fromkeys(DEFAULT_SOURCES)).items():
+        check_source(REGISTRY[name], location)
+    return sources
+
+
+def _run_build(args: argparse.Namespace) -> int:
+    sources = _check_build_args(args)
+    # Imported only now: Prefect and the stages take seconds to load.
+    from trajforge.flows.build import build_dataset
+    from trajforge.pipeline.build import summary_lines
+
     report = build_dataset(sources=sources or None, out=args.out, rendering=args.rendering, runner=args.runner,
                            address=args.address, decontaminate=args.decontaminate and os.path.abspath(args.decontaminate),
                            dedup_threshold=args.dedup_threshold)
@@ -69,7 +130,24 @@ def _add_release(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_release)
 
 
+def _check_release_args(args: argparse.Namespace) -> None:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    from trajforge.pipeline.publish.manifest import MANIFEST
+
+    if not (Path(args.dir) / MANIFEST).is_file():
+        raise SourceError(f"release {args.dir}: no {MANIFEST} there; give the --out folder of a finished "
+                          f"`trajforge build`")
+    try:
+        validate_repo_id(args.repo)
+    except HFValidationError as exc:
+        raise SourceError(f"--repo {args.repo}: not a Hub repo id ({exc}); give ORG/NAME") from None
+
+
 def _run_release(args: argparse.Namespace) -> int:
+    _check_release_args(args)
+    # Imported only now: Prefect takes seconds to load.
     from trajforge.flows.release import release_dataset
     from trajforge.pipeline.publish.release import ReleaseError
 
@@ -109,12 +187,14 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep", choices=["best", "all"], default="best", help="records per task: the best success or all")
     p.add_argument("--concurrency", type=int, default=64, help="LLM requests in flight")
     p.add_argument("--episodes", type=int, default=16, help="environments alive at once")
-    p.add_argument("--max-turns", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--max-turns", type=int, default=8, help="model turns per episode before it ends as max_turns")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="completion tokens per request (default: the model family's)")
     p.add_argument("--seed", type=int, default=None, help="sample k uses seed+k")
     p.add_argument("--sampling", action="append", type=_sampling_arg, default=[], metavar="KEY=VALUE",
                    help="override a sampling default (temperature=0.7, top_k=null removes it); repeatable")
-    p.add_argument("--backend", choices=["openai", "vllm"], default="openai")
+    p.add_argument("--backend", choices=["openai", "vllm"], default="openai",
+                   help="openai: any OpenAI-compatible server at --base-url; vllm: in-process vLLM (GPU)")
     p.add_argument("--api-key-env", default=None, metavar="VAR",
                    help="environment variable holding the API key (default: TRAJFORGE_API_KEY, OPENAI_API_KEY); "
                         "the key itself is never an argument")
@@ -139,19 +219,19 @@ def _run_synth(args: argparse.Namespace) -> int:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
+    # The trainer's own parser (training.cli, then TRL's) reads everything after `train`, --help too.
     p = sub.add_parser("train", help="train on the dataset with TRL: sft, grpo or dpo (extra `train`)",
                        add_help=False)
-    p.add_argument("trainer", choices=["sft", "grpo", "dpo"])
     p.add_argument("args", nargs=argparse.REMAINDER,
-                   help="--config training/configs/<name>.yaml and any config field as --field value")
+                   help="sft|grpo|dpo --config training/configs/<name>.yaml and any config field as --field value")
     p.set_defaults(func=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    # Imported here: torch and TRL are an optional extra and slow to import.
+    # training.cli imports torch and TRL (an optional extra, slow to import) only for a chosen trainer.
     from trajforge.training.cli import main as train_main
 
-    return train_main([args.trainer, *args.args])
+    return train_main(args.args)
 
 
 # Each entry adds one subcommand; other capabilities register theirs here.
@@ -159,8 +239,9 @@ COMMANDS = [_add_build, _add_release, _add_synth, _add_train]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trajforge", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="trajforge", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True,
+                           parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_HelpFormatter))
     for add in COMMANDS:
         add(sub)
     return p
@@ -169,7 +250,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    args = parser().parse_args(argv)
+    p = parser()
+    args, unknown = p.parse_known_args(argv)
+    if args.command == "train":
+        args.args = [*unknown, *args.args]  # `train --help`: options before the trainer name are its parser's
+    elif unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except SourceError as exc:

@@ -21,7 +21,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.assemble import KeysWriter, fill_pools, global_duplicates, iter_records, key_table
-
 from trajforge.pipeline.publish.card import hub_revision, write_card
 from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.quality.derived import grpo_prompt, preference_pair
@@ -30,7 +29,7 @@ from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
 from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
 from trajforge.pipeline.publish.shards import ShardConfig, write_config_from_file
-from trajforge.pipeline.ingest.validate import ValidateConfig, validate_record
+from trajforge.pipeline.ingest.validate import ValidateConfig, merge_env_figures, tally_env, validate_record
 from trajforge.schemas import arrow_schema
 from trajforge.sources import SourceFile, get_source, iter_rows
 
@@ -78,6 +77,8 @@ class UnitResult:
     # Provenance for the card and the build id: the input's content and its Hub commit, if any.
     input_sha256: str = ""
     revision: str | None = None
+    # Per env: records validated, trained actions checked/valid by grammar, quarantined by rule.
+    envs: dict[str, dict] = field(default_factory=dict)
 
 
 def unit_key(source: str, file: SourceFile) -> str:
@@ -149,6 +150,7 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     quarantine = StreamingParquet(staging / f"{key}.quarantine.parquet", arrow_schema("quarantine"))
     keys = KeysWriter(staging / f"{key}.keys.parquet", config)
     reasons: Counter[str] = Counter()
+    envs: dict[str, dict] = {}
 
     def reject(index: int, source_id: str | None, reason: str, detail: str, raw: str | None) -> None:
         reasons[reason] += 1
@@ -166,6 +168,8 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
                    exc.reason, exc.detail, _raw_text(raw.row))
             continue
         violation = validate_record(record, config.validate) if record["kind"] == "positive" else None
+        if record["kind"] == "positive":
+            tally_env(envs, record, violation)
         if violation is not None:
             reject(raw.index, record["source_id"], violation.reason, violation.detail, _raw_text(raw.row))
             continue
@@ -179,7 +183,7 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     # A whole unreadable file counts as one input record.
     result = UnitResult(source_name, name, str(records.path), str(quarantine.path), str(keys.path),
                         read=records.count + quarantine.count, written=records.count,
-                        quarantined=quarantine.count, reasons=dict(reasons))
+                        quarantined=quarantine.count, reasons=dict(reasons), envs=envs)
     log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, result.read, result.written,
              result.quarantined, result.reasons or "")
     return result
@@ -298,6 +302,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
                          "quarantine": [str(quarantine_path.relative_to(out))]}
     for column, name in [("rendering", "renderings"), ("domain", "domains"), ("env", "envs"), ("kind", "kinds")]:
         report[name] = dict(sorted(Counter(kept_keys[column].to_list()).items()))
+    report["validation_by_env"] = merge_env_figures([u.envs for u in units])
     stage_counts(report, contaminated, duplicates)
     report["outputs"].update({name: files[name].get("train", []) for name in ("negatives", "preference", "grpo")},
                              duplicates=[str(duplicates_path.relative_to(out))])

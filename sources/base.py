@@ -9,15 +9,15 @@ A row that cannot be decoded is not an exception: it comes out as a `RawRow` wit
 """
 from __future__ import annotations
 
-import fnmatch
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import ijson
 import pyarrow.parquet as pq
+
+from trajforge.sources.locate import hub_failure, is_local_path, local_path
 
 PARQUET_SUFFIXES = (".parquet",)
 JSON_SUFFIXES = (".json",)
@@ -158,17 +158,19 @@ def download_from_hub(repo_id: str, patterns: list[str], revision: str | None = 
 
     Uses huggingface_hub so `HF_ENDPOINT`, `HF_HUB_OFFLINE`, the token from the environment or
     the HF login, and the shared cache all behave as users expect.
+    Errors that a retry cannot fix (offline, 401, 403, 404) become a SourceError, which the
+    build does not retry.
     """
     from huggingface_hub import snapshot_download
 
-    local = snapshot_download(repo_id=repo_id, repo_type="dataset", revision=revision, allow_patterns=patterns)
+    try:
+        local = snapshot_download(repo_id=repo_id, repo_type="dataset", revision=revision, allow_patterns=patterns)
+    except Exception as exc:  # huggingface_hub's and its transport's errors, classified by hub_failure
+        failure = hub_failure(repo_id, exc)
+        if failure.retryable:
+            raise
+        raise SourceError(str(failure)) from exc
     return Path(local)
-
-
-def looks_like_repo_id(location: str) -> bool:
-    """`ORG/NAME` that is not an existing path is a Hub repo id."""
-    return (not os.path.exists(location) and location.count("/") == 1 and not location.startswith((".", "/"))
-            and all(part and fnmatch.fnmatch(part, "[A-Za-z0-9]*") for part in location.split("/")))
 
 
 @dataclass
@@ -190,7 +192,7 @@ class Source:
 
     def files(self, location: str | None) -> list[SourceFile]:
         """Data files at a local path (folder or file), or in the Hub repo (`None` or a repo id)."""
-        if location is None or looks_like_repo_id(location):
+        if location is None or not is_local_path(location):
             root = download_from_hub(location or self.hub_repo, list(self.hub_patterns))
         else:
             root = self.local_root(location)
@@ -200,7 +202,7 @@ class Source:
         return [SourceFile(p, self.split_of(p)) for p in paths]
 
     def local_root(self, location: str) -> Path:
-        root = Path(location)
+        root = local_path(location)
         if not root.exists():
             raise SourceError(f"source {self.name}: path {location} does not exist")
         return root

@@ -38,7 +38,7 @@ from typing import Callable
 
 from aiohttp import web
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 R1_BODY = FIXTURES / "reasoning" / "openhands_deepseek_r1" / "jinja_turn1_reasoning_content_then_action.json"
 
 SHAPES = ("reasoning_content", "think", "action_in_reasoning", "unclosed_think")

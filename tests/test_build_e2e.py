@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections import Counter
 import sys
 
 import datasets
@@ -14,7 +15,7 @@ import pytest
 
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.schemas import validator
-from tests.conftest import FIXTURE_SOURCES, REPO
+from tests.conftest import AGENT_FLAN, FIXTURE_QUARANTINE, FIXTURE_SOURCES, REPO
 
 
 @pytest.mark.slow
@@ -23,7 +24,7 @@ def test_trajforge_build_on_the_fixtures(tmp_path):
     args = [sys.executable, "-m", "trajforge.flows.cli", "build", "--out", str(out)]
     for name, location in FIXTURE_SOURCES.items():
         args += ["--source", f"{name}={location}"]
-    args += ["--source", f"agent_flan={REPO / 'tests' / 'data' / 'agent_flan'}"]
+    args += ["--source", f"agent_flan={AGENT_FLAN}"]
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Progress while running and a summary at the end.
@@ -34,7 +35,8 @@ def test_trajforge_build_on_the_fixtures(tmp_path):
     assert set(report["sources"]) == {"agentinstruct", "agenttraj_l", "openmanus_rl", "agent_flan"}
     total = report["total"]
     assert total["read"] == total["written"] + total["quarantined"] + total.get("duplicates", 0)
-    assert total["quarantined"] <= 0.02 * total["read"]
+    quarantine = pl.read_parquet(out / "quarantine" / "quarantine.parquet")
+    assert Counter(zip(quarantine["source_id"], quarantine["reason"])) == FIXTURE_QUARANTINE
 
     ds = datasets.load_dataset("parquet", data_files=str(out / "data" / "sft" / "*.parquet"), split="train")
     frame = pl.read_parquet(out / "data" / "sft" / "*.parquet")

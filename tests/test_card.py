@@ -62,6 +62,10 @@ def test_body_has_counts_quarantine_schema_and_ids(card, fixtures_build):
         assert f"| `{kind}` | {n} |" in body
     for field in arrow_schema("trajectory").names:
         assert f"| `{field}` |" in body
+    assert "## Validation per environment" in body
+    for env, e in report["validation_by_env"].items():
+        assert f"| {env} | yes | {e['records']} | {e['actions_checked']} | {e['actions_valid']} (" in body
+    assert "| mind2web.operation 1 |" in body
     assert f"build id: `{read_manifest(fixtures_build)['build_id']}`" in body
     assert "code version: `" in body
 

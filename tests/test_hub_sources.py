@@ -14,14 +14,14 @@ import huggingface_hub
 import pytest
 from huggingface_hub import CommitOperationAdd, HfApi
 
-from tests.conftest import RAW, REPO
+from tests.conftest import AGENT_FLAN, RAW, REPO
 from tests.hub_server import HubServer
 
 # Upstream repo -> {path in the repo: local file with that content}.
 UPSTREAM = {
     "THUDM/AgentInstruct": {"data/db-00000-of-00001-916a87c4725da8c0.parquet": RAW / "agentinstruct" / "db-sample.parquet"},
     "AgentGym/AgentTraj-L": {p.name: p for p in sorted((RAW / "agenttraj_l").glob("*_train.json"))},
-    "internlm/Agent-FLAN": {f"data/{p.name}": p for p in sorted((REPO / "tests" / "data" / "agent_flan" / "data").glob("*.jsonl"))},
+    "internlm/Agent-FLAN": {f"data/{p.name}": p for p in sorted((AGENT_FLAN / "data").glob("*.jsonl"))},
 }
 
 

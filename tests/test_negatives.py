@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from pathlib import Path
-
 import pyarrow.parquet as pq
 import pytest
 
 from trajforge.pipeline.quality.negatives import EXPECTED_VIOLATION, NEGATIVE_TYPES, NegativesConfig, make_negatives
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.schemas import validator
+from tests.conftest import AGENT_FLAN
 
 ALL = NegativesConfig(rates=dict.fromkeys(NEGATIVE_TYPES, 1.0))
 
@@ -124,8 +123,7 @@ def test_agent_flan_rows_keep_their_label_and_their_negatives_fail_validation(tm
     from trajforge.pipeline.build import BuildConfig, process_unit
     from trajforge.pipeline.quality.dedup import deduplicate
     from trajforge.sources import get_source
-    agent_flan = Path(__file__).parent / "data" / "agent_flan"
-    records = [r for f in get_source("agent_flan").files(str(agent_flan))
+    records = [r for f in get_source("agent_flan").files(str(AGENT_FLAN))
                for r in pq.read_table(process_unit("agent_flan", f, tmp_path, BuildConfig()).records_path).to_pylist()]
     labelled = [r for r in records if r["kind"] == "negative"]
     assert [r["negative_type"] for r in labelled] == ["tool_irrelevance"]

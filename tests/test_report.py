@@ -24,6 +24,24 @@ def test_report_json_has_every_section(fixtures_build):
     assert report["shape"]["turns"]["min"] >= 2
 
 
+def test_validation_figures_per_env(fixtures_build):
+    """Per env: actions checked and valid by grammar, quarantined by rule; they add up to the totals."""
+    report = json.loads((fixtures_build / "report.json").read_text())
+    figures = report["validation_by_env"]
+    assert set(report["envs"]) <= set(figures)
+    for env, e in figures.items():
+        assert e["grammar"] and 0 <= e["actions_valid"] <= e["actions_checked"], env
+    # Every fixture quarantine comes from validation, so the per-env rules add up to the total.
+    assert sum(n for e in figures.values() for n in e["quarantined"].values()) == report["total"]["quarantined"]
+    assert figures["alfworld"]["quarantined"] == {"alfworld.command": 1}
+    assert figures["db"]["quarantined"] == {"action_loop": 2, "incomplete_episode": 4}
+    assert figures["alfworld"]["actions_checked"] - figures["alfworld"]["actions_valid"] == 2  # alfworld_53
+    html = (fixtures_build / "report.html").read_text()
+    assert "Validation per environment" in html
+    for env, e in figures.items():
+        assert f"<td>{env}</td><td>yes</td><td>{e['records']}</td><td>{e['actions_checked']}</td>" in html
+
+
 def test_html_references_every_plot_and_the_plots_are_real_images(fixtures_build):
     html = (fixtures_build / "report.html").read_text()
     for name in PLOTS:
@@ -54,3 +72,31 @@ def test_report_opens_in_headless_chromium(fixtures_build, tmp_path):
     # themselves (the stage bars' blue) are on screen.
     assert len(colours) > 200
     assert any(abs(r - 0x4C) < 8 and abs(g - 0x72) < 8 and abs(b - 0xB0) < 8 for _, (r, g, b) in colours)
+
+
+def test_count_axes_have_whole_number_ticks(tmp_path, monkeypatch):
+    """Small counts (1 and 2 records) would get ticks at 0.25, 0.5, ... without an integer locator."""
+    from trajforge.pipeline.publish import report as report_module
+
+    figures = {}
+    real_save = report_module._save
+
+    def keep(fig, out, name):
+        figures[name] = fig  # _save closes the figure, but its axes stay readable
+        return real_save(fig, out, name)
+
+    monkeypatch.setattr(report_module, "_save", keep)
+    small = {"sources": {"a": {"read": 2, "written": 1, "quarantined": 1, "duplicates": 0}},
+             "total": {"reasons": {"malformed_json": 1, "too_long": 2}}, "negatives": {"by_type": {"x": 1}}}
+    mix = {"domains": {"os": 2}, "envs": {"os": 2}}
+    report_module.plot_stages(small, tmp_path)
+    report_module.plot_quarantine(small, tmp_path)
+    report_module.plot_negatives(small, tmp_path)
+    report_module.plot_mix(mix, tmp_path)
+    report_module.plot_lengths([2, 3], [4, 6], tmp_path)
+    count_axes = [figures[name].axes[0].get_xticks() for name in ("stages.png", "quarantine.png", "negatives.png")]
+    count_axes += [ax.get_xticks() for ax in figures["mix.png"].axes]
+    turns, chars = figures["lengths.png"].axes
+    count_axes += [turns.get_xticks(), turns.get_yticks(), chars.get_yticks()]
+    for ticks in count_axes:
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks

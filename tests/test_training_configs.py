@@ -44,3 +44,17 @@ def test_launcher_rejects_unknown_trainers_and_missing_arguments(capsys):
     assert "usage" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse(SFTTrainConfig, ["--config", str(CONFIGS / "sft_tiny.yaml"), "--model_name_or_path", "m"])
+
+
+@pytest.mark.parametrize("trainer", sorted(CLASSES))
+def test_short_help_lists_real_options(trainer):
+    """`trajforge train X --help` is written by hand (it must not wait for TRL): each flag it shows is a field."""
+    from trl import ModelConfig, TrlParser
+
+    from trajforge.training.arguments import DataArguments
+    from trajforge.training.cli import options
+
+    parser = TrlParser((DataArguments, CLASSES[trainer], ModelConfig))
+    known = {flag for action in parser._actions for flag in action.option_strings}
+    shown = {flag for flag, _, _ in options(trainer)} - {"--config"}  # --config is TrlParser's own
+    assert shown <= known, shown - known

@@ -16,6 +16,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 PLOT_DIR = "report_files"
 
@@ -83,6 +84,20 @@ def report_extras(report: dict, duplicates: list[dict], negatives_by_type: dict[
     report["shape"] = {"turns": _summary(turns), "chars": _summary(chars)}
 
 
+VALIDATION_HEADER = ["env", "grammar", "records", "actions checked", "valid by grammar", "quarantined by rule"]
+
+
+def validation_rows(figures: dict[str, dict]) -> list[list]:
+    """One row per env of `report["validation_by_env"]`, for the html report and the card."""
+    rows = []
+    for env, e in sorted(figures.items()):
+        checked, valid = e["actions_checked"], e["actions_valid"]
+        share = f"{valid} ({valid / checked:.1%})" if checked else "-"
+        rules = ", ".join(f"{rule} {n}" for rule, n in sorted(e["quarantined"].items())) or "-"
+        rows.append([env, "yes" if e["grammar"] else "none", e["records"], e["actions_checked"], share, rules])
+    return rows
+
+
 # --- plots ----------------------------------------------------------------------------------
 
 def _save(fig, out: Path, name: str) -> str:
@@ -99,6 +114,12 @@ def _empty(ax, text: str) -> None:
     ax.set_axis_off()
 
 
+def _whole_numbers(*axes) -> None:
+    """Ticks at whole numbers only: these axes count records, and 2.5 records means nothing."""
+    for axis in axes:
+        axis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _barh(ax, counts: dict, title: str, color: str) -> None:
     if not counts:
         _empty(ax, f"{title}: none")
@@ -108,6 +129,7 @@ def _barh(ax, counts: dict, title: str, color: str) -> None:
     for y, (_, v) in enumerate(items):
         ax.text(v, y, f" {v}", va="center", fontsize=8)
     ax.set_title(title)
+    _whole_numbers(ax.xaxis)
 
 
 def plot_stages(report: dict, out: Path) -> str:
@@ -125,6 +147,7 @@ def plot_stages(report: dict, out: Path) -> str:
     ax.set_title("Where every input record went, per source")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     ax.set_xlim(0, max(left) * 1.15 if max(left, default=0) else 1)
+    _whole_numbers(ax.xaxis)
     return _save(fig, out, "stages.png")
 
 
@@ -173,6 +196,7 @@ def plot_lengths(turns: list[int], chars: list[int], out: Path) -> str:
     b.set_xlabel("characters")
     for ax in (a, b):
         ax.set_ylabel("trajectories")
+    _whole_numbers(a.xaxis, a.yaxis, b.yaxis)
     return _save(fig, out, "lengths.png")
 
 
@@ -224,6 +248,9 @@ def write_html(out: Path, report: dict, duplicates: list[dict], turns: list[int]
         f"<p class='{'ok' if balanced else 'bad'}'>read = written + quarantined + duplicates: "
         f"{'holds for every source' if balanced else 'DOES NOT HOLD'}</p>",
         _table(["source", "read", "written", "quarantined", "duplicates"], rows),
+        "<h2>Validation per environment</h2><p>Every trained action checked against its env's grammar "
+        "(pipeline/ingest/grammars.py); records quarantined per env by grammar rule or reason.</p>",
+        _table(VALIDATION_HEADER, validation_rows(report.get("validation_by_env", {}))),
     ]
     for title, src in plots.items():
         parts.append(f"<h2>{html.escape(title)}</h2><img src='{html.escape(src)}' alt='{html.escape(title)}'>")
