@@ -5,25 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
-import pyarrow.parquet as pq
 import pytest
 
-from trajforge.pipeline.build import BuildConfig, process_unit, unique_ids
 from trajforge.pipeline.quality.dedup import DedupConfig, deduplicate
 from trajforge.pipeline.quality.dedup_table import (band_keys, candidate_pairs, deduplicate_in_memory, record_keys,
                                                     resolve)
 from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
 from trajforge.pipeline.quality.pools import EnvPools
-from trajforge.sources import get_source
-from tests.conftest import FIXTURE_SOURCES
-
-
-@pytest.fixture(scope="module")
-def merged(tmp_path_factory):
-    staging = tmp_path_factory.mktemp("staging")
-    units = [process_unit(name, f, staging, BuildConfig())
-             for name, location in FIXTURE_SOURCES.items() for f in get_source(name).files(location)]
-    return unique_ids([r for u in units for r in pq.read_table(u.records_path).to_pylist()])
+from tests.test_dedup import merged  # noqa: F401  (the fixture: every valid fixture record, ids unique)
 
 
 @pytest.mark.parametrize("threshold", [0.85, 0.6, 0.4])
