@@ -42,6 +42,7 @@ SHARD_SUFFIX = re.compile(r"-\d{5}-of-\d{5}(?:-[0-9a-fA-F]+)?$")
 # Top-level keys of an upstream row (or of one of our records); a JSON array reader that lost
 # its place resumes at the next object with one of them.
 ROW_KEYS = frozenset({"id", "item_id", "conversations", "conversation", "schema_version"})
+TURN_KEYS = frozenset({"from", "role", "value", "content", "loss"})
 
 
 class SourceError(ValueError):
@@ -239,8 +240,9 @@ class _JsonText:
             return value, end
 
     def next_row_start(self, pos: int) -> int:
-        """Where the next plausible row begins after `pos` (an object with a row key, followed by `,`
-        or `]`), or the end of the text."""
+        """Where the next row begins after `pos`, or the end of the text: an object after a `,`
+        that has a row key and is followed by `,` or `]`, or that is broken too and does not
+        start like a turn."""
         candidate = re.compile(r'[,\[]\s*(\{)\s*"')
         search = pos + 1
         while True:
@@ -254,6 +256,11 @@ class _JsonText:
             try:
                 value, end = self.value_at(start)
             except (json.JSONDecodeError, RecursionError):
+                # Broken too (or too deep to decode): judged by its first key, since a turn of
+                # the broken row is not a row.
+                first_key = re.match(r'\{\s*"([^"\\]*)"', self.buf[start:start + 1000])
+                if first_key and first_key[1] not in TURN_KEYS:
+                    return start
                 search = start + 1
                 continue
             after = self.skip_space(end)
