@@ -231,13 +231,16 @@ class _JsonText:
             try:
                 value, end = decoder.raw_decode(self.buf, pos)
             except json.JSONDecodeError as exc:
-                incomplete = exc.msg.startswith("Unterminated string") or len(self.buf) - exc.pos <= 16
-                if incomplete and len(self.buf) - pos <= MAX_RAW_BYTES and self.more():
+                if self.cut_off(exc) and len(self.buf) - pos <= MAX_RAW_BYTES and self.more():
                     continue
                 raise
             if end == len(self.buf) and self.more():
                 continue  # a number (or the file) may go on
             return value, end
+
+    def cut_off(self, exc: json.JSONDecodeError) -> bool:
+        """Whether a decoding error comes from the end of the text (more may follow), not bad JSON."""
+        return exc.msg.startswith("Unterminated string") or len(self.buf) - exc.pos <= 16
 
     def next_row_start(self, pos: int) -> int:
         """Where the next row begins after `pos`, or the end of the text: an object after a `,`
@@ -275,10 +278,11 @@ def _json_array_rows(text: _JsonText, name: str, pos: int) -> Iterator[RawRow]:
     quarantine entry with its raw text and byte span, and reading resumes at the next row."""
     index = 0
     pos += 1
+    error = None
     while True:
         pos = text.skip_space(pos)
         if pos >= len(text.buf):
-            if index:
+            if index and error is None:
                 log.warning("%s: the JSON array is not closed (cut off after element %d)", name, index - 1)
             return
         if text.buf[pos] == "]":
@@ -291,7 +295,7 @@ def _json_array_rows(text: _JsonText, name: str, pos: int) -> Iterator[RawRow]:
             error = None
         except json.JSONDecodeError as exc:
             error, detail = ("truncated", f"the file ends inside this element: {exc.msg}") \
-                if text.eof and exc.pos >= len(text.buf) - 16 else ("malformed_json", str(exc))
+                if text.eof and text.cut_off(exc) else ("malformed_json", str(exc))
         except RecursionError:
             error, detail = "too_deep", "nested deeper than the JSON parser goes"
         if error is None:
