@@ -127,7 +127,8 @@ def _parquet_rows(path: Path, name: str) -> Iterator[RawRow]:
         reader = pq.ParquetFile(path)
         meta = reader.metadata
     except Exception as exc:  # pyarrow raises several types for a corrupt or mislabelled file
-        yield RawRow(name, -1, error="unreadable_file", detail=f"not a readable Parquet file: {exc}"[:500])
+        yield RawRow(name, -1, error="unreadable_file",
+                     detail=f"not a readable Parquet file (bytes 0-{path.stat().st_size}): {exc}"[:500])
         return
     index = 0
     for group in range(meta.num_row_groups):
@@ -338,7 +339,7 @@ def _json_rows(path: Path, name: str) -> Iterator[RawRow]:
 
 def _whole_object(path: Path, name: str) -> Iterator[RawRow]:
     if path.stat().st_size > MAX_RAW_BYTES:
-        yield RawRow(name, 0, error="too_long", detail=f"{path.stat().st_size} bytes in one object")
+        yield RawRow(name, 0, error="too_long", detail=f"bytes 0-{path.stat().st_size} in one object")
         return
     raw = path.read_bytes().removeprefix(UTF8_BOM)
     try:

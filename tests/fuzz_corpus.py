@@ -330,9 +330,13 @@ def _container(container: str, rows: list[dict], payloads: list[str | None], sch
         return _write_parquet(rows, schema, rng, damage), None if damage == "truncated_footer" else n, damage
     indent = rng.choice([None, 2]) if container == "json" else None
     elements = [_element(r, p, indent) for r, p in zip(rows, payloads)]
-    if damage == "element":
-        at = rng.randrange(min(n, 5))
+    # An element without a payload of its own, so that the damage decides its reason.
+    plain = [i for i in range(n) if payloads[i] is None]
+    if damage == "element" and plain:
+        at = rng.choice(plain[:5])
         elements[at], damage = _damage_element(elements[at], rng)
+    elif damage == "element":
+        damage = "none"
     if container == "jsonl":
         data = b"".join(e + b"\n" for e in elements)
     else:
