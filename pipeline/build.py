@@ -19,18 +19,18 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.card import hub_revision, write_card
-from pipeline.dedup import Contamination, DedupConfig, decontaminate, deduplicate, read_eval_tasks
-from pipeline.derived import grpo_prompts, preference_pairs
-from pipeline.manifest import (GENERATOR, build_id, code_version, file_sha256, remove_earlier_files,
-                               set_manifest_aside, write_manifest)
-from pipeline.negatives import NegativesConfig, make_negatives
-from pipeline.normalize import NormalizeConfig, NormalizeError, normalize_row
-from pipeline.report import report_extras, stage_counts, write_html
-from pipeline.shards import ShardConfig, write_config
-from pipeline.validate import ValidateConfig, validate_record
-from schemas import arrow_schema
-from sources import SourceFile, get_source, iter_rows
+from trajforge.pipeline.publish.card import hub_revision, write_card
+from trajforge.pipeline.quality.dedup import Contamination, DedupConfig, decontaminate, deduplicate, read_eval_tasks
+from trajforge.pipeline.quality.derived import grpo_prompts, preference_pairs
+from trajforge.pipeline.publish.manifest import (GENERATOR, build_id, code_version, file_sha256,
+                                                remove_earlier_files, set_manifest_aside, write_manifest)
+from trajforge.pipeline.quality.negatives import NegativesConfig, make_negatives
+from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
+from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
+from trajforge.pipeline.publish.shards import ShardConfig, write_config
+from trajforge.pipeline.ingest.validate import ValidateConfig, validate_record
+from trajforge.schemas import arrow_schema
+from trajforge.sources import SourceFile, get_source, iter_rows
 
 log = logging.getLogger("trajforge.build")
 
@@ -337,7 +337,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
         records.extend(pq.read_table(unit.records_path).to_pylist())
         quarantine.extend(pq.read_table(unit.quarantine_path).to_pylist())
     records = unique_ids(records)
-    # Decontamination, dedup and the derived datasets (pipeline/dedup.py, negatives.py, derived.py).
+    # Decontamination, dedup and the derived datasets (pipeline/quality/dedup.py, negatives.py, derived.py).
     contaminated: list[dict] = []
     if config.decontaminate:
         index = Contamination(read_eval_tasks(Path(config.decontaminate)), config.decontaminate_ngram)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from sources.base import Source, file_stem
+from trajforge.sources.base import Source, file_stem
 
 ENVS = {
     "alfworld": ("household", "alfworld"),

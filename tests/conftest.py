@@ -16,7 +16,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Importing it here, at collection, binds it to pytest's session-wide stream; imported first inside a
 # test that captures output (capsys), it would keep that test's stream and every later in-process
 # flow would log to a closed file.
-import flows.build  # noqa: E402,F401
+import trajforge.flows.build  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("TRAJFORGE_FIXTURES", REPO.parent / "shared" / "fixtures"))
@@ -49,8 +49,8 @@ def raw_dir() -> Path:
 @pytest.fixture(scope="session")
 def fixtures_build(tmp_path_factory) -> Path:
     """The stages of `trajforge build` over every fixture source, without Prefect (fast)."""
-    from pipeline.build import BuildConfig, finalize, process_unit
-    from sources import get_source
+    from trajforge.pipeline.build import BuildConfig, finalize, process_unit
+    from trajforge.sources import get_source
 
     out = tmp_path_factory.mktemp("fixtures_build")
     config = BuildConfig()

@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sources import get_source, iter_rows
+from trajforge.sources import get_source, iter_rows
 
 # Replaced in the serialized text by a payload JSON cannot express as a value.
 MARK = "@@FUZZ@@"

@@ -12,15 +12,15 @@ import datasets
 import polars as pl
 import pytest
 
-from pipeline.validate import validate_record
-from schemas import validator
+from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.schemas import validator
 from tests.conftest import FIXTURE_SOURCES, REPO
 
 
 @pytest.mark.slow
 def test_trajforge_build_on_the_fixtures(tmp_path):
     out = tmp_path / "build"
-    args = [sys.executable, "-m", "flows.cli", "build", "--out", str(out)]
+    args = [sys.executable, "-m", "trajforge.flows.cli", "build", "--out", str(out)]
     for name, location in FIXTURE_SOURCES.items():
         args += ["--source", f"{name}={location}"]
     args += ["--source", f"agent_flan={REPO / 'tests' / 'data' / 'agent_flan'}"]

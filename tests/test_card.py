@@ -11,10 +11,10 @@ from datasets.utils.metadata import MetadataConfigs
 from huggingface_hub import DatasetCard
 
 from conftest import FIXTURE_SOURCES
-from pipeline.card import hub_license_id, hub_revision, size_category
-from pipeline.manifest import read_manifest
-from schemas import arrow_schema
-from sources import get_source
+from trajforge.pipeline.publish.card import hub_license_id, hub_revision, size_category
+from trajforge.pipeline.publish.manifest import read_manifest
+from trajforge.schemas import arrow_schema
+from trajforge.sources import get_source
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_body_has_counts_quarantine_schema_and_ids(card, fixtures_build):
 
 def test_build_is_reproducible_in_another_folder(fixtures_build, tmp_path):
     """Same inputs, config and code: byte-identical shards, card, report and manifest (same build id)."""
-    from pipeline.build import BuildConfig, finalize, process_unit
+    from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 
     config = BuildConfig()
     units = [process_unit(name, f, tmp_path / ".staging", config)

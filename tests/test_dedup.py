@@ -9,11 +9,11 @@ from dataclasses import replace
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.build import BuildConfig, finalize, process_unit
-from pipeline.dedup import (Contamination, DedupConfig, decontaminate, deduplicate, exact_key, jaccard,
+from trajforge.pipeline.build import BuildConfig, finalize, process_unit
+from trajforge.pipeline.quality.dedup import (Contamination, DedupConfig, decontaminate, deduplicate, exact_key, jaccard,
                             read_eval_tasks, shingles, signatures)
-from schemas import validator
-from sources import get_source
+from trajforge.schemas import validator
+from trajforge.sources import get_source
 from tests.conftest import FIXTURE_SOURCES
 
 
@@ -28,7 +28,7 @@ def build(fixtures_build):
 @pytest.fixture(scope="module")
 def merged(tmp_path_factory):
     """Every valid fixture record before dedup (ids made unique as the build does)."""
-    from pipeline.build import unique_ids
+    from trajforge.pipeline.build import unique_ids
 
     staging = tmp_path_factory.mktemp("staging")
     units = [process_unit(name, f, staging, BuildConfig())

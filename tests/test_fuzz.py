@@ -34,7 +34,7 @@ def fuzzed(tmp_path_factory, fuzz_records):
     root = tmp_path_factory.mktemp("fuzz")
     corpus = generate(root / "in", SOURCES, fuzz_records, SEED)
     out = root / "out"
-    args = [sys.executable, "-m", "flows.cli", "build", "--out", str(out)]
+    args = [sys.executable, "-m", "trajforge.flows.cli", "build", "--out", str(out)]
     for name, fuzz in corpus.items():
         args += ["--source", f"{name}={fuzz.root}"]
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=1800)

@@ -7,12 +7,12 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.build import BuildConfig, process_unit
-from pipeline.dialects import parse_turn
-from pipeline.normalize import NormalizeConfig, normalize_row
-from pipeline.validate import validate_record
-from schemas import arrow_schema, validator
-from sources import get_source, iter_rows
+from trajforge.pipeline.build import BuildConfig, process_unit
+from trajforge.pipeline.ingest.dialects import parse_turn
+from trajforge.pipeline.ingest.normalize import NormalizeConfig, normalize_row
+from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.schemas import arrow_schema, validator
+from trajforge.sources import get_source, iter_rows
 from tests.conftest import FIXTURE_SOURCES, RAW, REPO
 
 AGENT_FLAN = REPO / "tests" / "data" / "agent_flan"

@@ -33,7 +33,7 @@ class SFTTrainConfig(SFTConfig):
 class GRPOTrainConfig(GRPOConfig):
     reward_funcs: list[str] = field(
         default_factory=lambda: ["format", "tag_count", "accuracy"],
-        metadata={"help": "Reward names from training.rewards.REWARDS; weights in `reward_weights`."})
+        metadata={"help": "Reward names from trajforge.training.rewards.REWARDS; weights in `reward_weights`."})
     max_prompt_tokens: int | None = field(
         default=None,
         metadata={"help": "Drop (and count) prompts longer than this: cutting an agent prompt loses its "

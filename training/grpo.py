@@ -6,9 +6,9 @@ import logging
 from datasets import Dataset
 from trl import GRPOTrainer, get_peft_config
 
-from training.arguments import GRPOTrainConfig, parse
-from training.common import load_model, load_splits, load_tokenizer, run
-from training.rewards import get_rewards
+from trajforge.training.arguments import GRPOTrainConfig, parse
+from trajforge.training.common import load_model, load_splits, load_tokenizer, run
+from trajforge.training.rewards import get_rewards
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from datasets.info import DatasetInfosDict
 from datasets.utils.metadata import MetadataConfigs
 from huggingface_hub import DatasetCardData
 
-from pipeline.shards import layout
-from schemas import load_schema
-from sources import REGISTRY
+from trajforge.pipeline.publish.shards import layout
+from trajforge.schemas import load_schema
+from trajforge.sources import REGISTRY
 
 DEFAULT_CONFIG = "sft"
 SNAPSHOT_RE = re.compile(r"/snapshots/([0-9a-f]{40})/")

@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from pipeline.dialects import FREE_TEXT, parse_turn
-from pipeline.normalize import extract_answer
-from schemas import first_error
+from trajforge.pipeline.ingest.dialects import FREE_TEXT, parse_turn
+from trajforge.pipeline.ingest.normalize import extract_answer
+from trajforge.schemas import first_error
 
 # An assistant turn that goes on to write the environment's reply itself.
 _MODEL_OBSERVATION = re.compile(

@@ -24,9 +24,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pipeline.dialects import FREE_TEXT, parse_turn, render_turn
-from pipeline.normalize import extract_answer
-from pipeline.validate import ACTION_SPACE_ENVS, LOOP_REPEATS, action_name
+from trajforge.pipeline.ingest.dialects import FREE_TEXT, parse_turn, render_turn
+from trajforge.pipeline.ingest.normalize import extract_answer
+from trajforge.pipeline.ingest.validate import ACTION_SPACE_ENVS, LOOP_REPEATS, action_name
 
 NEGATIVE_TYPES = ("invalid_action", "invented_tool", "irrelevant_tools", "hallucinated_observation",
                   "wrong_answer", "premature_answer", "broken_format", "action_loop")
