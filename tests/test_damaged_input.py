@@ -278,3 +278,13 @@ def test_rebuild_removes_leftovers_keeps_user_files_and_never_shows_a_mixed_mani
     assert (out / "notes.txt").read_text() == "mine"
     files = set(read_manifest(out)["files"])
     assert "notes.txt" not in files and files == earlier_files
+
+
+def test_a_hub_file_keeps_its_revision_in_the_provenance(tmp_path):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "datasets--AgentGym--AgentTraj-L" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "webshop_train.json").write_bytes(array(fifty()[:2]))
+    (file,) = get_source("agenttraj_l").files(str(snapshot))
+    unit = process_unit("agenttraj_l", file, tmp_path / "staging", BuildConfig())
+    assert unit.revision == commit and unit.input_sha256 == hashlib.sha256(array(fifty()[:2])).hexdigest()
