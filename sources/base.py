@@ -87,6 +87,9 @@ def _shown(text: str) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")[:MAX_KEPT_RAW]
 
 
+# An object that follows a separator: where a JSON array reader that lost its place looks for a row.
+_ROW_CANDIDATE = re.compile(r'[,\[]\s*(\{)\s*"')
+_FIRST_KEY = re.compile(r'\{\s*"([^"\\]*)"')
 _SURROGATE_ESCAPE = re.compile(r"\\[uU][dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _UNDECODABLE = re.compile("[\udc80-\udcff]")
@@ -247,10 +250,9 @@ class _JsonText:
         """Where the next row begins after `pos`, or the end of the text: an object after a `,`
         that has a row key and is followed by `,` or `]`, or that is broken too and does not
         start like a turn."""
-        candidate = re.compile(r'[,\[]\s*(\{)\s*"')
         search = pos + 1
         while True:
-            match = candidate.search(self.buf, search)
+            match = _ROW_CANDIDATE.search(self.buf, search)
             if match is None:
                 search = max(search, len(self.buf) - 64)  # a candidate may straddle two chunks
                 if self.more():
@@ -262,7 +264,7 @@ class _JsonText:
             except (json.JSONDecodeError, RecursionError):
                 # Broken too (or too deep to decode): judged by its first key, since a turn of
                 # the broken row is not a row.
-                first_key = re.match(r'\{\s*"([^"\\]*)"', self.buf[start:start + 1000])
+                first_key = _FIRST_KEY.match(self.buf, start)
                 if first_key and first_key[1] not in TURN_KEYS:
                     return start
                 search = start + 1
