@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger, task
 from prefect.context import FlowRunContext
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_unit, unit_key
+from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_unit, remove_stale_temp_files, unit_key
 from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.publish.manifest import code_version
 from trajforge.pipeline.publish.shards import ShardConfig, read_marker, unit_fingerprint, unit_marker, write_marker
@@ -127,6 +127,7 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str = "buil
     out_dir = Path(out)
     staging = (out_dir / ".staging").resolve()
     staging.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(out_dir)
     files = [(name, f) for name, location in sources.items() for f in resolve_source(name, location)]
     api_url = str(FlowRunContext.get().client.api_url)
     units = process_units.with_options(task_runner=make_task_runner(runner, address, workers, api_url))(

@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 from trajforge.pipeline.publish.card import hub_revision, write_card
 from trajforge.pipeline.quality.dedup import Contamination, DedupConfig, decontaminate, deduplicate, read_eval_tasks
 from trajforge.pipeline.quality.derived import grpo_prompts, preference_pairs
-from trajforge.pipeline.publish.manifest import build_id, code_version, file_sha256, write_manifest
+from trajforge.pipeline.publish.manifest import (GENERATOR, build_id, code_version, file_sha256,
+                                                remove_earlier_files, set_manifest_aside, write_manifest)
 from trajforge.pipeline.quality.negatives import NegativesConfig, make_negatives
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
 from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
@@ -76,6 +77,8 @@ class UnitResult:
     revision: str | None = None
     # Per env: records validated, trained actions checked/valid by grammar, quarantined by rule.
     envs: dict[str, dict] = field(default_factory=dict)
+    # Something about the file itself worth a line in the report (an empty file).
+    note: str | None = None
 
 
 def unit_key(source: str, file: SourceFile) -> str:
@@ -83,23 +86,69 @@ def unit_key(source: str, file: SourceFile) -> str:
     return f"{source}__{file.path.stem}__{digest}"
 
 
-def _raw_text(row: dict) -> str:
-    text = json.dumps(row, ensure_ascii=False, default=str)
-    return text if len(text) <= MAX_QUARANTINE_RAW else text[:MAX_QUARANTINE_RAW] + "...[cut]"
+def shown(value) -> str:
+    """A value as JSON text for the quarantine; never fails, whatever the value holds."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=str)
+        text.encode("utf-8")
+    except (RecursionError, ValueError, TypeError, UnicodeEncodeError):
+        # Too deep for the encoder, or text no UTF-8 file can hold: show it escaped.
+        text = ascii(value) if _depth_at_most(value, 200) else f"<{type(value).__name__} nested too deep to show>"
+    return text
+
+
+def _depth_at_most(value, limit: int) -> bool:
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return False
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return True
+
+
+def _storable(text: str | None) -> str | None:
+    """Text Arrow can store: an unpaired surrogate (from an exception message, say) escaped."""
+    if text is None or text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def quarantine_entry(source: str, source_file: str, index: int, source_id: str | None, reason: str,
                      detail: str, raw: str | None) -> dict:
     if raw is not None and len(raw) > MAX_QUARANTINE_RAW:
         raw = raw[:MAX_QUARANTINE_RAW] + "...[cut]"
-    return {"source": source, "source_file": source_file, "index": index, "source_id": source_id,
-            "reason": reason, "detail": detail, "raw": raw}
+    return {"source": source, "source_file": source_file, "index": index, "source_id": _storable(source_id),
+            "reason": reason, "detail": _storable(detail), "raw": _storable(raw)}
+
+
+def temp_name(path: Path) -> Path:
+    """Where `path` is written before its rename: hidden, and named by the writing process."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def remove_stale_temp_files(out: Path) -> list[Path]:
+    """Delete the temp files a killed earlier run left under `out` (ours are renamed or gone)."""
+    mine = f".tmp-{os.getpid()}"
+    stale = [p for p in out.rglob(".*.tmp-*") if p.is_file() and not p.name.endswith(mine)] if out.exists() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d temp files of an earlier, interrupted run", len(stale))
+    return stale
 
 
 def write_parquet(rows: list[dict], schema: pa.Schema, path: Path) -> None:
     """Write atomically: a temp name, then rename, so a crash never leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_name(path)
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp, compression="zstd")
     os.replace(tmp, path)
 
@@ -107,27 +156,48 @@ def write_parquet(rows: list[dict], schema: pa.Schema, path: Path) -> None:
 class StreamingParquet:
     """Append rows in batches to a Parquet file written under a temp name, renamed on close.
 
-    A unit's memory stays one batch deep however large the upstream file is.
+    A unit's memory stays one batch deep however large the upstream file is. A batch that Arrow
+    refuses is written row by row: each row it still refuses goes to `on_refused(row, exc)`
+    (the unit quarantines it), and the rest of the batch is kept.
     """
 
-    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000):
+    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000, on_refused=None):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.schema, self.batch_rows = path, schema, batch_rows
-        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self.on_refused = on_refused
+        self.tmp = temp_name(path)
         self.writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
         self.pending: list[dict] = []
         self.count = 0
 
     def append(self, row: dict) -> None:
         self.pending.append(row)
-        self.count += 1
         if len(self.pending) >= self.batch_rows:
             self._flush()
 
     def _flush(self) -> None:
-        if self.pending:
-            self.writer.write_table(pa.Table.from_pylist(self.pending, schema=self.schema))
-            self.pending = []
+        if not self.pending:
+            return
+        try:
+            table = pa.Table.from_pylist(self.pending, schema=self.schema)
+        except Exception:
+            if self.on_refused is None:
+                raise
+            table = pa.Table.from_pylist(self._convertible(self.pending), schema=self.schema)
+        self.writer.write_table(table)
+        self.count += table.num_rows
+        self.pending = []
+
+    def _convertible(self, rows: list[dict]) -> list[dict]:
+        kept = []
+        for row in rows:
+            try:
+                pa.Table.from_pylist([row], schema=self.schema)
+            except Exception as exc:
+                self.on_refused(row, exc)
+                continue
+            kept.append(row)
+        return kept
 
     def close(self) -> None:
         self._flush()
@@ -135,46 +205,91 @@ class StreamingParquet:
         os.replace(self.tmp, self.path)
 
 
+def _record_or_rejection(raw: RawRow, source, file: SourceFile, config: BuildConfig,
+                         envs: dict[str, dict]) -> tuple[dict | None, tuple | None]:
+    """(record, None), or (None, (source_id, reason, detail)) for a row that cannot be one.
+
+    Positive records also count into `envs`, the per-env validation figures of the unit.
+    """
+    if raw.error:
+        return None, (None, raw.error, raw.detail or "")
+    upstream_id = raw.row.get("id", raw.row.get("item_id"))
+    try:
+        record = normalize_row(raw.row, source, file.split, file.label, raw.index, config.normalize)
+    except NormalizeError as exc:
+        return None, (str(upstream_id) if isinstance(upstream_id, (str, int)) else None, exc.reason, exc.detail)
+    violation = validate_record(record, config.validate) if record["kind"] == "positive" else None
+    if record["kind"] == "positive":
+        tally_env(envs, record, violation)
+    if violation is not None:
+        return None, (record["source_id"], violation.reason, violation.detail)
+    return record, None
+
+
+def _internal_error(what: str, exc: BaseException) -> str:
+    """The quarantine detail of an unexpected exception; its traceback goes to the log."""
+    log.warning("%s: internal error", what, exc_info=exc)
+    return f"{type(exc).__name__}: {exc}"[:1000]
+
+
 def process_unit(source_name: str, file: SourceFile, staging: Path, config: BuildConfig = BuildConfig()) -> UnitResult:
-    """Read one file of one source, normalize and validate every row, stage the results."""
+    """Read one file of one source, normalize and validate every row, stage the results.
+
+    Every row ends as a staged record or a quarantine entry, whatever it holds: an exception
+    that no rule foresaw quarantines the row as `internal_error` (type in the detail, traceback
+    in the log) instead of ending the build.
+    """
     source = get_source(source_name)
-    name = file.path.name
+    name = file.label
     key = unit_key(source_name, file)
-    records = StreamingParquet(staging / f"{key}.records.parquet", arrow_schema("trajectory"))
-    quarantine = StreamingParquet(staging / f"{key}.quarantine.parquet", arrow_schema("quarantine"))
     reasons: Counter[str] = Counter()
     envs: dict[str, dict] = {}
+    counts = Counter()
+    quarantine = StreamingParquet(staging / f"{key}.quarantine.parquet", arrow_schema("quarantine"))
 
-    def reject(index: int, source_id: str | None, reason: str, detail: str, raw: str | None) -> None:
-        reasons[reason] += 1
+    def reject(index: int, source_id: str | None, reason: str, detail: str, raw: str | None, rows: int = 1) -> None:
+        reasons[reason] += rows
+        counts["quarantined"] += rows
         quarantine.append(quarantine_entry(source_name, name, index, source_id, reason, detail, raw))
 
-    for raw in iter_rows(file.path, name):
-        if raw.error:
-            reject(raw.index, None, raw.error, raw.detail or "", raw.raw_text)
-            continue
-        upstream_id = raw.row.get("id", raw.row.get("item_id"))
+    def refused(record: dict, exc: Exception) -> None:
+        index = json.loads(record["meta"]).get("source_index", -1)
+        reject(index, record["source_id"], "internal_error",
+               _internal_error(f"{source_name}/{name} row {index} (writing)", exc), shown(record))
+
+    records = StreamingParquet(staging / f"{key}.records.parquet", arrow_schema("trajectory"), on_refused=refused)
+    rows = iter_rows(file.path, name)
+    next_index = 0
+    while True:
         try:
-            record = normalize_row(raw.row, source, file.split, name, raw.index, config.normalize)
-        except NormalizeError as exc:
-            reject(raw.index, str(upstream_id) if isinstance(upstream_id, (str, int)) else None,
-                   exc.reason, exc.detail, _raw_text(raw.row))
-            continue
-        violation = validate_record(record, config.validate) if record["kind"] == "positive" else None
-        if record["kind"] == "positive":
-            tally_env(envs, record, violation)
-        if violation is not None:
-            reject(raw.index, record["source_id"], violation.reason, violation.detail, _raw_text(raw.row))
+            raw = next(rows)
+        except StopIteration:
+            break
+        except Exception as exc:  # a reader bug: the rest of the file is one entry, the build goes on
+            reject(next_index, None, "internal_error",
+                   _internal_error(f"{source_name}/{name} reading from row {next_index}", exc)
+                   + f"; rows from {next_index} on were not read", None)
+            break
+        counts["read"] += raw.rows
+        next_index = raw.index + raw.rows
+        try:
+            record, rejection = _record_or_rejection(raw, source, file, config, envs)
+        except Exception as exc:
+            record, rejection = None, (None, "internal_error", _internal_error(f"{source_name}/{name} row {raw.index}", exc))
+        if rejection is not None:
+            text = raw.raw_text if raw.raw_text is not None or raw.row is None else shown(raw.row)
+            reject(raw.index, *rejection, text, raw.rows)
             continue
         records.append(record)
-        if records.count % config.progress_every == 0:
-            log.info("%s/%s: %d records so far", source_name, name, records.count)
+        counts["staged"] += 1
+        if counts["staged"] % config.progress_every == 0:
+            log.info("%s/%s: %d records so far", source_name, name, counts["staged"])
     records.close()
     quarantine.close()
-    # A whole unreadable file counts as one input record.
     result = UnitResult(source_name, name, str(records.path), str(quarantine.path),
-                        read=records.count + quarantine.count, written=records.count,
-                        quarantined=quarantine.count, reasons=dict(reasons), envs=envs)
+                        read=counts["read"], written=records.count, quarantined=counts["quarantined"],
+                        reasons=dict(reasons), envs=envs, input_sha256=file_sha256(file.path), revision=hub_revision(file.path),
+                        note="empty file: no records" if file.path.stat().st_size == 0 else None)
     log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, result.read, result.written,
              result.quarantined, result.reasons or "")
     return result
@@ -206,7 +321,7 @@ def merge_counts(units: list[UnitResult]) -> dict:
         for reason, n in unit.reasons.items():
             entry["reasons"][reason] = entry["reasons"].get(reason, 0) + n
         entry["files"][unit.source_file] = {"read": unit.read, "written": unit.written,
-                                            "quarantined": unit.quarantined}
+                                            "quarantined": unit.quarantined, **({"note": unit.note} if unit.note else {})}
     total = {"read": 0, "written": 0, "quarantined": 0, "reasons": {}}
     for entry in per_source.values():
         for key in ("read", "written", "quarantined"):
@@ -217,7 +332,14 @@ def merge_counts(units: list[UnitResult]) -> dict:
 
 
 def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConfig()) -> dict:
-    """Merge staged units (in the given order) into the dataset, quarantine and report."""
+    """Merge staged units (in the given order) into the dataset, quarantine and report.
+
+    The manifest of an earlier build in `out` is set aside first and the new one written last, so
+    a folder with a manifest always holds the files of the build it names. Files of the earlier
+    build that this one does not write are removed; nothing else in `out` is touched.
+    """
+    remove_stale_temp_files(out)
+    earlier = set_manifest_aside(out)
     records: list[dict] = []
     quarantine: list[dict] = []
     for unit in units:
@@ -230,7 +352,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
         index = Contamination(read_eval_tasks(Path(config.decontaminate)), config.decontaminate_ngram)
         records, removed = decontaminate(records, index)
         contaminated = [quarantine_entry(r["source"], r["source_file"], json.loads(r["meta"]).get("source_index", -1),
-                                         r["source_id"], "contaminated", detail, json.dumps(r, ensure_ascii=False))
+                                         r["source_id"], "contaminated", detail, shown(r))
                         for r, detail in removed]
         quarantine.extend(contaminated)
     records, duplicates = deduplicate(records, config.dedup)
@@ -248,6 +370,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     quarantine_path = out / "quarantine" / "quarantine.parquet"
     write_parquet(quarantine, arrow_schema("quarantine"), quarantine_path)
     report = merge_counts(units)
+    report["generator"] = GENERATOR
     report["config"] = asdict(config)
     report["outputs"] = {"sft": sft["train"],
                          "quarantine": [str(quarantine_path.relative_to(out))]}
@@ -260,20 +383,29 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     report["outputs"].update({name: files.get("train", []) for name, files in derived.items()},
                              duplicates=[str(duplicates_path.relative_to(out))])
     report_extras(report, records, duplicates, negatives, len(pairs), unpaired, len(grpo))
-    write_html(out, report, records, duplicates)
+    if not records:
+        report["warnings"] = ["no record made it into data/sft: every input record was quarantined or a duplicate"]
+    for warning in report.get("warnings", []):
+        log.warning(warning)
+    html_files = write_html(out, report, records, duplicates)
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    write_release_files(out, report, units, config)
+    owned = [path for paths in report["outputs"].values() for path in paths]
+    owned += [p.relative_to(out).as_posix() for p in html_files] + ["report.json"]
+    write_release_files(out, report, units, config, owned)
+    remove_earlier_files(out, earlier - set(owned) - {"README.md"})
     return report
 
 
-def write_release_files(out: Path, report: dict, units: list[UnitResult], config: BuildConfig) -> str:
-    """Dataset card and manifest, last: they describe the files written before them. Returns the build id."""
+def write_release_files(out: Path, report: dict, units: list[UnitResult], config: BuildConfig,
+                        files: list[str]) -> str:
+    """Dataset card and manifest, last: they describe the files written before them (`files`,
+    relative to `out`; the card is added). Returns the build id."""
     code = code_version()
     build = build_id([(u.source, u.source_file, u.input_sha256) for u in units], asdict(config), code)
     provenance = [{"source": u.source, "source_file": u.source_file, "sha256": u.input_sha256,
                    "revision": u.revision} for u in units]
     write_card(out, report, provenance, build, code)
-    write_manifest(out, build)
+    write_manifest(out, build, [*files, "README.md"])
     return build
 
 
@@ -286,4 +418,4 @@ def summary_lines(report: dict) -> list[str]:
                      f"{entry.get('duplicates', 0):>7}  {reasons}")
     t = report["total"]
     lines.append(f"{'total':<14}{t['read']:>8}{t['written']:>9}{t['quarantined']:>10}{t.get('duplicates', 0):>7}")
-    return lines
+    return lines + [f"warning: {w}" for w in report.get("warnings", [])]

@@ -44,8 +44,12 @@ def test_bytes_target_bounds_each_shard(sft_table):
     assert plan_shards(sft_table.slice(0, 0), ShardConfig()) == []
 
 
+def _three_shards(table) -> ShardConfig:
+    return ShardConfig(max_rows=-(-table.num_rows // 3))
+
+
 def test_same_input_same_bytes(sft_table, tmp_path):
-    config = ShardConfig(max_rows=70)
+    config = _three_shards(sft_table)
     write_config(tmp_path / "a", "sft", {"train": sft_table}, config)
     write_config(tmp_path / "b", "sft", {"train": sft_table}, config)
     a, b = _snapshot(tmp_path / "a"), _snapshot(tmp_path / "b")
@@ -53,7 +57,7 @@ def test_same_input_same_bytes(sft_table, tmp_path):
 
 
 def test_markers_skip_done_shards_and_repair_damaged_ones(sft_table, tmp_path):
-    config = ShardConfig(max_rows=70)
+    config = _three_shards(sft_table)
     write_config(tmp_path, "sft", {"train": sft_table}, config)
     before = _snapshot(tmp_path)
     write_config(tmp_path, "sft", {"train": sft_table}, config)

@@ -102,14 +102,15 @@ def write_config(out: Path, config_name: str, splits: dict[str, pa.Table],
     """Write every split of one config as shards; returns split -> shard paths relative to `out`.
 
     A shard whose marker matches its content fingerprint and whose file is intact is not
-    rewritten (resume after a crash). Shards of an earlier build that this one does not produce
-    (another shard count, a split that is gone) are removed, so the folder holds one build.
+    rewritten (resume after a crash). An empty split is one shard without rows, so the config
+    still loads. Shards of an earlier build that this one does not produce (another shard count,
+    a split that is gone) are removed, so the folder holds one build.
     """
     folder = out / "data" / config_name
     written: dict[str, list[str]] = {}
     keep: set[str] = set()
     for split, table in splits.items():
-        plan = plan_shards(table, config)
+        plan = plan_shards(table, config) or [(0, 0)]
         for index, (offset, length) in enumerate(plan):
             name = shard_name(split, index, len(plan))
             path = folder / name
