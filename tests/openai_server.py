@@ -177,12 +177,13 @@ class Server:
         messages = body.get("messages") or []
         reply = self.policy(messages)
         if self.sampling and (body.get("temperature") or 0) > 0:
-            reply = Reply(f"{reply.reasoning} (draw {self._draws.random():.6f})", reply.content)
-        choices, completion_tokens = [], 0
+            reply = Reply(f"(draw {self._draws.random():.6f}) {reply.reasoning}", reply.content)
+        choices, completion_tokens, reasoning_tokens = [], 0, 0
         for index in range(int(body.get("n") or 1)):
             shape = self._shape(messages, body.get("seed"), index)
             message, finish = self._shaped(reply, shape, body, kind)
             completion_tokens += len(((message.get("reasoning_content") or "") + " " + message["content"]).split())
+            reasoning_tokens += len(reply.reasoning.split()) if kind not in ("empty", "truncate") else 0
             choices.append({"finish_reason": finish, "index": index, "message": message})
         prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
         out = {k: v for k, v in self._envelope.items() if k not in ("choices", "timings")}
@@ -190,7 +191,9 @@ class Server:
         out.update(choices=choices, created=int(time.time()), model=body.get("model", out["model"]),
                    id=f"chatcmpl-{digest}", usage={"completion_tokens": completion_tokens,
                                                    "prompt_tokens": prompt_tokens,
-                                                   "total_tokens": prompt_tokens + completion_tokens})
+                                                   "total_tokens": prompt_tokens + completion_tokens,
+                                                   # DeepSeek's API counts the reasoning here.
+                                                   "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}})
         return out
 
     def _shape(self, messages: list[dict], seed, index: int) -> str:
