@@ -199,21 +199,32 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
                    help="environment variable holding the API key (default: TRAJFORGE_API_KEY, OPENAI_API_KEY); "
                         "the key itself is never an argument")
     p.add_argument("--license", default="other", help="license of the task source, stamped on the records")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per request (default 600)")
+    p.add_argument("--max-retries", type=int, default=8, metavar="N",
+                   help="retries of a request that failed for a transient reason (default 8)")
+    p.add_argument("--max-connection-failures", type=int, default=10, metavar="N",
+                   help="stop the job after N requests in a row could not connect (default 10; 0: never)")
     p.set_defaults(func=_run_synth)
 
 
 def _run_synth(args: argparse.Namespace) -> int:
     from trajforge.flows.synth import synthesize
+    from trajforge.pipeline.synth.llm import ServerUnreachable
 
-    report = synthesize(tasks=args.tasks, env=args.env, model=args.model, out=args.out, base_url=args.base_url,
-                        n=args.n, keep=args.keep, concurrency=args.concurrency, episode_concurrency=args.episodes,
-                        max_turns=args.max_turns, max_tokens=args.max_tokens, seed=args.seed,
-                        sampling=dict(args.sampling), backend=args.backend, api_key_env=args.api_key_env,
-                        license=args.license)
+    try:
+        report = synthesize(tasks=args.tasks, env=args.env, model=args.model, out=args.out, base_url=args.base_url,
+                            n=args.n, keep=args.keep, concurrency=args.concurrency,
+                            episode_concurrency=args.episodes, max_turns=args.max_turns, max_tokens=args.max_tokens,
+                            seed=args.seed, sampling=dict(args.sampling), backend=args.backend,
+                            api_key_env=args.api_key_env, license=args.license, timeout_s=args.timeout,
+                            max_retries=args.max_retries, max_connection_failures=args.max_connection_failures)
+    except ServerUnreachable as exc:
+        print(f"trajforge: synth stopped: {exc.detail}", file=sys.stderr)
+        return 1
     reasons = ", ".join(f"{k}={v}" for k, v in report["failure_reasons"].items()) or "-"
     print(f"{args.env}: {report['tasks_with_record']}/{report['tasks']} tasks with a record, {report['records']} "
-          f"records, {report['failures']} failures ({reasons}); {report['llm']['calls']} LLM calls, "
-          f"{report['llm']['cache_hits']} cache hits")
+          f"records, {report['failures']} failures ({reasons}); {report['llm']['calls']} LLM calls answered of "
+          f"{report['llm']['attempts']} attempts, {report['llm']['cache_hits']} cache hits")
     print(f"records: {args.out}/data/synthetic/{args.env}.parquet  failures: {args.out}/failures.parquet")
     return 0
 

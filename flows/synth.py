@@ -10,9 +10,10 @@ import os
 from typing import Any
 
 from prefect import flow, get_run_logger, task
+from prefect.states import Failed, State
 
 from trajforge.pipeline.synth.agent import AgentConfig
-from trajforge.pipeline.synth.llm import LLMConfig
+from trajforge.pipeline.synth.llm import LLMConfig, ServerUnreachable
 from trajforge.pipeline.synth.job import SynthConfig
 from trajforge.pipeline.synth.job import synthesize as run_synthesis
 
@@ -24,7 +25,12 @@ def synthesize_episodes(config: SynthConfig, api_key_env: str | None) -> dict:
         if not key:
             raise ValueError(f"environment variable {api_key_env} is not set")
         config.llm.api_key = key
-    return run_synthesis(config)
+    try:
+        return run_synthesis(config)
+    except ServerUnreachable as exc:
+        # An outcome the user acts on (start the server, rerun), not a bug: a failed run with the
+        # message, without a traceback.
+        return Failed(message=exc.detail, data=exc)
 
 
 @flow(name="synthesize", log_prints=True)
@@ -32,16 +38,22 @@ def synthesize(tasks: str, env: str, model: str, out: str, base_url: str | None 
                keep: str = "best", concurrency: int = 64, episode_concurrency: int = 16, max_turns: int = 8,
                max_tokens: int | None = None, seed: int | None = None, sampling: dict[str, Any] | None = None,
                backend: str = "openai", api_key_env: str | None = None, license: str = "other",
-               env_kw: dict[str, Any] | None = None) -> dict:
+               env_kw: dict[str, Any] | None = None, timeout_s: float = 600.0, max_retries: int = 8,
+               max_connection_failures: int = 10) -> dict | State:
     """Synthesize trajectories for the tasks of one env; writes OUT/data/synthetic/<env>.parquet and OUT/failures.parquet."""
     logger = get_run_logger()
     config = SynthConfig(
         tasks=tasks, env=env, out=out, n=n, keep=keep, episode_concurrency=episode_concurrency, backend=backend,
-        llm=LLMConfig(model=model, base_url=base_url, sampling=dict(sampling or {}), concurrency=concurrency),
+        llm=LLMConfig(model=model, base_url=base_url, sampling=dict(sampling or {}), concurrency=concurrency,
+                      timeout_s=timeout_s, max_retries=max_retries, max_connection_failures=max_connection_failures),
         agent=AgentConfig(max_turns=max_turns, max_tokens=max_tokens, seed=seed, license=license),
         env_kw=dict(env_kw or {}))
-    report = synthesize_episodes(config, api_key_env)
-    logger.info("%s: %d/%d tasks with a record, %d records, %d failures %s; %d LLM calls, %d cache hits",
-                env, report["tasks_with_record"], report["tasks"], report["records"], report["failures"],
-                report["failure_reasons"], report["llm"]["calls"], report["llm"]["cache_hits"])
+    state = synthesize_episodes(config, api_key_env, return_state=True)
+    if state.is_failed():
+        return state
+    report = state.result()
+    logger.info("%s: %d/%d tasks with a record, %d records, %d failures %s; %d LLM calls answered of %d attempts, "
+                "%d cache hits", env, report["tasks_with_record"], report["tasks"], report["records"],
+                report["failures"], report["failure_reasons"], report["llm"]["calls"], report["llm"]["attempts"],
+                report["llm"]["cache_hits"])
     return report
