@@ -11,6 +11,9 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 
+from trajforge.flows.artifacts import Progress, synth_artifacts
+from trajforge.flows.limits import model_api_limit
+from trajforge.flows.names import synth_run_name
 from trajforge.pipeline.synth.agent import AgentConfig
 from trajforge.pipeline.synth.llm import LLMConfig
 from trajforge.pipeline.synth.job import SynthConfig
@@ -24,24 +27,33 @@ def synthesize_episodes(config: SynthConfig, api_key_env: str | None) -> dict:
         if not key:
             raise ValueError(f"environment variable {api_key_env} is not set")
         config.llm.api_key = key
-    return run_synthesis(config)
+    return run_synthesis(config, Progress("synth-progress", f"Episodes finished ({config.env})"))
 
 
-@flow(name="synthesize", log_prints=True)
+@flow(name="synthesize", log_prints=True, flow_run_name=synth_run_name)
 def synthesize(tasks: str, env: str, model: str, out: str, base_url: str | None = None, n: int = 4,
                keep: str = "best", concurrency: int = 64, episode_concurrency: int = 16, max_turns: int = 8,
                max_tokens: int | None = None, seed: int | None = None, sampling: dict[str, Any] | None = None,
                backend: str = "openai", api_key_env: str | None = None, license: str = "other",
-               env_kw: dict[str, Any] | None = None) -> dict:
-    """Synthesize trajectories for the tasks of one env; writes OUT/data/synthetic/<env>.parquet and OUT/failures.parquet."""
+               env_kw: dict[str, Any] | None = None, api_limit: str | None = None,
+               api_rate_limit: str | None = None, api_limit_strict: bool = False) -> dict:
+    """Synthesize trajectories for the tasks of one env; writes OUT/data/synthetic/<env>.parquet and OUT/failures.parquet.
+
+    `api_limit` / `api_rate_limit` name Prefect global concurrency / rate limits held around every
+    request to the model API, shared with every other run that names them (flows/limits.py);
+    `api_limit_strict` fails the run when one does not exist instead of running without it.
+    """
     logger = get_run_logger()
+    gate = model_api_limit(api_limit, api_rate_limit, strict=api_limit_strict)
     config = SynthConfig(
         tasks=tasks, env=env, out=out, n=n, keep=keep, episode_concurrency=episode_concurrency, backend=backend,
-        llm=LLMConfig(model=model, base_url=base_url, sampling=dict(sampling or {}), concurrency=concurrency),
+        llm=LLMConfig(model=model, base_url=base_url, sampling=dict(sampling or {}), concurrency=concurrency,
+                      request_gate=gate),
         agent=AgentConfig(max_turns=max_turns, max_tokens=max_tokens, seed=seed, license=license),
         env_kw=dict(env_kw or {}))
     report = synthesize_episodes(config, api_key_env)
     logger.info("%s: %d/%d tasks with a record, %d records, %d failures %s; %d LLM calls, %d cache hits",
                 env, report["tasks_with_record"], report["tasks"], report["records"], report["failures"],
                 report["failure_reasons"], report["llm"]["calls"], report["llm"]["cache_hits"])
+    synth_artifacts(report, out)
     return report

@@ -24,7 +24,7 @@ import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -115,7 +115,8 @@ def _write_failures(rows: list[dict], path: Path) -> None:
     tmp.replace(path)
 
 
-async def synthesize_async(config: SynthConfig) -> dict:
+async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], None] | None = None) -> dict:
+    """The job; `progress(done, total)` is called as episodes finish (resumed ones included)."""
     from trajforge.pipeline.synth.envs import make_env
     from trajforge.pipeline.synth.tasks import load_tasks
 
@@ -129,16 +130,23 @@ async def synthesize_async(config: SynthConfig) -> dict:
     journal = EpisodeJournal(state / "episodes.sqlite")
     gate = asyncio.Semaphore(config.episode_concurrency)
     counts: Counter[str] = Counter()
+    total = len(tasks) * config.n
+
+    def finished(episode: Episode) -> Episode:
+        counts["finished"] += 1
+        if progress is not None:
+            progress(counts["finished"], total)
+        return episode
 
     async def one(task: Any, sample: int) -> Episode:
         if task.skip_reason:
             counts["skipped"] += 1
-            return Episode(task.id, sample, task.env, "failure", "skipped", task.skip_reason)
+            return finished(Episode(task.id, sample, task.env, "failure", "skipped", task.skip_reason))
         key = episode_key(task, sample, backend.model, backend.params, config.agent)
         done = journal.get(key)
         if done is not None:
             counts["resumed"] += 1
-            return done
+            return finished(done)
         async with gate:
             episode = await run_episode(backend, lambda: make_env(config.env, **config.env_kw), task, sample,
                                         config.agent)
@@ -147,7 +155,7 @@ async def synthesize_async(config: SynthConfig) -> dict:
         counts["run"] += 1
         if counts["run"] % 50 == 0:
             log.info("%d episodes run", counts["run"])
-        return episode
+        return finished(episode)
 
     try:
         episodes = await asyncio.gather(*(one(t, k) for t in tasks for k in range(config.n)))
@@ -165,6 +173,9 @@ async def synthesize_async(config: SynthConfig) -> dict:
         records += [e.record for e in kept]
         unselected += [_failure_row(e, backend.model) | {"reason": "not_selected"} for e in rest]
     failures = [_failure_row(e, backend.model) for e in episodes if e.status == "failure"]
+    usage: Counter[str] = Counter()
+    for episode in episodes:
+        usage.update(episode.usage)
 
     write_parquet(records, arrow_schema("trajectory"), out / "data" / "synthetic" / f"{config.env}.parquet")
     # failures.parquet holds every env run into this folder: one part per env, merged.
@@ -182,6 +193,8 @@ async def synthesize_async(config: SynthConfig) -> dict:
         "episodes_run": counts["run"], "episodes_resumed": counts["resumed"], "skipped": counts["skipped"],
         "llm": {"model": backend.model, "sampling": backend.params, "calls": stats.calls,
                 "cache_hits": stats.cache_hits, "retries": stats.retries, "failures": stats.failures},
+        # Tokens of the calls behind these episodes (answers from the cache and the journal included).
+        "usage": dict(sorted(usage.items())),
     }
     reports = out / ".synth" / "reports"
     reports.mkdir(parents=True, exist_ok=True)
@@ -194,6 +207,6 @@ async def synthesize_async(config: SynthConfig) -> dict:
     return report
 
 
-def synthesize(config: SynthConfig) -> dict:
+def synthesize(config: SynthConfig, progress: Callable[[int, int], None] | None = None) -> dict:
     """Run the job to the end (blocking); see the module docstring for the outputs."""
-    return asyncio.run(synthesize_async(config))
+    return asyncio.run(synthesize_async(config, progress))

@@ -24,9 +24,10 @@ import os
 import random
 import sqlite3
 import threading
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 log = logging.getLogger("trajforge.llm")
 
@@ -100,6 +101,9 @@ class LLMConfig:
     backoff_base_s: float = 0.5
     backoff_max_s: float = 60.0
     cache_path: str | None = None
+    # Entered around every HTTP request, inside the per-job bound: how an orchestrator adds a limit
+    # shared by all jobs on one endpoint (flows/limits.py puts a Prefect global concurrency limit here).
+    request_gate: Callable[[], AbstractAsyncContextManager] | None = field(default=None, repr=False, compare=False)
 
     def resolved(self) -> "LLMConfig":
         """Fill model, base URL and key from the environment when the config leaves them out."""
@@ -262,6 +266,7 @@ class OpenAIBackend:
                                           timeout=self.config.timeout_s, max_retries=0,
                                           http_client=openai.DefaultAioHttpClient(timeout=self.config.timeout_s))
         self._semaphore = asyncio.Semaphore(self.config.concurrency)
+        self._gate = self.config.request_gate or nullcontext
         self._cache = RequestCache(self.config.cache_path) if self.config.cache_path else None
 
     def request(self, messages: list[dict], **overrides: Any) -> tuple[list[dict], dict[str, Any]]:
@@ -286,7 +291,7 @@ class OpenAIBackend:
         attempt = 0
         while True:
             try:
-                async with self._semaphore:
+                async with self._semaphore, self._gate():
                     self.stats.calls += 1
                     return await self._call_once(messages, params)
             except _Retryable as exc:

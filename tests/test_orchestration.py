@@ -1,0 +1,220 @@
+"""The deployed pipeline on a real `prefect server` with a real worker: synthesis -> build -> release.
+
+The chain is started the way the schedule starts it (a run of synthesize/nightly); the build and the
+release are started by the server's deployment triggers. The model API is the loopback
+OpenAI-compatible server, the Hub the loopback Hub. A second synthesis runs at the same time
+outside any deployment; both share one global concurrency limit, counted at the model server.
+Then a failing run must reach the failure notification's webhook.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+from prefect.client.orchestration import SyncPrefectClient
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+from conftest import FIXTURES, RAW
+from hub_server import HubServer
+from openai_server import Server, fixture_policy
+from test_deployments import PREFECT, REPO, prefect_server, run  # noqa: F401 - prefect_server is a fixture
+
+pytestmark = pytest.mark.slow
+DB_FILE = FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl"
+TOKEN = "hf_loopbackTestToken_orchestration"
+HUB_REPO = "trajforge-test/chained"
+LIMIT = "model-api"
+SLOTS = 2
+
+
+class Webhook(ThreadingHTTPServer):
+    """Collects the JSON bodies POSTed to it (the notification block's target)."""
+
+    def __init__(self):
+        received: list[dict] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, format, *args):  # noqa: A002 - quiet
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.received = received
+        self.url = f"http://127.0.0.1:{self.server_address[1]}/hook"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+def deployment_id(api: str, flow: str, name: str) -> str:
+    return httpx.get(f"{api}/deployments/name/{flow}/{name}").json()["id"]
+
+
+def runs_of(api: str, deployment: str) -> list[dict]:
+    return httpx.post(f"{api}/flow_runs/filter",
+                      json={"flow_runs": {"deployment_id": {"any_": [deployment]}}}).json()
+
+
+def wait_for(check, what: str, timeout: float, worker: subprocess.Popen, log_path) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert worker.poll() is None and time.monotonic() < deadline, \
+            f"timed out waiting for {what}\n{log_path.read_text()[-4000:]}"
+        time.sleep(1)
+
+
+def finished(api: str, deployment: str):
+    runs = runs_of(api, deployment)
+    if runs and runs[0]["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+        return runs[0]
+    return None
+
+
+def artifacts(client: SyncPrefectClient, *flow_run_ids: str) -> dict:
+    found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+        any_=list(flow_run_ids))))
+    return {a.key: a.data for a in found}
+
+
+def table(data) -> list[dict]:
+    return json.loads(data) if isinstance(data, str) else data
+
+
+def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_server, tmp_path):
+    api, env = prefect_server
+    assert httpx.post(f"{api}/work_pools/", json={"name": "trajforge", "type": "process"}).status_code == 201
+    run([PREFECT, "--no-prompt", "deploy", "--all"], env)
+    run([PREFECT, "global-concurrency-limit", "create", LIMIT, "--limit", str(SLOTS)], env)
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(DB_FILE.read_text().splitlines(keepends=True)[:8]))
+    synth, synth2, build = tmp_path / "synth", tmp_path / "synth2", tmp_path / "build"
+    webhook = Webhook()
+    with Server(fixture_policy(db_files=[DB_FILE]), latency_s=0.05) as model, HubServer(token=TOKEN) as hub:
+        worker_env = {**env, "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0", "HF_TOKEN": TOKEN,
+                      "PREFECT_WORKER_QUERY_SECONDS": "1"}
+        # Where the chained deployments read and write in this test (their defaults are synth/ and build/).
+        after_synthesis = deployment_id(api, "build-dataset", "after-synthesis")
+        after_build = deployment_id(api, "release", "after-build")
+        for dep, params in [(after_synthesis, {"sources": {"openmanus_rl": str(RAW / "openmanus_rl")},
+                                               "synthetic": str(synth), "out": str(build)}),
+                            (after_build, {"folder": str(build), "repo": HUB_REPO, "tag": "v1"})]:
+            assert httpx.patch(f"{api}/deployments/{dep}", json={"parameters": params}).status_code == 204
+
+        synth_params = ["-p", f"tasks={tasks}", "-p", "env=db", "-p", "n=2", "-p", "concurrency=8",
+                        "-p", f"base_url={model.base_url}", "-p", f"out={synth}", "-p", f"api_limit={LIMIT}"]
+        run([PREFECT, "deployment", "run", "synthesize/nightly", "-p", "model=deepseek-ai/DeepSeek-R1",
+             *synth_params], env)
+        log_path = tmp_path / "worker.log"
+        with open(log_path, "wb") as log:
+            worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "trajforge"], env=worker_env, cwd=REPO,
+                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # An ad-hoc synthesis outside any deployment, at the same time, against the same limit.
+        adhoc_log = tmp_path / "adhoc.log"
+        with open(adhoc_log, "wb") as log:
+            adhoc = subprocess.Popen(
+                [sys.executable, "-c",
+                 "import sys, json; from flows.synth import synthesize; synthesize(**json.loads(sys.argv[1]))",
+                 json.dumps({"tasks": str(tasks), "env": "db", "n": 2, "concurrency": 8, "base_url": model.base_url,
+                             "out": str(synth2), "api_limit": LIMIT,
+                             "model": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"})],
+                env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            nightly = deployment_id(api, "synthesize", "nightly")
+            synth_run = wait_for(lambda: finished(api, nightly), "the nightly synthesis", 240, worker, log_path)
+            build_run = wait_for(lambda: finished(api, after_synthesis), "the triggered build", 240, worker, log_path)
+            release_run = wait_for(lambda: finished(api, after_build), "the triggered release", 240, worker, log_path)
+            assert adhoc.wait(timeout=240) == 0, adhoc_log.read_text()[-3000:]
+            for flow_run in (synth_run, build_run, release_run):
+                assert flow_run["state"]["type"] == "COMPLETED", (flow_run["name"], flow_run["state"])
+
+            # The failure notification: a block with the webhook, the automation, a run that fails.
+            run([sys.executable, "-c", "import sys; from prefect.blocks.notifications import "
+                 "CustomWebhookNotificationBlock as B; B(name='trajforge', url=sys.argv[1], "
+                 "json_data={'text': '{{subject}}\\n{{body}}'}).save('trajforge-alerts')", webhook.url], env)
+            run([sys.executable, "-m", "flows.notify", "custom-webhook/trajforge-alerts"], env)
+            run([PREFECT, "deployment", "run", "synthesize/adhoc", "-p", f"tasks={tmp_path / 'missing.jsonl'}",
+                 "-p", f"out={tmp_path / 'failed'}"], env)
+            wait_for(lambda: webhook.received, "the failure notification", 120, worker, log_path)
+        finally:
+            os.killpg(worker.pid, 15)
+            worker.wait(timeout=30)
+            adhoc.kill()
+
+        # Readable names, and the build and release were started by the triggers (not by this test).
+        assert synth_run["name"].startswith("synth db DeepSeek-R1 ")
+        assert build_run["name"].startswith("build openmanus_rl+synthetic ")
+        assert build_run["idempotency_key"] and release_run["idempotency_key"]
+        assert len(runs_of(api, after_synthesis)) == len(runs_of(api, after_build)) == 1
+
+        # The shared limit held across both runs, which overlapped in time.
+        assert model.max_in_flight <= SLOTS, model.max_in_flight
+        spans = {m: [s for s in model.spans if s[2] == m] for m in {s[2] for s in model.spans}}
+        assert len(spans) == 2, spans.keys()
+        (a_start, a_end), (b_start, b_end) = [(min(s[0] for s in v), max(s[1] for s in v)) for v in spans.values()]
+        assert a_start < b_end and b_start < a_end
+
+        # The release holds the synthetic records the nightly run wrote (less the ones dedup removed).
+        synthetic = {r["id"] for r in pq.read_table(synth / "data" / "synthetic" / "db.parquet").to_pylist()}
+        removed = {r["id"] for r in pq.read_table(build / "duplicates.parquet").to_pylist()}
+        head = hub.state.repos[HUB_REPO].resolve("v1")
+        released = [row for path, content in head.files.items() if path.startswith("data/sft/")
+                    for row in pq.read_table(io.BytesIO(content)).to_pylist()]
+        assert synthetic and {r["id"] for r in released if r["source"] == "synthetic"} == synthetic - removed
+
+    with SyncPrefectClient(api) as client:
+        synth_report = json.loads((synth / "report.json").read_text())["db"]
+        got = artifacts(client, synth_run["id"])
+        assert {"synth-summary", "synth-outcomes", "synth-success", "synth-tokens", "synth-progress"} <= set(got)
+        outcomes = {r["outcome"]: r["episodes"] for r in table(got["synth-outcomes"])}
+        assert sum(outcomes.values()) == synth_report["episodes"] == 8 * 2
+        assert outcomes["record"] == synth_report["records"] > 0
+        [success] = table(got["synth-success"])
+        assert success["tasks_with_record"] == synth_report["tasks_with_record"]
+        [tokens] = table(got["synth-tokens"])
+        assert tokens["total_tokens"] == synth_report["usage"]["total_tokens"] > 0
+        assert tokens["calls"] == synth_report["llm"]["calls"] > 0
+        assert float(got["synth-progress"]) == 100.0
+
+        report = json.loads((build / "report.json").read_text())
+        children = [r["id"] for r in httpx.post(f"{api}/flow_runs/filter", json={
+            "flow_runs": {"parent_flow_run_id": {"any_": [build_run["id"]]}}}).json()]
+        got = artifacts(client, build_run["id"], *children)
+        sources = {r["source"]: r for r in table(got["build-sources"])}
+        assert set(sources) == {"openmanus_rl", "synthetic", "total"}
+        for name, entry in [*report["sources"].items(), ("total", report["total"])]:
+            assert {k: sources[name][k] for k in ("read", "written", "quarantined", "duplicates")} == \
+                   {k: entry[k] for k in ("read", "written", "quarantined", "duplicates")}
+        assert sources["synthetic"]["read"] == len(synthetic)
+        reasons = table(got["build-quarantine"])
+        assert sum(r["records"] for r in reasons if r["reason"] != "-") == report["total"]["quarantined"]
+        assert {r["source"]: r["duplicates"] for r in table(got["build-duplicates"]) if r["source"] != "-"} == \
+               report["duplicates"]["by_source"]
+        assert {r["negative_type"]: r["records"] for r in table(got["build-negatives"]) if r["negative_type"] != "-"} \
+               == report["negatives"]["by_type"]
+        assert (build / "report.html").as_uri() in got["build-report"]
+        assert float(got["build-progress"]) == 100.0
+        assert f"**{report['total']['written']}** records written" in got["build-summary"]
+
+        got = artifacts(client, release_run["id"])
+        assert head.oid in got["release-summary"] and "tag `v1`" in got["release-summary"]
+        files = [r["path"] for r in table(got["release-files"])]
+        assert files and set(files) <= set(head.files)
+
+    # The notification names the failed run.
+    text = webhook.received[0]["text"]
+    assert "synthesize" in text and ("Failed" in text or "Crashed" in text), text
