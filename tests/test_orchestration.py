@@ -2,9 +2,9 @@
 
 The chain is started the way the schedule starts it (a run of synthesize/nightly); the build and the
 release are started by the server's deployment triggers. The model API is the loopback
-OpenAI-compatible server, the Hub the loopback Hub. A second synthesis runs at the same time
-outside any deployment; both share one global concurrency limit, counted at the model server.
-Then a failing run must reach the failure notification's webhook.
+OpenAI-compatible server, the Hub the loopback Hub. A one-off synthesis (synthesize/adhoc) runs at
+the same time; both share one global concurrency limit, counted at the model server. A failing
+one-off run must reach the failure notification's webhook.
 """
 from __future__ import annotations
 
@@ -21,9 +21,12 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 from prefect.client.orchestration import SyncPrefectClient
+from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from conftest import FIXTURES, RAW
+from flows.notify import install
 from hub_server import HubServer
 from openai_server import Server, fixture_policy
 from test_deployments import PREFECT, REPO, prefect_server, run  # noqa: F401 - prefect_server is a fixture
@@ -77,11 +80,17 @@ def wait_for(check, what: str, timeout: float, worker: subprocess.Popen, log_pat
         time.sleep(1)
 
 
-def finished(api: str, deployment: str):
+def run_id(triggered: subprocess.CompletedProcess) -> str:
+    return next(line.split()[-1] for line in triggered.stdout.splitlines() if "UUID" in line)
+
+
+def terminal(flow_run: dict) -> dict | None:
+    return flow_run if flow_run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+
+
+def finished(api: str, deployment: str) -> dict | None:
     runs = runs_of(api, deployment)
-    if runs and runs[0]["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
-        return runs[0]
-    return None
+    return terminal(runs[0]) if runs else None
 
 
 def artifacts(client: SyncPrefectClient, *flow_run_ids: str) -> dict:
@@ -100,10 +109,17 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
     run([PREFECT, "--no-prompt", "deploy", "--all"], env)
     run([PREFECT, "global-concurrency-limit", "create", LIMIT, "--limit", str(SLOTS)], env)
 
+    # Four tasks, two of them solvable by the fixture policy (the reference SQL), two samples each.
+    lines = DB_FILE.read_text().splitlines(keepends=True)
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(DB_FILE.read_text().splitlines(keepends=True)[:8]))
+    tasks.write_text("".join(lines[i] for i in (3, 7, 8, 13)))
     synth, synth2, build = tmp_path / "synth", tmp_path / "synth2", tmp_path / "build"
+    # The failure notification: a webhook block pointing here, and the automation flows/notify.py installs.
     webhook = Webhook()
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        CustomWebhookNotificationBlock(name="trajforge", url=webhook.url,
+                                       json_data={"text": "{{subject}}\n{{body}}"}).save("trajforge-alerts")
+        install("custom-webhook/trajforge-alerts")
     with Server(fixture_policy(db_files=[DB_FILE]), latency_s=0.05) as model, HubServer(token=TOKEN) as hub:
         worker_env = {**env, "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0", "HF_TOKEN": TOKEN,
                       "PREFECT_WORKER_QUERY_SECONDS": "1"}
@@ -119,41 +135,29 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
                         "-p", f"base_url={model.base_url}", "-p", f"out={synth}", "-p", f"api_limit={LIMIT}"]
         run([PREFECT, "deployment", "run", "synthesize/nightly", "-p", "model=deepseek-ai/DeepSeek-R1",
              *synth_params], env)
+        # A one-off synthesis at the same time, against the same limit and endpoint; it starts no build.
+        adhoc = run_id(run([PREFECT, "deployment", "run", "synthesize/adhoc", "-p",
+                            "model=deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", *synth_params, "-p", f"out={synth2}"], env))
+        # A one-off that fails (no task file): it must start no build and must reach the webhook.
+        run([PREFECT, "deployment", "run", "synthesize/adhoc", "-p", f"tasks={tmp_path / 'missing.jsonl'}",
+             "-p", f"out={tmp_path / 'failed'}"], env)
         log_path = tmp_path / "worker.log"
         with open(log_path, "wb") as log:
             worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "trajforge"], env=worker_env, cwd=REPO,
                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        # An ad-hoc synthesis outside any deployment, at the same time, against the same limit.
-        adhoc_log = tmp_path / "adhoc.log"
-        with open(adhoc_log, "wb") as log:
-            adhoc = subprocess.Popen(
-                [sys.executable, "-c",
-                 "import sys, json; from flows.synth import synthesize; synthesize(**json.loads(sys.argv[1]))",
-                 json.dumps({"tasks": str(tasks), "env": "db", "n": 2, "concurrency": 8, "base_url": model.base_url,
-                             "out": str(synth2), "api_limit": LIMIT,
-                             "model": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"})],
-                env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
             nightly = deployment_id(api, "synthesize", "nightly")
             synth_run = wait_for(lambda: finished(api, nightly), "the nightly synthesis", 240, worker, log_path)
             build_run = wait_for(lambda: finished(api, after_synthesis), "the triggered build", 240, worker, log_path)
             release_run = wait_for(lambda: finished(api, after_build), "the triggered release", 240, worker, log_path)
-            assert adhoc.wait(timeout=240) == 0, adhoc_log.read_text()[-3000:]
-            for flow_run in (synth_run, build_run, release_run):
+            adhoc_run = wait_for(lambda: terminal(httpx.get(f"{api}/flow_runs/{adhoc}").json()), "the one-off synthesis",
+                                 60, worker, log_path)
+            for flow_run in (synth_run, adhoc_run, build_run, release_run):
                 assert flow_run["state"]["type"] == "COMPLETED", (flow_run["name"], flow_run["state"])
-
-            # The failure notification: a block with the webhook, the automation, a run that fails.
-            run([sys.executable, "-c", "import sys; from prefect.blocks.notifications import "
-                 "CustomWebhookNotificationBlock as B; B(name='trajforge', url=sys.argv[1], "
-                 "json_data={'text': '{{subject}}\\n{{body}}'}).save('trajforge-alerts')", webhook.url], env)
-            run([sys.executable, "-m", "flows.notify", "custom-webhook/trajforge-alerts"], env)
-            run([PREFECT, "deployment", "run", "synthesize/adhoc", "-p", f"tasks={tmp_path / 'missing.jsonl'}",
-                 "-p", f"out={tmp_path / 'failed'}"], env)
             wait_for(lambda: webhook.received, "the failure notification", 120, worker, log_path)
         finally:
             os.killpg(worker.pid, 15)
             worker.wait(timeout=30)
-            adhoc.kill()
 
         # Readable names, and the build and release were started by the triggers (not by this test).
         assert synth_run["name"].startswith("synth db DeepSeek-R1 ")
@@ -162,7 +166,8 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
         assert len(runs_of(api, after_synthesis)) == len(runs_of(api, after_build)) == 1
 
         # The shared limit held across both runs, which overlapped in time.
-        assert model.max_in_flight <= SLOTS, model.max_in_flight
+        # (Each run alone would have up to 8 in flight: its own `concurrency`.)
+        assert model.max_in_flight == SLOTS, model.max_in_flight
         spans = {m: [s for s in model.spans if s[2] == m] for m in {s[2] for s in model.spans}}
         assert len(spans) == 2, spans.keys()
         (a_start, a_end), (b_start, b_end) = [(min(s[0] for s in v), max(s[1] for s in v)) for v in spans.values()]
@@ -181,7 +186,7 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
         got = artifacts(client, synth_run["id"])
         assert {"synth-summary", "synth-outcomes", "synth-success", "synth-tokens", "synth-progress"} <= set(got)
         outcomes = {r["outcome"]: r["episodes"] for r in table(got["synth-outcomes"])}
-        assert sum(outcomes.values()) == synth_report["episodes"] == 8 * 2
+        assert sum(outcomes.values()) == synth_report["episodes"] == 4 * 2
         assert outcomes["record"] == synth_report["records"] > 0
         [success] = table(got["synth-success"])
         assert success["tasks_with_record"] == synth_report["tasks_with_record"]
