@@ -49,6 +49,8 @@ class ModelAPILimit:
 def model_api_limit(concurrency_limit: str | None, rate_limit_name: str | None = None, strict: bool = False,
                     timeout_s: float | None = None) -> ModelAPILimit | None:
     """The gate for the limits that exist on the server; None when no limit is named or none exists."""
+    if not (concurrency_limit or rate_limit_name):
+        return None
     logger = get_run_logger()
     found: dict[str, str | None] = {}
     with get_client(sync_client=True) as client:

@@ -36,6 +36,7 @@ DB_FILE = FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl"
 TOKEN = "hf_loopbackTestToken_orchestration"
 HUB_REPO = "trajforge-test/chained"
 LIMIT = "model-api"
+RATE_LIMIT = "model-api-rate"
 SLOTS = 2
 
 
@@ -108,6 +109,8 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
     assert httpx.post(f"{api}/work_pools/", json={"name": "trajforge", "type": "process"}).status_code == 201
     run([PREFECT, "--no-prompt", "deploy", "--all"], env)
     run([PREFECT, "global-concurrency-limit", "create", LIMIT, "--limit", str(SLOTS)], env)
+    run([PREFECT, "global-concurrency-limit", "create", RATE_LIMIT, "--limit", "100", "--slot-decay-per-second", "50"],
+        env)
 
     # Four tasks, two of them solvable by the fixture policy (the reference SQL), two samples each.
     lines = DB_FILE.read_text().splitlines(keepends=True)
@@ -137,10 +140,13 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
              *synth_params], env)
         # A one-off synthesis at the same time, against the same limit and endpoint; it starts no build.
         adhoc = run_id(run([PREFECT, "deployment", "run", "synthesize/adhoc", "-p",
-                            "model=deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", *synth_params, "-p", f"out={synth2}"], env))
-        # A one-off that fails (no task file): it must start no build and must reach the webhook.
-        run([PREFECT, "deployment", "run", "synthesize/adhoc", "-p", f"tasks={tmp_path / 'missing.jsonl'}",
-             "-p", f"out={tmp_path / 'failed'}"], env)
+                            "model=deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", *synth_params, "-p", f"out={synth2}",
+                            "-p", f"api_rate_limit={RATE_LIMIT}"], env))
+        # A one-off that fails (no task file; a limit that does not exist): it must start no build,
+        # say what is missing, and reach the webhook.
+        failing = run_id(run([PREFECT, "deployment", "run", "synthesize/adhoc", "-p",
+                              f"tasks={tmp_path / 'missing.jsonl'}", "-p", f"out={tmp_path / 'failed'}",
+                              "-p", "api_limit=no-such-limit"], env))
         log_path = tmp_path / "worker.log"
         with open(log_path, "wb") as log:
             worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "trajforge"], env=worker_env, cwd=REPO,
@@ -164,6 +170,11 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
         assert build_run["name"].startswith("build openmanus_rl+synthetic ")
         assert build_run["idempotency_key"] and release_run["idempotency_key"]
         assert len(runs_of(api, after_synthesis)) == len(runs_of(api, after_build)) == 1
+        logs = {run: " ".join(entry["message"] for entry in httpx.post(f"{api}/logs/filter", json={
+            "logs": {"flow_run_id": {"any_": [run]}}}).json()) for run in (synth_run["id"], adhoc, failing)}
+        assert f"share the concurrency limit '{LIMIT}' ({SLOTS} slots)" in logs[synth_run["id"]]
+        assert f"share the rate limit '{RATE_LIMIT}'" in logs[adhoc]
+        assert "global concurrency limit 'no-such-limit' does not exist" in logs[failing]
 
         # The shared limit held across both runs, which overlapped in time.
         # (Each run alone would have up to 8 in flight: its own `concurrency`.)
