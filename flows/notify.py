@@ -4,7 +4,7 @@ Deployment triggers in prefect.yaml can only start deployments, so the notificat
 automation of its own, sent through a notification block you create first (Slack, email, a
 custom webhook, ... in the UI or with `prefect block create`):
 
-    python -m flows.notify slack-webhook/trajforge-alerts
+    python -m trajforge.flows.notify slack-webhook/trajforge-alerts
 
 creates (or replaces) the automation `trajforge: notify on failed run` on the server of
 PREFECT_API_URL. It fires on every Failed or Crashed run of the trajforge flows, deployed or not.

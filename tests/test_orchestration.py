@@ -26,7 +26,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from conftest import FIXTURES, RAW
-from flows.notify import install
+from trajforge.flows.notify import install
 from hub_server import HubServer
 from openai_server import Server, fixture_policy
 from test_deployments import PREFECT, REPO, prefect_server, run  # noqa: F401 - prefect_server is a fixture
