@@ -81,7 +81,7 @@ def test_prefect_yaml_deploys_and_an_adhoc_build_runs_on_a_worker(prefect_server
     assert found["build-dataset/after-synthesis"]["parameters"]["out"] == found["release/after-build"]["parameters"][
         "folder"]
     # The triggers are automations on the server, one per chained step.
-    automations = {a["name"] for a in httpx.post(f"{api}/automations/filter", json={}).json()}
+    automations = {a["name"] for a in httpx.post(f"{api}/automations/filter", json={}, timeout=60).json()}
     assert {"trajforge: build after synthesis", "trajforge: release after build"} <= automations
 
     out = tmp_path / "adhoc"

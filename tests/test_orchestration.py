@@ -12,7 +12,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -38,6 +37,8 @@ HUB_REPO = "trajforge-test/chained"
 LIMIT = "model-api"
 RATE_LIMIT = "model-api-rate"
 SLOTS = 2
+# The server answers slowly on a loaded machine; httpx's default 5 s is not enough there.
+HTTP = httpx.Client(timeout=60)
 
 
 class Webhook(ThreadingHTTPServer):
@@ -62,11 +63,11 @@ class Webhook(ThreadingHTTPServer):
 
 
 def deployment_id(api: str, flow: str, name: str) -> str:
-    return httpx.get(f"{api}/deployments/name/{flow}/{name}").json()["id"]
+    return HTTP.get(f"{api}/deployments/name/{flow}/{name}").json()["id"]
 
 
 def runs_of(api: str, deployment: str) -> list[dict]:
-    return httpx.post(f"{api}/flow_runs/filter",
+    return HTTP.post(f"{api}/flow_runs/filter",
                       json={"flow_runs": {"deployment_id": {"any_": [deployment]}}}).json()
 
 
@@ -106,7 +107,7 @@ def table(data) -> list[dict]:
 
 def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_server, tmp_path):
     api, env = prefect_server
-    assert httpx.post(f"{api}/work_pools/", json={"name": "trajforge", "type": "process"}).status_code == 201
+    assert HTTP.post(f"{api}/work_pools/", json={"name": "trajforge", "type": "process"}).status_code == 201
     run([PREFECT, "--no-prompt", "deploy", "--all"], env)
     run([PREFECT, "global-concurrency-limit", "create", LIMIT, "--limit", str(SLOTS)], env)
     run([PREFECT, "global-concurrency-limit", "create", RATE_LIMIT, "--limit", "100", "--slot-decay-per-second", "50"],
@@ -132,7 +133,7 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
         for dep, params in [(after_synthesis, {"sources": {"openmanus_rl": str(RAW / "openmanus_rl")},
                                                "synthetic": str(synth), "out": str(build)}),
                             (after_build, {"folder": str(build), "repo": HUB_REPO, "tag": "v1"})]:
-            assert httpx.patch(f"{api}/deployments/{dep}", json={"parameters": params}).status_code == 204
+            assert HTTP.patch(f"{api}/deployments/{dep}", json={"parameters": params}).status_code == 204
 
         synth_params = ["-p", f"tasks={tasks}", "-p", "env=db", "-p", "n=2", "-p", "concurrency=8",
                         "-p", f"base_url={model.base_url}", "-p", f"out={synth}", "-p", f"api_limit={LIMIT}"]
@@ -156,7 +157,7 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
             synth_run = wait_for(lambda: finished(api, nightly), "the nightly synthesis", 240, worker, log_path)
             build_run = wait_for(lambda: finished(api, after_synthesis), "the triggered build", 240, worker, log_path)
             release_run = wait_for(lambda: finished(api, after_build), "the triggered release", 240, worker, log_path)
-            adhoc_run = wait_for(lambda: terminal(httpx.get(f"{api}/flow_runs/{adhoc}").json()), "the one-off synthesis",
+            adhoc_run = wait_for(lambda: terminal(HTTP.get(f"{api}/flow_runs/{adhoc}").json()), "the one-off synthesis",
                                  60, worker, log_path)
             for flow_run in (synth_run, adhoc_run, build_run, release_run):
                 assert flow_run["state"]["type"] == "COMPLETED", (flow_run["name"], flow_run["state"])
@@ -170,7 +171,7 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
         assert build_run["name"].startswith("build openmanus_rl+synthetic ")
         assert build_run["idempotency_key"] and release_run["idempotency_key"]
         assert len(runs_of(api, after_synthesis)) == len(runs_of(api, after_build)) == 1
-        logs = {run: " ".join(entry["message"] for entry in httpx.post(f"{api}/logs/filter", json={
+        logs = {run: " ".join(entry["message"] for entry in HTTP.post(f"{api}/logs/filter", json={
             "logs": {"flow_run_id": {"any_": [run]}}}).json()) for run in (synth_run["id"], adhoc, failing)}
         assert f"share the concurrency limit '{LIMIT}' ({SLOTS} slots)" in logs[synth_run["id"]]
         assert f"share the rate limit '{RATE_LIMIT}'" in logs[adhoc]
@@ -207,7 +208,7 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
         assert float(got["synth-progress"]) == 100.0
 
         report = json.loads((build / "report.json").read_text())
-        children = [r["id"] for r in httpx.post(f"{api}/flow_runs/filter", json={
+        children = [r["id"] for r in HTTP.post(f"{api}/flow_runs/filter", json={
             "flow_runs": {"parent_flow_run_id": {"any_": [build_run["id"]]}}}).json()]
         got = artifacts(client, build_run["id"], *children)
         sources = {r["source"]: r for r in table(got["build-sources"])}
