@@ -30,7 +30,7 @@ from trajforge.pipeline.publish.report import report_extras, stage_counts, write
 from trajforge.pipeline.publish.shards import ShardConfig, write_config
 from trajforge.pipeline.ingest.validate import ValidateConfig, merge_env_figures, tally_env, validate_record
 from trajforge.schemas import arrow_schema
-from trajforge.sources import SourceFile, get_source, iter_rows
+from trajforge.sources import RawRow, SourceFile, get_source, iter_rows
 
 log = logging.getLogger("trajforge.build")
 

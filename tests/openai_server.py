@@ -105,6 +105,10 @@ class Server:
         self.faults: dict[str, int] = {}
         self.requests: list[dict] = []
         self.authorizations: set[str] = set()
+        # Requests being answered now, the most at once, and (start, end, model) of each answered one.
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.spans: list[tuple[float, float, str]] = []
         self._envelope = json.loads(R1_BODY.read_bytes())
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -127,6 +131,16 @@ class Server:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        start = time.monotonic()
+        try:
+            return await self._answer(request, body)
+        finally:
+            self.in_flight -= 1
+            self.spans.append((start, time.monotonic(), str(body.get("model"))))
+
+    async def _answer(self, request: web.Request, body: dict) -> web.StreamResponse:
         self.calls += 1
         number = self.calls
         self.requests.append(body)

@@ -28,7 +28,7 @@ import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -136,7 +136,8 @@ def _write_failures(rows: list[dict], path: Path) -> None:
     tmp.replace(path)
 
 
-async def synthesize_async(config: SynthConfig) -> dict:
+async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], None] | None = None) -> dict:
+    """The job; `progress(done, total)` is called as episodes finish (resumed ones included)."""
     from trajforge.pipeline.synth.envs import make_env
     from trajforge.pipeline.synth.tasks import load_tasks
 
@@ -153,16 +154,23 @@ async def synthesize_async(config: SynthConfig) -> dict:
     # Keyed by the sampling asked for, not the sampling sent: fields a strict server rejects are dropped
     # during the job, and the journal must still find the episodes of a run that started before that.
     requested = sampling_params(backend.model, config.llm.sampling)
+    total = len(tasks) * config.n
+
+    def finished(episode: Episode) -> Episode:
+        counts["finished"] += 1
+        if progress is not None:
+            progress(counts["finished"], total)
+        return episode
 
     async def one(task: Any, sample: int) -> Episode:
         if task.skip_reason:
             counts["skipped"] += 1
-            return Episode(task.id, sample, task.env, "failure", "skipped", task.skip_reason)
+            return finished(Episode(task.id, sample, task.env, "failure", "skipped", task.skip_reason))
         key = episode_key(task, sample, backend.model, requested, config.agent)
         done = journal.get(key)
         if done is not None:
             counts["resumed"] += 1
-            return done
+            return finished(done)
         async with gate:
             if backend.unreachable:  # the job is stopping: start no environment
                 return Episode(task.id, sample, task.env, "failure", "llm_error:connection", backend.unreachable)
@@ -173,7 +181,7 @@ async def synthesize_async(config: SynthConfig) -> dict:
         counts["run"] += 1
         if counts["run"] % 50 == 0:
             log.info("%d episodes run", counts["run"])
-        return episode
+        return finished(episode)
 
     try:
         episodes = await asyncio.gather(*(one(t, k) for t in tasks for k in range(config.n)))
@@ -182,9 +190,9 @@ async def synthesize_async(config: SynthConfig) -> dict:
         await backend.aclose()
         journal.close()
     if backend.unreachable:
-        finished = sum(1 for e in episodes if not e.transient)
+        journaled = sum(1 for e in episodes if not e.transient)
         raise ServerUnreachable(
-            f"{backend.unreachable}. Stopped: {finished} of {len(episodes)} episodes finished and are journaled; "
+            f"{backend.unreachable}. Stopped: {journaled} of {len(episodes)} episodes finished and are journaled; "
             f"no outputs were written. Rerun the same command once the server answers to resume.")
 
     by_task: dict[str, list[Episode]] = {}
@@ -234,6 +242,6 @@ async def synthesize_async(config: SynthConfig) -> dict:
     return report
 
 
-def synthesize(config: SynthConfig) -> dict:
+def synthesize(config: SynthConfig, progress: Callable[[int, int], None] | None = None) -> dict:
     """Run the job to the end (blocking); see the module docstring for the outputs."""
-    return asyncio.run(synthesize_async(config))
+    return asyncio.run(synthesize_async(config, progress))

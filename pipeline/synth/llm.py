@@ -31,9 +31,10 @@ import random
 import re
 import sqlite3
 import threading
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from trajforge.pipeline.redact import redact
 
@@ -110,6 +111,9 @@ class LLMConfig:
     backoff_base_s: float = 0.5
     backoff_max_s: float = 60.0
     cache_path: str | None = None
+    # Entered around every HTTP request, inside the per-job bound: how an orchestrator adds a limit
+    # shared by all jobs on one endpoint (flows/limits.py puts a Prefect global concurrency limit here).
+    request_gate: Callable[[], AbstractAsyncContextManager] | None = field(default=None, repr=False, compare=False)
 
     def resolved(self) -> "LLMConfig":
         """Fill model, base URL and key from the environment when the config leaves them out."""
@@ -334,6 +338,7 @@ class OpenAIBackend:
                                           timeout=self.config.timeout_s, max_retries=0,
                                           http_client=openai.DefaultAioHttpClient(timeout=self.config.timeout_s))
         self._semaphore = asyncio.Semaphore(self.config.concurrency)
+        self._gate = self.config.request_gate or nullcontext
         self._cache = RequestCache(self.config.cache_path) if self.config.cache_path else None
         self._connection_failures = 0
         self._logged: set[str] = set()
@@ -391,7 +396,7 @@ class OpenAIBackend:
         attempt = 0
         while True:
             try:
-                async with self._semaphore:
+                async with self._semaphore, self._gate():
                     if self.unreachable:
                         raise ServerUnreachable(self.unreachable)
                     self.stats.attempts += 1
