@@ -21,12 +21,13 @@ import pyarrow.parquet as pq
 
 from pipeline.card import hub_revision, write_card
 from pipeline.dedup import Contamination, DedupConfig, decontaminate, deduplicate, read_eval_tasks
-from pipeline.derived import grpo_prompts, preference_pairs
+from pipeline.derived import grpo_env_rows, grpo_prompts, preference_pairs
 from pipeline.manifest import build_id, code_version, file_sha256, write_manifest
 from pipeline.negatives import NegativesConfig, make_negatives
 from pipeline.normalize import NormalizeConfig, NormalizeError, normalize_row
 from pipeline.report import report_extras, stage_counts, write_html
 from pipeline.shards import ShardConfig, write_config
+from pipeline.tasks import load_tasks
 from pipeline.validate import ValidateConfig, validate_record
 from schemas import arrow_schema
 from sources import SourceFile, get_source, iter_rows
@@ -50,6 +51,9 @@ class BuildConfig:
     # A file of evaluation tasks; trajectories whose task shares a word n-gram with one are quarantined.
     decontaminate: str | None = None
     decontaminate_ngram: int = 8
+    # Task files (pipeline.tasks formats) whose tasks become `grpo_env` rows, beside the
+    # trajectories' own resettable tasks.
+    rl_tasks: tuple[str, ...] = ()
 
     @property
     def normalize(self) -> NormalizeConfig:
@@ -232,10 +236,11 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     negatives = make_negatives(records, config.negatives)
     pairs, unpaired = preference_pairs(negatives, records)
     grpo = grpo_prompts(records)
+    grpo_env, unrunnable_tasks = grpo_env_rows([t for path in config.rl_tasks for t in load_tasks(path)], records)
     derived = {name: write_config(out, name, {"train": pa.Table.from_pylist(rows, schema=arrow_schema(schema))},
                                   config.shards)
                for name, rows, schema in [("negatives", negatives, "trajectory"), ("preference", pairs, "preference"),
-                                          ("grpo", grpo, "grpo")]}
+                                          ("grpo", grpo, "grpo"), ("grpo_env", grpo_env, "grpo_env")]}
     duplicates_path = out / "duplicates.parquet"
     write_parquet(duplicates, arrow_schema("duplicates"), duplicates_path)
     sft = write_config(out, "sft", {"train": pa.Table.from_pylist(records, schema=arrow_schema("trajectory"))},
@@ -254,6 +259,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     report["outputs"].update({name: files.get("train", []) for name, files in derived.items()},
                              duplicates=[str(duplicates_path.relative_to(out))])
     report_extras(report, records, duplicates, negatives, len(pairs), unpaired, len(grpo))
+    report["grpo_env"] = {"rows": len(grpo_env), "unrunnable_tasks": unrunnable_tasks}
     write_html(out, report, records, duplicates)
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     write_release_files(out, report, units, config)
