@@ -18,7 +18,7 @@ from schemas import first_error
 from tests.conftest import FIXTURES
 from tests.test_env_agentgym import serve  # noqa: F401  (the loopback AgentGym server fixture)
 from tests.test_env_os import _sandbox_leftovers
-from training.environments import EPISODE_OVER, EnvironmentFactory, make_factories
+from training.environments import EPISODE_OVER, EnvironmentFactory, ToolEnvironment, make_factories
 from training.rewards import tool_call_reward
 
 TASKS = FIXTURES / "tasks" / "agentbench"
@@ -250,3 +250,112 @@ def test_sft_example_and_rl_rollout_of_a_task_share_one_action_format(tmp_path):
         observations.append(getattr(env, call["function"]["name"])(**call["function"]["arguments"]))
     assert observations[0] == example["messages"][3]["content"] == "[('26',)]"
     assert env.get_reward() == 1.0
+
+
+# --- two GRPO steps with rollouts in SQLite and the OS sandbox -------------------------------------------
+CONFIGS = Path(__file__).resolve().parents[1] / "training" / "configs"
+
+
+def first_reply(tokenizer, prompt: list[dict], tools: list, call: dict) -> tuple[str, str]:
+    """(prompt text, assistant reply) as the chat template renders a first turn that makes one
+    tool call: what SFT on the `tools` rendering teaches."""
+    head = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(
+        prompt + [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}],
+        tools=tools, tokenize=False)
+    assert full.startswith(head)
+    return head, full[len(head):]
+
+
+@needs_sandbox
+def test_two_grpo_steps_run_episodes_in_sqlite_and_the_os_sandbox(fixtures_build, tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from pipeline.envs.os_sandbox import OsSandboxEnv
+    from schemas import arrow_schema
+    from tiny_model import build_tiny_model, fit_texts, tool_chat_template
+    from training.arguments import GRPOTrainConfig, parse
+    from training.grpo import build_trainer, close_environments
+
+    torch.set_num_threads(1)
+    rows = [grpo_env_row(db_task(), "tasks"), grpo_env_row(os_task(), "tasks")]
+    data = tmp_path / "release"
+    (data / "data" / "grpo_env").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=arrow_schema("grpo_env")),
+                   data / "data" / "grpo_env" / "train-00000-of-00001.parquet")
+    # A policy that has seen one tool call per task (as after SFT on the `tools` rendering), so
+    # that its samples call the tools; a random one would never write a well-formed call. On the
+    # DB task it submits the right answer, so the environment's score is not always 0.
+    tiny = build_tiny_model(tmp_path / "tiny", fixtures_build, chat_template=tool_chat_template())
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    probe = {"db": EnvironmentFactory("db")(), "os": EnvironmentFactory("os")()}
+    calls = {"db": {"name": "submit", "arguments": {"answer": '["26"]'}},
+             "os": {"name": "bash", "arguments": {"command": "cat ~/test"}}}
+    tools = {"db": [probe["db"].execute_sql, probe["db"].submit],
+             "os": [probe["os"].answer, probe["os"].bash, probe["os"].finish]}
+    turns = [first_reply(tokenizer, row["prompt"], tools[row["environment"]], calls[row["environment"]])
+             for row in rows]
+    policy = fit_texts(tiny, [reply for _, reply in turns], tmp_path / "policy", steps=100, max_length=2048,
+                       contexts=[context for context, _ in turns])
+
+    sandboxes: list[str] = []
+    reset = OsSandboxEnv.reset
+
+    def spy_reset(self, task):
+        try:
+            return reset(self, task)
+        finally:
+            if self.sandbox is not None:
+                sandboxes.append(self.sandbox.name)
+
+    monkeypatch.setattr(OsSandboxEnv, "reset", spy_reset)
+    scores: dict[str, list[float]] = {"db": [], "os": []}
+    get_reward = ToolEnvironment.get_reward
+
+    def spy_get_reward(self):
+        scores[self.environment].append(get_reward(self))
+        return scores[self.environment][-1]
+
+    monkeypatch.setattr(ToolEnvironment, "get_reward", spy_get_reward)
+    data_args, training_args, model_args = parse(GRPOTrainConfig, [
+        "--config", str(CONFIGS / "grpo_env_tiny.yaml"), "--model_name_or_path", str(policy),
+        "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"), "--temperature", "0.3"])
+    trainer = build_trainer(data_args, training_args, model_args)
+    batches = []
+    generate = trainer._generate_and_score_completions
+
+    def spy_generate(inputs):
+        batches.append(generate(inputs))
+        return batches[-1]
+
+    trainer._generate_and_score_completions = spy_generate
+    try:
+        trainer.train()
+    finally:
+        close_environments(trainer)
+    factories = trainer.environment_factories
+    instances = [i for f in factories.values() for i in f.instances]
+    # The model's calls reached both environments, and the environments answered.
+    for name in ("db", "os"):
+        assert any(i.actions for i in factories[name].instances), name
+    assert any("Permission denied" in o or "love" in o for i in factories["os"].instances for o in i.observations)
+    # Observations came back in the completions, masked out of the loss (tool_mask 0), and only they.
+    masked_text = ""
+    for batch in batches:
+        for ids, mask in zip(batch["completion_ids"], batch["tool_mask"]):
+            masked_text += tokenizer.decode([t for t, m in zip(ids.tolist(), mask.tolist()) if m == 0])
+            assert "<tool_response>" not in tokenizer.decode([t for t, m in zip(ids.tolist(), mask.tolist()) if m])
+    observed = [o for i in instances for o in i.observations]
+    assert observed and all(o.strip()[:20] in masked_text for o in observed)
+    # The environments' own scores are rewards of the run, and every sandbox is closed.
+    logged = [entry for entry in trainer.state.log_history if "rewards/DbEnvironment/mean" in entry]
+    assert len(logged) == 2 and len(scores["db"]) == len(scores["os"]) == 4  # 2 rollouts per task and step
+    for name, column in (("db", "rewards/DbEnvironment/mean"), ("os", "rewards/OsEnvironment/mean")):
+        per_step = [sum(scores[name][k:k + 2]) / 2 for k in (0, 2)]
+        assert [entry[column] for entry in logged] == pytest.approx(per_step), name
+    assert 1.0 in scores["db"]
+    assert all(f.open_count() == 0 for f in factories.values())
+    assert sandboxes and not [found for name in sandboxes for found in _sandbox_leftovers(name)]

@@ -103,17 +103,22 @@ def warm_start(model_dir: Path, build_dir: Path, out: Path, steps: int = 60, row
     return fit_texts(model_dir, replies, out, steps)
 
 
-def fit_texts(model_dir: Path, texts: list[str], out: Path, steps: int, max_length: int = 64) -> Path:
-    """The model after `steps` full-batch steps of next-token fitting on `texts`."""
+def fit_texts(model_dir: Path, texts: list[str], out: Path, steps: int, max_length: int = 64,
+              contexts: list[str] | None = None, lr: float = 1e-2) -> Path:
+    """The model after `steps` full-batch steps of next-token fitting on `texts`, each after its
+    context (`contexts`, not trained on) when given."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    batch = tokenizer(texts, add_special_tokens=False, padding=True, truncation=True, max_length=max_length,
-                      return_tensors="pt")
+    contexts = contexts or [""] * len(texts)
+    batch = tokenizer([c + t for c, t in zip(contexts, texts)], add_special_tokens=False, padding=True,
+                      truncation=True, max_length=max_length, return_tensors="pt")
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for row, context in enumerate(contexts):
+        labels[row, :len(tokenizer(context, add_special_tokens=False)["input_ids"])] = -100
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
         model(**batch, labels=labels).loss.backward()
         optimizer.step()

@@ -50,7 +50,9 @@ class ToolEnvironment:
         self._turns = 0
         self._done = False
         self._score: float | None = None
-        self.actions: list[str] = []  # what reached the environment, in order (tests, logs)
+        # What reached the environment and what it answered, in order (for logs and tests).
+        self.actions: list[str] = []
+        self.observations: list[str] = []
 
     def reset(self, **row: Any) -> str | None:
         """Open this rollout's sandbox on the row's `env_task`; return the first observation,
@@ -90,7 +92,9 @@ class ToolEnvironment:
         if result.done:
             self._done = True
             self._score = result.info.get("score", result.reward)
-        return result.observation or ("Episode finished." if result.done else "(no output)")
+        observation = result.observation or ("Episode finished." if result.done else "(no output)")
+        self.observations.append(observation)
+        return observation
 
     def get_reward(self) -> float:
         """The environment's own score of the episode (0.0 when it never finished), then the
