@@ -21,6 +21,10 @@ from __future__ import annotations
 import json
 import re
 
+from pipeline.envs.agentgym import item_index
+from pipeline.envs.tool_calls import INSTRUCTIONS, environment_of
+from pipeline.tasks import Task, task_prompt
+
 _ITEM_ID = re.compile(r"[a-z_]+_\d+")
 
 
@@ -88,14 +92,11 @@ def grpo_prompts(records: list[dict]) -> list[dict]:
     return [row for r in records if r["kind"] == "positive" for row in [grpo_prompt(r)] if row is not None]
 
 
-def grpo_env_row(task, source: str, row_id: str | None = None, env: str | None = None,
+def grpo_env_row(task: Task, source: str, row_id: str | None = None, env: str | None = None,
                  answer: str | None = None) -> dict:
     """The RL task of a `pipeline.tasks.Task` (schemas/grpo_env.schema.json): the tool-format
     instructions and the first observation where the task fixes it (OS, DB; an AgentGym server
     sends its own at reset), the environment to run it in, and the task payload it resets to."""
-    from pipeline.envs.tool_calls import INSTRUCTIONS
-    from pipeline.tasks import task_prompt
-
     first = task_prompt(task) if task.env in ("os", "db") else ""
     return {"id": row_id or task.id, "source": source, "environment": task.env,
             "env": env or task.data.get("env_name") or task.env, "task": task.description,
@@ -104,7 +105,7 @@ def grpo_env_row(task, source: str, row_id: str | None = None, env: str | None =
             "answer": answer if answer is not None else reference_answer(task)}
 
 
-def reference_answer(task) -> str | None:
+def reference_answer(task: Task) -> str | None:
     """What a correct episode answers, where the task file says: an OS `match` answer, a DB SELECT
     label (JSON list). Tasks scored by a check script or a table hash have none."""
     if task.env == "os":
@@ -117,14 +118,10 @@ def reference_answer(task) -> str | None:
     return None
 
 
-def record_task(record: dict):
+def record_task(record: dict) -> Task | None:
     """The AgentGym task an AgentTraj-L trajectory was recorded on (its `item_id`, `<env>_<n>`,
     names the server's task index), or None: AgentInstruct / Agent-FLAN rows carry no task an
     environment can load, and ALFWorld item ids are game names, not indices."""
-    from pipeline.envs.agentgym import item_index
-    from pipeline.envs.tool_calls import environment_of
-    from pipeline.tasks import Task
-
     if (record["source"] != "agenttraj_l" or environment_of(record["env"]) != "agentgym"
             or not _ITEM_ID.fullmatch(record["source_id"])):
         return None
@@ -133,7 +130,7 @@ def record_task(record: dict):
                 {"env_name": record["env"], "item_id": index}, record["source_file"])
 
 
-def grpo_env_rows(tasks: list, records: list[dict]) -> tuple[list[dict], int]:
+def grpo_env_rows(tasks: list[Task], records: list[dict]) -> tuple[list[dict], int]:
     """RL tasks from task files and from the positives whose task an environment can reset to;
     also the number of task-file tasks left out because they cannot run here (`skip_reason`).
     One row per task: a trajectory of a task-file task (synthetic, `meta.task_id`) only lends its

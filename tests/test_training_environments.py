@@ -359,3 +359,14 @@ def test_two_grpo_steps_run_episodes_in_sqlite_and_the_os_sandbox(fixtures_build
     assert 1.0 in scores["db"]
     assert all(f.open_count() == 0 for f in factories.values())
     assert sandboxes and not [found for name in sandboxes for found in _sandbox_leftovers(name)]
+
+
+def test_max_concurrent_envs_must_cover_one_generation_batch():
+    from training.arguments import GRPOTrainConfig, parse
+    from training.grpo import environment_factories
+
+    _, training_args, _ = parse(GRPOTrainConfig, [
+        "--config", str(CONFIGS / "grpo_env_tiny.yaml"), "--model_name_or_path", "m", "--dataset_name", "d",
+        "--max_concurrent_envs", "3"])
+    with pytest.raises(ValueError, match="max_concurrent_envs=3 is below the 4 rollouts"):
+        environment_factories(training_args)

@@ -21,17 +21,21 @@ def prompt_tokens(tokenizer, prompt: list[dict]) -> int:
                                              return_dict=True)["input_ids"])
 
 
+def select_counted(dataset: Dataset, keep: list[int], dropped: str) -> Dataset:
+    """The rows in `keep`; the others are counted in a warning ("N of M <dropped>")."""
+    if len(keep) < len(dataset):
+        logger.warning("GRPO data: %d of %d %s", len(dataset) - len(keep), len(dataset), dropped)
+    if not keep:
+        raise ValueError(f"no GRPO row left: every one of them {dropped}")
+    return dataset.select(keep)
+
+
 def limit_prompts(dataset: Dataset, tokenizer, max_prompt_tokens: int | None) -> Dataset:
     """Drop prompts longer than max_prompt_tokens, counting them: a cut prompt loses its instructions."""
     if max_prompt_tokens is None:
         return dataset
     keep = [i for i, p in enumerate(dataset["prompt"]) if prompt_tokens(tokenizer, p) <= max_prompt_tokens]
-    if len(keep) < len(dataset):
-        logger.warning("GRPO data: %d of %d prompts longer than max_prompt_tokens=%d dropped",
-                       len(dataset) - len(keep), len(dataset), max_prompt_tokens)
-    if not keep:
-        raise ValueError(f"no GRPO prompt fits max_prompt_tokens={max_prompt_tokens}")
-    return dataset.select(keep)
+    return select_counted(dataset, keep, f"prompts longer than max_prompt_tokens={max_prompt_tokens} dropped")
 
 
 def keep_environments(dataset: Dataset | None, environments: list[str]) -> Dataset | None:
@@ -42,12 +46,7 @@ def keep_environments(dataset: Dataset | None, environments: list[str]) -> Datas
     if "environment" not in dataset.column_names:
         raise ValueError("`environments` needs the `grpo_env` config (an `environment` column per row)")
     keep = [i for i, name in enumerate(dataset["environment"]) if name in environments]
-    if len(keep) < len(dataset):
-        logger.warning("GRPO data: %d of %d tasks are for environments other than %s; dropped",
-                       len(dataset) - len(keep), len(dataset), environments)
-    if not keep:
-        raise ValueError(f"no task for environments {environments}")
-    return dataset.select(keep)
+    return select_counted(dataset, keep, f"tasks for environments other than {environments} dropped")
 
 
 def environment_factories(training_args: GRPOTrainConfig) -> dict | None:
