@@ -204,6 +204,12 @@ def test_tool_call_reward_scores_the_share_of_well_formed_calls():
     rewards = tool_call_reward([[call, tool, words], [call, tool, bad, tool, words], [words], [words]],
                                environment=["db", "db", "db", None])
     assert rewards == [1.0, 0.5, 0.0, None]
+    # The single-reply rewards leave episodes to their environment's score.
+    from training.rewards import accuracy_reward, format_reward
+
+    episodes = {"environment": ["db"], "answer": ['["26"]'], "rendering": [None], "dialect": [None]}
+    assert accuracy_reward([[call, tool, words]], **episodes) == [None]
+    assert format_reward([[call, tool, words]], **episodes) == [None]
 
 
 def test_sft_example_and_rl_rollout_of_a_task_share_one_action_format(tmp_path):
@@ -370,3 +376,27 @@ def test_max_concurrent_envs_must_cover_one_generation_batch():
         "--max_concurrent_envs", "3"])
     with pytest.raises(ValueError, match="max_concurrent_envs=3 is below the 4 rollouts"):
         environment_factories(training_args)
+
+
+def test_sft_in_the_tools_format_trains_on_calls_not_on_observations(fixtures_build, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from tiny_model import build_tokenizer, read_config, tool_chat_template
+    from training.data import IGNORE, prepare_sft, tools_rendering
+
+    records = [r for r in read_config(fixtures_build, "sft") if r["env"] in ("os", "db", "webshop")][:12]
+    build_tokenizer(["<tool_call> SELECT bash"] * 20, chat_template=tool_chat_template()).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    rendered = [tools_rendering(r) for r in records]
+    assert sum(r is not None for r in rendered) >= 6
+    data, stats = prepare_sft(Dataset.from_list(records), tokenizer, max_length=None, action_format="tools")
+    assert stats.kept + stats.dropped_no_tool_call + stats.dropped_no_loss == len(records)
+    assert stats.kept == sum(r is not None for r in rendered)
+    kept = [r for r in rendered if r is not None]
+    for example, ids, labels in zip(kept, data["input_ids"], data["labels"]):
+        trained = tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE])
+        untrained = tokenizer.decode([t for t, label in zip(ids, labels) if label == IGNORE])
+        assert trained.count("<tool_call>") == sum(m["role"] == "assistant" for m in example["messages"])
+        assert "<tool_response>" not in trained and "# Tools" in untrained
+        assert untrained.count("<tool_response>") == sum(m["role"] == "tool" for m in example["messages"])

@@ -28,6 +28,11 @@ class DataArguments(ScriptArguments):
 @dataclass
 class SFTTrainConfig(SFTConfig):
     """SFTConfig; `max_length` is applied by our turn-aware truncation before TRL sees the rows."""
+    action_format: str = field(
+        default="react",
+        metadata={"help": "`react`: the trajectories' text as released; `tools`: actions as tool calls and "
+                          "observations as tool turns, the format of GRPO in the environments (`environments`).",
+                  "choices": ["react", "tools"]})
 
 
 @dataclass

@@ -24,7 +24,7 @@ import threading
 from typing import Any
 
 from pipeline.envs import make_env
-from pipeline.envs.tool_calls import action_text
+from pipeline.envs.tool_calls import TOOLS, action_text
 from pipeline.tasks import coerce_task
 
 logger = logging.getLogger(__name__)
@@ -194,6 +194,15 @@ class AgentGymEnvironment(ToolEnvironment):
 
 
 ADAPTERS: dict[str, type[ToolEnvironment]] = {"os": OsEnvironment, "db": DbEnvironment, "agentgym": AgentGymEnvironment}
+
+
+def tool_schemas(environment: str) -> list[dict]:
+    """The JSON schemas of an environment's tools, as TRL renders them into the prompt (from the
+    adapter's methods: name, type hints, docstring), for SFT examples in the same format."""
+    from transformers.utils import get_json_schema
+
+    adapter = ADAPTERS[environment]()
+    return [get_json_schema(getattr(adapter, name)) for name in sorted(TOOLS[environment])]
 
 
 class EnvironmentFactory:

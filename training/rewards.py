@@ -141,8 +141,10 @@ def answers_match(predicted: str, reference: str) -> bool:
 def accuracy_reward(completions, **kwargs) -> list[float | None]:
     n = len(completions)
     rewards: list[float | None] = []
-    for completion, answer in zip(completions, _column(kwargs, "answer", n)):
-        if answer is None:
+    # Episodes in an environment (`environment` column) answer by tool call; their environment scores them.
+    for completion, answer, environment in zip(completions, _column(kwargs, "answer", n),
+                                               _column(kwargs, "environment", n)):
+        if answer is None or environment is not None:
             rewards.append(None)
             continue
         text = completion_text(completion).strip()

@@ -77,15 +77,22 @@ def tool_call(environment: str, action: str) -> dict | None:
 _THINK = re.compile(r"^\s*(?:Think|Thought|THOUGHT):\s*", re.I)
 
 
+def first_trained(turns: list[dict]) -> int:
+    """The first trained assistant turn: what comes before it (instructions, the "OK."
+    acknowledgement, one-shot demonstrations) is context, not a trajectory step."""
+    return next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t.get("loss", True)), len(turns))
+
+
 def tool_messages(record: dict, prompt: list[dict], tools: list[dict]) -> dict | None:
     """A trajectory in TRL's tool-calling format, `{"messages", "tools"}`: `prompt` (the task's
-    tool-format prompt, as its `grpo_env` row holds it) replaces the turns before the first
-    assistant turn, whose ReAct instructions no longer apply; each assistant turn becomes a
+    tool-format prompt, as its `grpo_env` row holds it, or `trajectory_prompt`) replaces the turns
+    before the first trained assistant turn, whose ReAct instructions no longer apply; each assistant turn becomes a
     `tool_calls` message (the thought kept as content), each observation after it a `tool` message.
-    None when an action does not map to a tool call (the record keeps its ReAct rendering)."""
+    None when an action does not map to a tool call (the record keeps its ReAct rendering).
+    Assistant messages keep the turn's `loss` flag."""
     environment = environment_of(record["env"])
     turns = record["conversations"]
-    first = next((i for i, t in enumerate(turns) if t["role"] == "assistant"), len(turns))
+    first = first_trained(turns)
     messages: list[dict] = [dict(m) for m in prompt]
     pending: str | None = None  # the tool whose observation the next user turn is
     for turn in turns[first:]:
@@ -94,7 +101,7 @@ def tool_messages(record: dict, prompt: list[dict], tools: list[dict]) -> dict |
             if call is None:
                 return None
             thought = _THINK.sub("", turn.get("thought") or "").strip()
-            messages.append({"role": "assistant", "content": thought,
+            messages.append({"role": "assistant", "content": thought, "loss": bool(turn.get("loss", True)),
                              "tool_calls": [{"type": "function", "function": call}]})
             pending = call["name"]
         elif turn["role"] == "user" and pending is not None:
@@ -103,6 +110,17 @@ def tool_messages(record: dict, prompt: list[dict], tools: list[dict]) -> dict |
         else:
             messages.append({"role": turn["role"], "content": turn["content"]})
     return {"messages": messages, "tools": tools}
+
+
+def trajectory_prompt(record: dict) -> list[dict]:
+    """The tool-format prompt of a recorded trajectory: the tool instructions of its environment,
+    then the user turn right before its first assistant turn (the task, or the first observation),
+    which replaces the ReAct instructions and demonstrations before it."""
+    turns = record["conversations"]
+    first = first_trained(turns)
+    task = next((t["content"] for t in reversed(turns[:first]) if t["role"] == "user"), record.get("task") or "")
+    return [{"role": "system", "content": INSTRUCTIONS[environment_of(record["env"])]},
+            {"role": "user", "content": task}]
 
 
 # The agent's instructions when its actions are tool calls (the ReAct instructions of
