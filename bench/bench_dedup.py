@@ -24,9 +24,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.build import BuildConfig, process_unit  # noqa: E402
-from pipeline.dedup import DedupConfig, dedup_tokens, jaccard, near_duplicates, shingles, signatures  # noqa: E402
-from sources import get_source  # noqa: E402
+from trajforge.pipeline.build import BuildConfig, process_unit  # noqa: E402
+from trajforge.pipeline.quality.dedup import DedupConfig, dedup_tokens, jaccard, near_duplicates, shingles, signatures  # noqa: E402
+from trajforge.sources import get_source  # noqa: E402
 
 SOURCES = ("agentinstruct", "agenttraj_l", "openmanus_rl")
 

@@ -34,15 +34,15 @@ def make_input(path: Path, rows: int) -> None:
 
 
 def _read_only(path: str, queue) -> None:
-    from sources import iter_rows
+    from trajforge.sources import iter_rows
     start = time.perf_counter()
     n = sum(1 for _ in iter_rows(Path(path)))
     queue.put((n, time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
 
 
 def _stage(path: str, queue) -> None:
-    from pipeline.build import BuildConfig, process_unit
-    from sources.base import SourceFile
+    from trajforge.pipeline.build import BuildConfig, process_unit
+    from trajforge.sources.base import SourceFile
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as staging:
         unit = process_unit("agenttraj_l", SourceFile(Path(path), "webshop"), Path(staging), BuildConfig())

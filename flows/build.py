@@ -19,11 +19,11 @@ from prefect import flow, get_run_logger, task
 from prefect.context import FlowRunContext
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from pipeline.build import BuildConfig, UnitResult, finalize, process_unit, summary_lines, unit_key
-from pipeline.dedup import DedupConfig
-from pipeline.manifest import code_version
-from pipeline.shards import ShardConfig, read_marker, unit_fingerprint, unit_marker, write_marker
-from sources import DEFAULT_SOURCES, SourceFile, get_source
+from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_unit, summary_lines, unit_key
+from trajforge.pipeline.quality.dedup import DedupConfig
+from trajforge.pipeline.publish.manifest import code_version
+from trajforge.pipeline.publish.shards import ShardConfig, read_marker, unit_fingerprint, unit_marker, write_marker
+from trajforge.sources import DEFAULT_SOURCES, SourceFile, get_source
 
 RUNNERS = ("threads", "dask", "ray")
 

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from sources import REGISTRY, SourceError
+from trajforge.sources import REGISTRY, SourceError
 
 
 def _source_arg(value: str) -> tuple[str, str | None]:
@@ -41,8 +41,8 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_build(args: argparse.Namespace) -> int:
-    from flows.build import build_dataset
-    from pipeline.build import summary_lines
+    from trajforge.flows.build import build_dataset
+    from trajforge.pipeline.build import summary_lines
 
     sources: dict[str, str | None] = {}
     for name, location in args.source:
@@ -74,8 +74,8 @@ def _add_release(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_release(args: argparse.Namespace) -> int:
-    from flows.release import release_dataset
-    from pipeline.release import ReleaseError
+    from trajforge.flows.release import release_dataset
+    from trajforge.pipeline.publish.release import ReleaseError
 
     try:
         outcome = release_dataset(folder=args.dir, repo=args.repo, revision=args.revision, tag=args.tag,
@@ -127,7 +127,7 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_synth(args: argparse.Namespace) -> int:
-    from flows.synth import synthesize
+    from trajforge.flows.synth import synthesize
 
     report = synthesize(tasks=args.tasks, env=args.env, model=args.model, out=args.out, base_url=args.base_url,
                         n=args.n, keep=args.keep, concurrency=args.concurrency, episode_concurrency=args.episodes,
@@ -153,7 +153,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     # Imported here: torch and TRL are an optional extra and slow to import.
-    from training.cli import main as train_main
+    from trajforge.training.cli import main as train_main
 
     return train_main([args.trainer, *args.args])
 

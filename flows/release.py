@@ -1,4 +1,4 @@
-"""The release flow: publish a build folder to a Hub dataset repo (see pipeline/release.py).
+"""The release flow: publish a build folder to a Hub dataset repo (see pipeline/publish/release.py).
 
 One task, retried: the push is a single atomic commit planned against the remote head, so a retry
 after a network failure replans and either finds the release already there or pushes it whole.
@@ -9,8 +9,8 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from flows.build import build_dataset
-from pipeline.release import ReleaseError, ReleasePlan, ReleaseResult, release
+from trajforge.flows.build import build_dataset
+from trajforge.pipeline.publish.release import ReleaseError, ReleasePlan, ReleaseResult, release
 
 
 def _transient(task, task_run, state) -> bool:

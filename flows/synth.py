@@ -1,4 +1,4 @@
-"""The synthesis flow: tasks x N samples through the agent loop (pipeline/synth.py does the work).
+"""The synthesis flow: tasks x N samples through the agent loop (pipeline/synth/job.py does the work).
 
 The API key is deliberately not a flow parameter: Prefect stores parameters in its database and
 shows them in the UI. The job reads it from the environment (`api_key_env`, or
@@ -11,10 +11,10 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 
-from pipeline.agent import AgentConfig
-from pipeline.llm import LLMConfig
-from pipeline.synth import SynthConfig
-from pipeline.synth import synthesize as run_synthesis
+from trajforge.pipeline.synth.agent import AgentConfig
+from trajforge.pipeline.synth.llm import LLMConfig
+from trajforge.pipeline.synth.job import SynthConfig
+from trajforge.pipeline.synth.job import synthesize as run_synthesis
 
 
 @task(name="synthesize-episodes")

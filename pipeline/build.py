@@ -19,18 +19,18 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.card import hub_revision, write_card
-from pipeline.dedup import Contamination, DedupConfig, decontaminate, deduplicate, read_eval_tasks
-from pipeline.derived import grpo_env_rows, grpo_prompts, preference_pairs
-from pipeline.manifest import build_id, code_version, file_sha256, write_manifest
-from pipeline.negatives import NegativesConfig, make_negatives
-from pipeline.normalize import NormalizeConfig, NormalizeError, normalize_row
-from pipeline.report import report_extras, stage_counts, write_html
-from pipeline.shards import ShardConfig, write_config
-from pipeline.tasks import load_tasks
-from pipeline.validate import ValidateConfig, validate_record
-from schemas import arrow_schema
-from sources import SourceFile, get_source, iter_rows
+from trajforge.pipeline.publish.card import hub_revision, write_card
+from trajforge.pipeline.quality.dedup import Contamination, DedupConfig, decontaminate, deduplicate, read_eval_tasks
+from trajforge.pipeline.quality.derived import grpo_env_rows, grpo_prompts, preference_pairs
+from trajforge.pipeline.publish.manifest import build_id, code_version, file_sha256, write_manifest
+from trajforge.pipeline.quality.negatives import NegativesConfig, make_negatives
+from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
+from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
+from trajforge.pipeline.publish.shards import ShardConfig, write_config
+from trajforge.pipeline.synth.tasks import load_tasks
+from trajforge.pipeline.ingest.validate import ValidateConfig, merge_env_figures, tally_env, validate_record
+from trajforge.schemas import arrow_schema
+from trajforge.sources import SourceFile, get_source, iter_rows
 
 log = logging.getLogger("trajforge.build")
 
@@ -78,6 +78,8 @@ class UnitResult:
     # Provenance for the card and the build id: the input's content and its Hub commit, if any.
     input_sha256: str = ""
     revision: str | None = None
+    # Per env: records validated, trained actions checked/valid by grammar, quarantined by rule.
+    envs: dict[str, dict] = field(default_factory=dict)
 
 
 def unit_key(source: str, file: SourceFile) -> str:
@@ -145,6 +147,7 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     records = StreamingParquet(staging / f"{key}.records.parquet", arrow_schema("trajectory"))
     quarantine = StreamingParquet(staging / f"{key}.quarantine.parquet", arrow_schema("quarantine"))
     reasons: Counter[str] = Counter()
+    envs: dict[str, dict] = {}
 
     def reject(index: int, source_id: str | None, reason: str, detail: str, raw: str | None) -> None:
         reasons[reason] += 1
@@ -162,6 +165,8 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
                    exc.reason, exc.detail, _raw_text(raw.row))
             continue
         violation = validate_record(record, config.validate) if record["kind"] == "positive" else None
+        if record["kind"] == "positive":
+            tally_env(envs, record, violation)
         if violation is not None:
             reject(raw.index, record["source_id"], violation.reason, violation.detail, _raw_text(raw.row))
             continue
@@ -173,7 +178,7 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     # A whole unreadable file counts as one input record.
     result = UnitResult(source_name, name, str(records.path), str(quarantine.path),
                         read=records.count + quarantine.count, written=records.count,
-                        quarantined=quarantine.count, reasons=dict(reasons))
+                        quarantined=quarantine.count, reasons=dict(reasons), envs=envs)
     log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, result.read, result.written,
              result.quarantined, result.reasons or "")
     return result
@@ -223,7 +228,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
         records.extend(pq.read_table(unit.records_path).to_pylist())
         quarantine.extend(pq.read_table(unit.quarantine_path).to_pylist())
     records = unique_ids(records)
-    # Decontamination, dedup and the derived datasets (pipeline/dedup.py, negatives.py, derived.py).
+    # Decontamination, dedup and the derived datasets (pipeline/quality/dedup.py, negatives.py, derived.py).
     contaminated: list[dict] = []
     if config.decontaminate:
         index = Contamination(read_eval_tasks(Path(config.decontaminate)), config.decontaminate_ngram)
@@ -255,6 +260,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     report["domains"] = dict(sorted(Counter(r["domain"] for r in records).items()))
     report["envs"] = dict(sorted(Counter(r["env"] for r in records).items()))
     report["kinds"] = dict(Counter(r["kind"] for r in records))
+    report["validation_by_env"] = merge_env_figures([u.envs for u in units])
     stage_counts(report, contaminated, duplicates)
     report["outputs"].update({name: files.get("train", []) for name, files in derived.items()},
                              duplicates=[str(duplicates_path.relative_to(out))])

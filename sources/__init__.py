@@ -1,12 +1,12 @@
 """Registry of upstream sources: name -> Source."""
 from __future__ import annotations
 
-from sources.agent_flan import AgentFlan
-from sources.agentinstruct import AgentInstruct
-from sources.agenttraj_l import AgentTrajL
-from sources.base import RawRow, Source, SourceError, SourceFile, iter_rows
-from sources.openmanus_rl import OpenManusRL
-from sources.synthetic import Synthetic
+from trajforge.sources.agent_flan import AgentFlan
+from trajforge.sources.agentinstruct import AgentInstruct
+from trajforge.sources.agenttraj_l import AgentTrajL
+from trajforge.sources.base import RawRow, Source, SourceError, SourceFile, iter_rows
+from trajforge.sources.openmanus_rl import OpenManusRL
+from trajforge.sources.synthetic import Synthetic
 
 REGISTRY: dict[str, Source] = {s.name: s for s in (AgentInstruct(), AgentFlan(), AgentTrajL(), OpenManusRL(),
                                                     Synthetic())}

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sources.agentinstruct import SPLITS, env_from_prompt
-from sources.base import Source
+from trajforge.sources.agentinstruct import SPLITS, env_from_prompt
+from trajforge.sources.base import Source
 
 FILES = (
     "agent_instruct_react", "agent_instruct_tflan", "toolbench_instruct_j1s1_3k", "toolbench_negative",

@@ -1,7 +1,7 @@
 """THUDM/AgentInstruct: one parquet file per split, rows {conversations[{from, loss, value}], id}."""
 from __future__ import annotations
 
-from sources.base import Source
+from trajforge.sources.base import Source
 
 SPLITS = {
     "os": ("os", "os"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from sources.base import Source
+from trajforge.sources.base import Source
 
 ENVS = {
     "alfworld": ("household", "alfworld"),

@@ -5,10 +5,10 @@ with `loss` dropped and content stripped. The env comes from the id.
 """
 from __future__ import annotations
 
-from sources.agent_flan import FILES as FLAN_FILES
-from sources.agent_flan import AgentFlan
-from sources.agenttraj_l import env_from_item_id
-from sources.base import Source
+from trajforge.sources.agent_flan import FILES as FLAN_FILES
+from trajforge.sources.agent_flan import AgentFlan
+from trajforge.sources.agenttraj_l import env_from_item_id
+from trajforge.sources.base import Source
 
 
 class OpenManusRL(Source):

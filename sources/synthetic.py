@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sources.base import Source, SourceError, SourceFile
+from trajforge.sources.base import Source, SourceError, SourceFile
 
-# Env name -> record domain, for synthetic records (pipeline/agent.py uses it too).
+# Env name -> record domain, for synthetic records (pipeline/synth/agent.py uses it too).
 DOMAINS = {"os": "os", "db": "db", "webshop": "ecommerce", "alfworld": "household", "sciworld": "science",
            "babyai": "game", "textcraft": "game", "maze": "game", "wordle": "game", "webarena": "web",
            "sqlgym": "db", "movie": "tool", "todo": "tool", "weather": "tool", "academia": "tool", "sheet": "tool"}

@@ -16,7 +16,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Importing it here, at collection, binds it to pytest's session-wide stream; imported first inside a
 # test that captures output (capsys), it would keep that test's stream and every later in-process
 # flow would log to a closed file.
-import flows.build  # noqa: E402,F401
+import trajforge.flows.build  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("TRAJFORGE_FIXTURES", REPO.parent / "shared" / "fixtures"))
@@ -29,6 +29,18 @@ FIXTURE_SOURCES = {
     "openmanus_rl": str(RAW / "openmanus_rl"),
 }
 
+# What the fixture build quarantines, (upstream id, reason) -> rows: each a real defect of the row
+# (db_291/db_314/db_326 are in two containers). Anything else quarantined is a regression.
+FIXTURE_QUARANTINE = {
+    ("alfworld_53", "invalid_action"): 1,        # `End of the task.` is no ALFWorld command
+    ("mind2web_46", "invalid_action"): 1,        # operation `SET` is not CLICK/TYPE/SELECT
+    ("textcraft_251", "invalid_action"): 1,      # `get end stone brick stairs`: get needs a count
+    ("db_291", "incomplete_episode"): 2,         # ends on an Operation that never ran, no Answer
+    ("db_314", "incomplete_episode"): 2,
+    ("db_326", "action_loop"): 2,
+    ("textcraft_205", "unparsed_assistant_turn"): 1,
+}
+
 
 @pytest.fixture(scope="session")
 def raw_dir() -> Path:
@@ -39,8 +51,8 @@ def raw_dir() -> Path:
 @pytest.fixture(scope="session")
 def fixtures_build(tmp_path_factory) -> Path:
     """The stages of `trajforge build` over every fixture source, without Prefect (fast)."""
-    from pipeline.build import BuildConfig, finalize, process_unit
-    from sources import get_source
+    from trajforge.pipeline.build import BuildConfig, finalize, process_unit
+    from trajforge.sources import get_source
 
     out = tmp_path_factory.mktemp("fixtures_build")
     config = BuildConfig()

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from pipeline.agent import AgentConfig, conversation_for, run_episode
-from pipeline.envs import make_env
-from pipeline.llm import LLMConfig, OpenAIBackend
-from pipeline.tasks import load_tasks
-from pipeline.validate import validate_record
+from trajforge.pipeline.synth.agent import AgentConfig, conversation_for, run_episode
+from trajforge.pipeline.synth.envs import make_env
+from trajforge.pipeline.synth.llm import LLMConfig, OpenAIBackend
+from trajforge.pipeline.synth.tasks import load_tasks
+from trajforge.pipeline.ingest.validate import validate_record
 from tests.conftest import FIXTURES
 from tests.openai_server import Reply, Server, fixture_policy
 

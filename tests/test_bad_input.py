@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flows.cli import main
-from pipeline.build import BuildConfig, process_unit
-from sources import SourceError, get_source, iter_rows
-from sources.base import SourceFile
+from trajforge.flows.cli import main
+from trajforge.pipeline.build import BuildConfig, process_unit
+from trajforge.sources import SourceError, get_source, iter_rows
+from trajforge.sources.base import SourceFile
 
 from tests.conftest import RAW
 

@@ -6,21 +6,22 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections import Counter
 import sys
 
 import datasets
 import polars as pl
 import pytest
 
-from pipeline.validate import validate_record
-from schemas import validator
-from tests.conftest import FIXTURE_SOURCES, FIXTURES, REPO
+from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.schemas import validator
+from tests.conftest import FIXTURE_QUARANTINE, FIXTURE_SOURCES, FIXTURES, REPO
 
 
 @pytest.mark.slow
 def test_trajforge_build_on_the_fixtures(tmp_path):
     out = tmp_path / "build"
-    args = [sys.executable, "-m", "flows.cli", "build", "--out", str(out)]
+    args = [sys.executable, "-m", "trajforge.flows.cli", "build", "--out", str(out)]
     for name, location in FIXTURE_SOURCES.items():
         args += ["--source", f"{name}={location}"]
     args += ["--source", f"agent_flan={REPO / 'tests' / 'data' / 'agent_flan'}"]
@@ -35,7 +36,8 @@ def test_trajforge_build_on_the_fixtures(tmp_path):
     assert set(report["sources"]) == {"agentinstruct", "agenttraj_l", "openmanus_rl", "agent_flan"}
     total = report["total"]
     assert total["read"] == total["written"] + total["quarantined"] + total.get("duplicates", 0)
-    assert total["quarantined"] <= 0.02 * total["read"]
+    quarantine = pl.read_parquet(out / "quarantine" / "quarantine.parquet")
+    assert Counter(zip(quarantine["source_id"], quarantine["reason"])) == FIXTURE_QUARANTINE
     # The DB task file's 39 tasks, plus the AgentGym items the AgentTraj-L trajectories were recorded on.
     rl_tasks = pl.read_parquet(out / "data" / "grpo_env" / "*.parquet")
     assert report["grpo_env"] == {"rows": rl_tasks.height, "unrunnable_tasks": 0}

@@ -11,10 +11,10 @@ from datasets.utils.metadata import MetadataConfigs
 from huggingface_hub import DatasetCard
 
 from conftest import FIXTURE_SOURCES
-from pipeline.card import hub_license_id, hub_revision, size_category
-from pipeline.manifest import read_manifest
-from schemas import arrow_schema
-from sources import get_source
+from trajforge.pipeline.publish.card import hub_license_id, hub_revision, size_category
+from trajforge.pipeline.publish.manifest import read_manifest
+from trajforge.schemas import arrow_schema
+from trajforge.sources import get_source
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +62,17 @@ def test_body_has_counts_quarantine_schema_and_ids(card, fixtures_build):
         assert f"| `{kind}` | {n} |" in body
     for field in arrow_schema("trajectory").names:
         assert f"| `{field}` |" in body
+    assert "## Validation per environment" in body
+    for env, e in report["validation_by_env"].items():
+        assert f"| {env} | yes | {e['records']} | {e['actions_checked']} | {e['actions_valid']} (" in body
+    assert "| mind2web.operation 1 |" in body
     assert f"build id: `{read_manifest(fixtures_build)['build_id']}`" in body
     assert "code version: `" in body
 
 
 def test_build_is_reproducible_in_another_folder(fixtures_build, tmp_path):
     """Same inputs, config and code: byte-identical shards, card, report and manifest (same build id)."""
-    from pipeline.build import BuildConfig, finalize, process_unit
+    from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 
     config = BuildConfig()
     units = [process_unit(name, f, tmp_path / ".staging", config)

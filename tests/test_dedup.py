@@ -9,11 +9,11 @@ from dataclasses import replace
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.build import BuildConfig, finalize, process_unit
-from pipeline.dedup import (Contamination, DedupConfig, decontaminate, deduplicate, exact_key, jaccard,
+from trajforge.pipeline.build import BuildConfig, finalize, process_unit
+from trajforge.pipeline.quality.dedup import (Contamination, DedupConfig, decontaminate, deduplicate, exact_key, jaccard,
                             read_eval_tasks, shingles, signatures)
-from schemas import validator
-from sources import get_source
+from trajforge.schemas import validator
+from trajforge.sources import get_source
 from tests.conftest import FIXTURE_SOURCES
 
 
@@ -28,7 +28,7 @@ def build(fixtures_build):
 @pytest.fixture(scope="module")
 def merged(tmp_path_factory):
     """Every valid fixture record before dedup (ids made unique as the build does)."""
-    from pipeline.build import unique_ids
+    from trajforge.pipeline.build import unique_ids
 
     staging = tmp_path_factory.mktemp("staging")
     units = [process_unit(name, f, staging, BuildConfig())
@@ -60,10 +60,11 @@ def test_nothing_else_is_merged(build):
     assert {d["match"] for d in dups} == {"exact"}
     # The repeated maze id holds two different trajectories: both stay.
     assert {"agenttraj_l/lmrlgym_maze_18", "agenttraj_l/lmrlgym_maze_18~2"} <= {r["id"] for r in sft}
-    # AgentInstruct db: db.jsonl and db-sample.parquet are the same 20 rows, ADP's content-only copy
-    # overlaps 6 of them; the rows with upstream loss flags are kept.
+    # AgentInstruct db: db.jsonl and db-sample.parquet are the same 20 rows (17 valid: db_291, db_314
+    # and db_326 are quarantined in both), ADP's content-only copy overlaps 6 of them; the rows with
+    # upstream loss flags are kept.
     db = [d for d in dups if d["source"] == "agentinstruct"]
-    assert Counter(d["source_file"] for d in db) == {"db.jsonl": 19, "db.json": 6}
+    assert Counter(d["source_file"] for d in db) == {"db.jsonl": 17, "db.json": 6}
     assert all(d["kept_id"].split("/")[1].startswith("db_") for d in db)
     assert {r["loss_flags"] for r in sft if r["id"] in {d["kept_id"] for d in db}} == {"upstream"}
 

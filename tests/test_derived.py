@@ -6,11 +6,11 @@ import pyarrow.parquet as pq
 import pytest
 from datasets import load_dataset
 
-from pipeline.derived import grpo_prompt, preference_pair, preference_pairs
-from pipeline.dialects import parse_turn
-from pipeline.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
-from pipeline.validate import validate_record
-from schemas import validator
+from trajforge.pipeline.quality.derived import grpo_prompt, preference_pair, preference_pairs
+from trajforge.pipeline.ingest.dialects import parse_turn
+from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
+from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.schemas import validator
 
 
 @pytest.fixture(scope="module")

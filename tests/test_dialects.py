@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.dialects import (DIALECTS, FREE_TEXT, ParseError, clean_text, parse_turn, render_react,
+from trajforge.pipeline.ingest.dialects import (DIALECTS, FREE_TEXT, ParseError, clean_text, parse_turn, render_react,
                                render_turn)
-from sources import iter_rows
-from sources.base import find_data_files
+from trajforge.sources import iter_rows
+from trajforge.sources.base import find_data_files
 from tests.conftest import FIXTURE_SOURCES, REPO
 
 CASES = {

@@ -9,8 +9,8 @@ import time
 import pytest
 from aiohttp import web
 
-from pipeline.envs import make_env
-from pipeline.envs.agentgym import AgentGymError, extract_action, item_index
+from trajforge.pipeline.synth.envs import make_env
+from trajforge.pipeline.synth.envs.agentgym import AgentGymError, extract_action, item_index
 
 
 class GuessServer:

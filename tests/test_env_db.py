@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from pipeline.envs import make_env
-from pipeline.tasks import Task, load_tasks, record_to_task
+from trajforge.pipeline.synth.envs import make_env
+from trajforge.pipeline.synth.tasks import Task, load_tasks, record_to_task
 from tests.conftest import FIXTURES
 
 DB_FILE = FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl"

@@ -7,16 +7,19 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from pipeline.envs import make_env
-from pipeline.envs.os_sandbox import (SandboxUnavailable, TaskNotRunnable, TaskSetupError, clean_observation,
-                                      parse_os_action, sandbox_unavailable_reason)
-from pipeline.tasks import Task, load_tasks
-from tests.conftest import FIXTURES
+from trajforge.pipeline.synth.envs import make_env
+from trajforge.pipeline.synth.envs.os_sandbox import (SandboxConfig, SandboxUnavailable, TaskNotRunnable, TaskSetupError,
+                                      _Cgroup, cgroup_roots, clean_observation, parse_os_action,
+                                      sandbox_unavailable_reason)
+from trajforge.pipeline.synth.tasks import Task, load_tasks
+from tests.conftest import FIXTURES, REPO
 
 OS_DIR = FIXTURES / "tasks" / "agentbench" / "os"
 
@@ -358,6 +361,123 @@ def test_output_flood_is_bounded(sandboxed):
     r = env.step(bash("head -c 5M /dev/zero | tr '\\0' a; echo; echo done"))
     assert r.info["exit_code"] == 0 and len(r.observation) == 780 + len("\n[truncated because the output is too long]")
     assert env.step(bash("echo next")).observation == "next\n"
+
+
+def _host_shmem() -> int:
+    """Bytes of shared memory (tmpfs, SysV shm) on the host: `free`'s "shared" column."""
+    line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("Shmem:"))
+    return int(line.split()[1]) * 1024
+
+
+@needs_sandbox
+def test_escape_writes_everywhere_are_bounded_by_disk_bytes(sandboxed):
+    # Every writable place (/, the overlays over /etc, /usr and /var/lib/dpkg, the scratch dirs,
+    # /dev/shm) draws on one tmpfs; SysV shared memory has its own share of disk_bytes.
+    disk, file_size = 64 << 20, 24 << 20
+    config = SandboxConfig(disk_bytes=disk)
+    places = ["/", "/tmp", "/root", "/home", "/run", "/var/tmp", "/var/log", "/dev/shm", "/etc", "/usr/bin",
+              "/var/lib/dpkg", "/opt", "/srv", "/mnt", "/media"]
+    env = sandboxed(disk_bytes=disk, file_bytes=file_size, step_timeout=20)
+    before = _host_shmem()
+    r = env.step(bash(f"for d in {' '.join(places)}; do head -c {file_size} /dev/zero > $d/fill 2>/dev/null; done; "
+                      f"cat {' '.join(p.rstrip('/') + '/fill' for p in places)} 2>/dev/null | wc -c; "
+                      "df -B1 --output=size,itotal / | tail -1"))
+    written, tmpfs_size, inodes = map(int, r.observation.split())
+    grown = _host_shmem() - before
+    # Without the bound, 15 x 24 MiB would have landed in host memory.
+    assert grown <= disk + (32 << 20), f"host shared memory grew by {grown >> 20} MiB"
+    assert file_size * 2 <= written <= disk - config.shm_bytes
+    # Empty files are bounded too: one inode per 4 KiB (inodes are memory that `size` ignores).
+    assert tmpfs_size == disk - config.shm_bytes and inodes == tmpfs_size // 4096
+    r = env.step(bash(f"ipcmk -M {config.shm_bytes + 4096} >/dev/null 2>&1 && echo TOO-BIG; "
+                      f"ipcmk -M {config.shm_bytes // 2} >/dev/null && echo fits"))
+    assert r.observation == "fits\n"
+
+
+def _plant(directory: Path, token: str) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "secret.txt").write_text(token)
+    return directory / "secret.txt"
+
+
+_READ_FROM_A_SANDBOX = r"""
+import json, sys
+from trajforge.pipeline.synth.envs import make_env
+files, folders, name = sys.argv[1].split(), sys.argv[2], sys.argv[3]
+bash = lambda code: "Act: bash\n\n```bash\n" + code + "\n```"
+with make_env("os", step_timeout=10) as env:
+    env.reset({"env": "os", "description": "t", "evaluation": {"match": "x"}})
+    seen = {path: env.step(bash("cat " + path)) for path in files}
+    seen = {path: [r.observation, r.info["exit_code"]] for path, r in seen.items()}
+    # Lines that list the planted folder, or /etc/passwd (a control: ls works).
+    seen["ls"] = env.step(bash(f"ls -a {folders} 2>/dev/null | grep -c -e {name} -e '^passwd$'")).observation
+    seen["/etc/shadow"] = env.step(bash("cat /etc/shadow")).observation
+print(json.dumps(seen))
+"""
+
+
+@needs_sandbox
+def test_escape_host_files_outside_the_allowlist_are_unreadable_from_any_working_directory():
+    token = secrets.token_hex(16)
+    name = f"trajforge-escape-{token[:8]}"
+    planted_dirs = [Path("/opt", name), Path("/var/lib", name), Path("/srv", name), Path("/", name),
+                    Path.home() / name, REPO.parent / name]
+    etc_secret = Path("/etc", name)  # a host file that other users may not read
+    try:
+        planted = [_plant(d, token) for d in planted_dirs]
+        etc_secret.write_text(token)
+        etc_secret.chmod(0o600)
+        files = [str(p) for p in planted] + [str(etc_secret), str(REPO / "pyproject.toml")]
+        folders = " ".join(str(d.parent) for d in [*planted_dirs, etc_secret])
+        for cwd in (Path("/", name), REPO.parent):  # the old denylist depended on the working directory
+            run = subprocess.run([sys.executable, "-c", _READ_FROM_A_SANDBOX, " ".join(files), folders, name],
+                                 cwd=cwd,
+                                 capture_output=True, text=True, timeout=120,
+                                 env={**os.environ, "PYTHONPATH": str(REPO)})
+            assert run.returncode == 0, run.stderr
+            seen = json.loads(run.stdout.splitlines()[-1])
+            for path in files:
+                observation, exit_code = seen[path]
+                assert exit_code != 0 and "No such file or directory" in observation, (cwd, path, observation)
+                assert token not in observation
+            assert seen["ls"] == "1\n"
+            # The host's shadow is never read: every password field inside is locked.
+            shadow = [line.split(":") for line in seen["/etc/shadow"].splitlines()]
+            assert "root" in {fields[0] for fields in shadow}
+            assert {fields[1] for fields in shadow} == {"*"}
+    finally:
+        etc_secret.unlink(missing_ok=True)
+        for d in planted_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@needs_sandbox
+def test_escape_memory_cap_holds(sandboxed):
+    # 4 processes of 150 MiB each, each within its address-space limit, in an episode capped at
+    # memory_bytes + disk_bytes = 320 MiB: the cgroup's OOM killer ends some; the peak stays under.
+    env = sandboxed(memory_bytes=256 << 20, disk_bytes=64 << 20, step_timeout=30)
+    hog = "import time; b = bytes([1]) * (150 << 20); time.sleep(3)"
+    r = env.step(bash(f"for i in 1 2 3 4; do (python3 -c '{hog}'; echo exit=$?) & done; wait"))
+    exits = [line for line in r.observation.splitlines() if line.startswith("exit=")]
+    assert len(exits) == 4 and "exit=137" in exits, r.observation
+    assert env.sandbox.memory_peak() <= (256 + 64) << 20
+    assert env.step(bash("echo alive")).observation == "alive\n"
+
+
+def test_memory_controller_is_required(tmp_path):
+    v1_pids, v2 = tmp_path / "pids", tmp_path / "unified"
+    v1_pids.mkdir()
+    v2.mkdir()
+    (v2 / "cgroup.subtree_control").write_text("cpu io\n")
+    mountinfo = (f"39 31 0:36 / {v1_pids} rw,relatime - cgroup cgroup rw,pids\n"
+                 f"41 31 0:38 / {v2} rw,relatime - cgroup2 cgroup2 rw\n")
+    roots = cgroup_roots(mountinfo)
+    assert roots == {"pids": (v1_pids, 1)}
+    with pytest.raises(SandboxUnavailable, match="memory"):
+        _Cgroup("trajforge-test", SandboxConfig(), roots)
+    assert not (v1_pids / "trajforge-test").exists()
+    (v2 / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    assert cgroup_roots(mountinfo) == {"pids": (v1_pids, 1), "memory": (v2, 2)}
 
 
 @needs_sandbox

@@ -38,7 +38,7 @@ def test_default_build_reads_the_upstream_repos_from_the_hub(tmp_path, monkeypat
         env = dict(os.environ, HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="0",
                    HF_TOKEN="hf_test_token")
         out = tmp_path / "build"
-        proc = subprocess.run([sys.executable, "-m", "flows.cli", "build", "--out", str(out)], cwd=REPO, env=env,
+        proc = subprocess.run([sys.executable, "-m", "trajforge.flows.cli", "build", "--out", str(out)], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "hf_test_token" not in proc.stdout + proc.stderr

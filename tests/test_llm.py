@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pipeline.llm import LLMConfig, LLMError, OpenAIBackend, VLLMBackend, family_of, vllm_available
+from trajforge.pipeline.synth.llm import LLMConfig, LLMError, OpenAIBackend, VLLMBackend, family_of, vllm_available
 from tests.openai_server import Server
 
 SECRET = "sk-test-0123456789abcdefSECRET"

@@ -9,9 +9,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.negatives import EXPECTED_VIOLATION, NEGATIVE_TYPES, NegativesConfig, make_negatives
-from pipeline.validate import validate_record
-from schemas import validator
+from trajforge.pipeline.quality.negatives import EXPECTED_VIOLATION, NEGATIVE_TYPES, NegativesConfig, make_negatives
+from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.schemas import validator
 
 ALL = NegativesConfig(rates=dict.fromkeys(NEGATIVE_TYPES, 1.0))
 
@@ -121,9 +121,9 @@ def test_build_writes_negatives_config(fixtures_build):
 
 
 def test_agent_flan_rows_keep_their_label_and_their_negatives_fail_validation(tmp_path):
-    from pipeline.build import BuildConfig, process_unit
-    from pipeline.dedup import deduplicate
-    from sources import get_source
+    from trajforge.pipeline.build import BuildConfig, process_unit
+    from trajforge.pipeline.quality.dedup import deduplicate
+    from trajforge.sources import get_source
     agent_flan = Path(__file__).parent / "data" / "agent_flan"
     records = [r for f in get_source("agent_flan").files(str(agent_flan))
                for r in pq.read_table(process_unit("agent_flan", f, tmp_path, BuildConfig()).records_path).to_pylist()]

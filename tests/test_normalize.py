@@ -7,13 +7,13 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.build import BuildConfig, process_unit
-from pipeline.dialects import parse_turn
-from pipeline.normalize import NormalizeConfig, normalize_row
-from pipeline.validate import validate_record
-from schemas import arrow_schema, validator
-from sources import get_source, iter_rows
-from tests.conftest import FIXTURE_SOURCES, RAW, REPO
+from trajforge.pipeline.build import BuildConfig, process_unit
+from trajforge.pipeline.ingest.dialects import parse_turn
+from trajforge.pipeline.ingest.normalize import NormalizeConfig, normalize_row
+from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.schemas import arrow_schema, validator
+from trajforge.sources import get_source, iter_rows
+from tests.conftest import FIXTURE_QUARANTINE, FIXTURE_SOURCES, RAW, REPO
 
 AGENT_FLAN = REPO / "tests" / "data" / "agent_flan"
 
@@ -35,7 +35,7 @@ def test_every_real_record_is_accounted_for(fixtures_build):
     raw_count = sum(1 for name in ("agentinstruct", "agenttraj_l", "openmanus_rl")
                     for f in get_source(name).files(str(RAW / name)) for _ in iter_rows(f.path))
     assert total["read"] == raw_count
-    assert total["quarantined"] <= 0.02 * total["read"]
+    assert Counter((q["source_id"], q["reason"]) for q in quarantine) == FIXTURE_QUARANTINE
     assert all(q["reason"] and q["raw"] for q in quarantine)
 
 
@@ -157,7 +157,8 @@ def test_react_build_of_every_fixture_validates(tmp_path):
     units = [process_unit(name, f, tmp_path, config) for name, location in sources.items()
              for f in get_source(name).files(location)]
     records = [r for u in units for r in pq.read_table(u.records_path).to_pylist()]
-    assert sum(u.quarantined for u in units) <= 0.02 * sum(u.read for u in units)
+    quarantine = [q for u in units for q in pq.read_table(u.quarantine_path).to_pylist()]
+    assert Counter((q["source_id"], q["reason"]) for q in quarantine) == FIXTURE_QUARANTINE
     for record in records:
         assert validate_record(record) is None, record["id"]
     renderings = Counter(r["rendering"] for r in records)

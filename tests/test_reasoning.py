@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from pipeline.dialects import parse_turn
-from pipeline.llm import parse_body
-from pipeline.reasoning import recover_action, split_reasoning
+from trajforge.pipeline.ingest.dialects import parse_turn
+from trajforge.pipeline.synth.llm import parse_body
+from trajforge.pipeline.synth.reasoning import recover_action, split_reasoning
 from tests.conftest import FIXTURES
 
 R1 = FIXTURES / "reasoning" / "openhands_deepseek_r1"

@@ -1,5 +1,5 @@
 """The one redaction step: configured secrets and credential-shaped tokens never survive it."""
-from pipeline.redact import REDACTED, redact
+from trajforge.pipeline.redact import REDACTED, redact
 
 
 def test_configured_key_and_token_shapes_are_replaced(monkeypatch):

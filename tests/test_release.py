@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from hub_server import HubServer
-from pipeline.manifest import read_manifest, write_manifest
-from pipeline.release import ReleaseError, ReleaseVerificationError, plan_release, release
-from pipeline.shards import ShardConfig, layout, write_config
+from trajforge.pipeline.publish.manifest import read_manifest, write_manifest
+from trajforge.pipeline.publish.release import ReleaseError, ReleaseVerificationError, plan_release, release
+from trajforge.pipeline.publish.shards import ShardConfig, layout, write_config
 
 TOKEN = "hf_loopbackTestToken_7f3a9c"
 REPO = "trajforge-test/agent-trajectories"
@@ -72,7 +72,7 @@ class Collect(logging.Handler):
 
 def cli(args: list[str]) -> str:
     """Run `trajforge ARGS` in this process; its stdout. (Prefect's log handlers keep the real streams.)"""
-    from flows.cli import main
+    from trajforge.flows.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

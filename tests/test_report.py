@@ -24,6 +24,24 @@ def test_report_json_has_every_section(fixtures_build):
     assert report["shape"]["turns"]["min"] >= 2
 
 
+def test_validation_figures_per_env(fixtures_build):
+    """Per env: actions checked and valid by grammar, quarantined by rule; they add up to the totals."""
+    report = json.loads((fixtures_build / "report.json").read_text())
+    figures = report["validation_by_env"]
+    assert set(report["envs"]) <= set(figures)
+    for env, e in figures.items():
+        assert e["grammar"] and 0 <= e["actions_valid"] <= e["actions_checked"], env
+    # Every fixture quarantine comes from validation, so the per-env rules add up to the total.
+    assert sum(n for e in figures.values() for n in e["quarantined"].values()) == report["total"]["quarantined"]
+    assert figures["alfworld"]["quarantined"] == {"alfworld.command": 1}
+    assert figures["db"]["quarantined"] == {"action_loop": 2, "incomplete_episode": 4}
+    assert figures["alfworld"]["actions_checked"] - figures["alfworld"]["actions_valid"] == 2  # alfworld_53
+    html = (fixtures_build / "report.html").read_text()
+    assert "Validation per environment" in html
+    for env, e in figures.items():
+        assert f"<td>{env}</td><td>yes</td><td>{e['records']}</td><td>{e['actions_checked']}</td>" in html
+
+
 def test_html_references_every_plot_and_the_plots_are_real_images(fixtures_build):
     html = (fixtures_build / "report.html").read_text()
     for name in PLOTS:

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from conftest import RAW
-from pipeline.build import BuildConfig, finalize, process_unit
-from pipeline.manifest import read_manifest
-from sources import get_source
+from trajforge.pipeline.build import BuildConfig, finalize, process_unit
+from trajforge.pipeline.publish.manifest import read_manifest
+from trajforge.sources import get_source
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def test_sigkill_then_rerun_skips_done_units_and_matches_a_clean_build(tmp_path)
     n_units = len(get_source("agenttraj_l").files(str(src)))
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect_home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "flows.cli", "build", "--source", f"agenttraj_l={src}", "--out", str(out)]
+    cmd = [sys.executable, "-m", "trajforge.flows.cli", "build", "--source", f"agenttraj_l={src}", "--out", str(out)]
 
     with open(tmp_path / "killed.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

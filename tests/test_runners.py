@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import FIXTURE_SOURCES
-from pipeline.manifest import read_manifest
+from trajforge.pipeline.publish.manifest import read_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -15,7 +15,7 @@ def published(out) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("runner", ["threads", "dask", "ray"])
 def test_runner_builds_the_fixtures_byte_identical(runner, fixtures_build, tmp_path, monkeypatch):
-    from flows.build import build_dataset
+    from trajforge.flows.build import build_dataset
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     out = tmp_path / runner

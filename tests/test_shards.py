@@ -5,8 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.manifest import file_sha256, read_manifest
-from pipeline.shards import SHARD_RE, ShardConfig, layout, plan_shards, write_config
+from trajforge.pipeline.publish.manifest import file_sha256, read_manifest
+from trajforge.pipeline.publish.shards import SHARD_RE, ShardConfig, layout, plan_shards, write_config
 
 
 @pytest.fixture(scope="module")

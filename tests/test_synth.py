@@ -10,9 +10,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.llm import LLMConfig
-from pipeline.synth import SynthConfig, synthesize
-from pipeline.validate import validate_record
+from trajforge.pipeline.synth.llm import LLMConfig
+from trajforge.pipeline.synth.job import SynthConfig, synthesize
+from trajforge.pipeline.ingest.validate import validate_record
 from tests.conftest import FIXTURES
 from tests.openai_server import Server, fixture_policy
 
@@ -119,7 +119,7 @@ def test_under_injected_faults_every_episode_ends_once_with_a_reason(tmp_path):
 
 def _sandbox_reason() -> str | None:
     try:
-        from pipeline.envs.os_sandbox import sandbox_unavailable_reason
+        from trajforge.pipeline.synth.envs.os_sandbox import sandbox_unavailable_reason
     except ImportError as exc:
         return f"os env not importable: {exc}"
     return sandbox_unavailable_reason()
@@ -149,9 +149,9 @@ def test_os_synthesis_in_the_real_sandbox(tmp_path):
 
 def test_cli_synth_flow_and_the_build_reads_the_output(tmp_path, monkeypatch, capsys):
     """The one test that pays for Prefect: `trajforge synth` through the flow, then a build unit."""
-    from flows.cli import main
-    from pipeline.build import BuildConfig, process_unit
-    from sources import get_source
+    from trajforge.flows.cli import main
+    from trajforge.pipeline.build import BuildConfig, process_unit
+    from trajforge.sources import get_source
 
     monkeypatch.setenv("MY_LLM_KEY", SECRET)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from pipeline.tasks import (Task, TaskFormatError, coerce_task, db_answers_match, load_tasks, normalize_db_value,
+from trajforge.pipeline.synth.tasks import (Task, TaskFormatError, coerce_task, db_answers_match, load_tasks, normalize_db_value,
                             os_match, table_hash, task_prompt)
 from tests.conftest import FIXTURES
 

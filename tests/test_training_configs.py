@@ -8,8 +8,8 @@ import yaml
 
 pytest.importorskip("trl")
 
-from training.arguments import DPOTrainConfig, GRPOTrainConfig, SFTTrainConfig, parse  # noqa: E402
-from training.cli import main  # noqa: E402
+from trajforge.training.arguments import DPOTrainConfig, GRPOTrainConfig, SFTTrainConfig, parse  # noqa: E402
+from trajforge.training.cli import main  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "training" / "configs"
 CLASSES = {"sft": SFTTrainConfig, "grpo": GRPOTrainConfig, "dpo": DPOTrainConfig}

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("trl")
 
 from tiny_model import CHATML, build_tokenizer, fixture_texts, read_config  # noqa: E402
-from training.data import (IGNORE, TemplateError, load_release, prepare_sft, tokenize_trajectory,  # noqa: E402
+from trajforge.training.data import (IGNORE, TemplateError, load_release, prepare_sft, tokenize_trajectory,  # noqa: E402
                            train_eval_split, trajectory_group, turn_boundaries)
 
 # A second template family: plain-text headers, a default system prompt when there is none,
@@ -119,7 +119,7 @@ def test_eval_split_is_stable_and_keeps_repeats_together(fixtures_build):
 def test_dpo_pairs_that_do_not_fit_are_dropped_not_cut(tokenizer, fixtures_build):
     from datasets import Dataset
 
-    from training.dpo import fit_pairs
+    from trajforge.training.dpo import fit_pairs
 
     pairs = Dataset.from_list(read_config(fixtures_build, "preference")).select_columns(["prompt", "chosen", "rejected"])
     kept = fit_pairs(pairs, tokenizer, 512)

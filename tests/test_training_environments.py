@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.derived import grpo_env_row, grpo_env_rows, record_task
-from pipeline.envs.tool_calls import action_text, tool_call, tool_messages
-from pipeline.tasks import load_tasks
-from schemas import first_error
+from trajforge.pipeline.quality.derived import grpo_env_row, grpo_env_rows, record_task
+from trajforge.pipeline.synth.envs.tool_calls import action_text, tool_call, tool_messages
+from trajforge.pipeline.synth.tasks import load_tasks
+from trajforge.schemas import first_error
+from trajforge.training.environments import EPISODE_OVER, EnvironmentFactory, ToolEnvironment, make_factories
+from trajforge.training.rewards import tool_call_reward
 from tests.conftest import FIXTURES
 from tests.test_env_agentgym import serve  # noqa: F401  (the loopback AgentGym server fixture)
 from tests.test_env_os import _sandbox_leftovers
-from training.environments import EPISODE_OVER, EnvironmentFactory, ToolEnvironment, make_factories
-from training.rewards import tool_call_reward
 
 TASKS = FIXTURES / "tasks" / "agentbench"
 DB_FILE = TASKS / "db" / "dev.jsonl"
@@ -83,8 +83,8 @@ def test_synthetic_trajectory_lends_its_answer_to_a_task_without_one():
 def test_build_writes_a_grpo_env_config_that_load_dataset_reads(tmp_path, raw_dir, monkeypatch):
     from datasets import load_dataset
 
-    from pipeline.build import BuildConfig, finalize, process_unit
-    from sources import get_source
+    from trajforge.pipeline.build import BuildConfig, finalize, process_unit
+    from trajforge.sources import get_source
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -205,7 +205,7 @@ def test_tool_call_reward_scores_the_share_of_well_formed_calls():
                                environment=["db", "db", "db", None])
     assert rewards == [1.0, 0.5, 0.0, None]
     # The single-reply rewards leave episodes to their environment's score.
-    from training.rewards import accuracy_reward, format_reward
+    from trajforge.training.rewards import accuracy_reward, format_reward
 
     episodes = {"environment": ["db"], "answer": ['["26"]'], "rendering": [None], "dialect": [None]}
     assert accuracy_reward([[call, tool, words]], **episodes) == [None]
@@ -280,11 +280,11 @@ def test_two_grpo_steps_run_episodes_in_sqlite_and_the_os_sandbox(fixtures_build
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from pipeline.envs.os_sandbox import OsSandboxEnv
-    from schemas import arrow_schema
+    from trajforge.pipeline.synth.envs.os_sandbox import OsSandboxEnv
+    from trajforge.schemas import arrow_schema
     from tiny_model import build_tiny_model, fit_texts, tool_chat_template
-    from training.arguments import GRPOTrainConfig, parse
-    from training.grpo import build_trainer, close_environments
+    from trajforge.training.arguments import GRPOTrainConfig, parse
+    from trajforge.training.grpo import build_trainer, close_environments
 
     torch.set_num_threads(1)
     rows = [grpo_env_row(db_task(), "tasks"), grpo_env_row(os_task(), "tasks")]
@@ -368,8 +368,8 @@ def test_two_grpo_steps_run_episodes_in_sqlite_and_the_os_sandbox(fixtures_build
 
 
 def test_max_concurrent_envs_must_cover_one_generation_batch():
-    from training.arguments import GRPOTrainConfig, parse
-    from training.grpo import environment_factories
+    from trajforge.training.arguments import GRPOTrainConfig, parse
+    from trajforge.training.grpo import environment_factories
 
     _, training_args, _ = parse(GRPOTrainConfig, [
         "--config", str(CONFIGS / "grpo_env_tiny.yaml"), "--model_name_or_path", "m", "--dataset_name", "d",
@@ -383,7 +383,7 @@ def test_sft_in_the_tools_format_trains_on_calls_not_on_observations(fixtures_bu
     from transformers import AutoTokenizer
 
     from tiny_model import build_tokenizer, read_config, tool_chat_template
-    from training.data import IGNORE, prepare_sft, tools_rendering
+    from trajforge.training.data import IGNORE, prepare_sft, tools_rendering
 
     records = [r for r in read_config(fixtures_build, "sft") if r["env"] in ("os", "db", "webshop")][:12]
     build_tokenizer(["<tool_call> SELECT bash"] * 20, chat_template=tool_chat_template()).save_pretrained(tmp_path)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.dialects import render_react
+from trajforge.pipeline.ingest.dialects import render_react
 from tiny_model import read_config
-from training.rewards import REWARDS, accuracy_reward, env_reward, format_reward, get_rewards, tag_count_reward
+from trajforge.training.rewards import REWARDS, accuracy_reward, env_reward, format_reward, get_rewards, tag_count_reward
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +111,8 @@ def test_accuracy_is_order_insensitive_for_list_answers(sft_rows):
 
 
 def test_env_reward_replays_db_answers_in_the_registered_environment(raw_dir):
-    pytest.importorskip("pipeline.envs.db")
-    from pipeline.tasks import load_tasks
+    pytest.importorskip("trajforge.pipeline.synth.envs.db")
+    from trajforge.pipeline.synth.tasks import load_tasks
 
     tasks = [t for t in load_tasks(raw_dir.parent / "tasks" / "agentbench" / "db" / "dev.jsonl") if t.data.get("kind") == "select"][:3]
     assert tasks

@@ -70,7 +70,7 @@ def assert_trained(tiny: Path, out: Path) -> dict:
 
 
 def launch(trainer: str, tiny: Path, build: Path, out: Path, *overrides: str) -> None:
-    from flows.cli import main
+    from trajforge.flows.cli import main
 
     assert main(["train", trainer, "--config", str(CONFIGS / f"{trainer}_tiny.yaml"),
                  "--model_name_or_path", str(tiny), "--dataset_name", str(build),
@@ -87,9 +87,9 @@ def test_sft_trains_five_steps_with_eval_and_checkpoints(tiny, sft_run):
 def test_sft_resumes_from_a_checkpoint(tiny, build, sft_run, tmp_path):
     from transformers import TrainerCallback
 
-    from training.arguments import SFTTrainConfig, parse
-    from training.common import run
-    from training.sft import build_trainer
+    from trajforge.training.arguments import SFTTrainConfig, parse
+    from trajforge.training.common import run
+    from trajforge.training.sft import build_trainer
 
     class CountSteps(TrainerCallback):
         def __init__(self):

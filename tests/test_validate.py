@@ -6,7 +6,7 @@ import copy
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.validate import validate_record
+from trajforge.pipeline.ingest.validate import validate_record
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_rule_catches_its_case(record, change, reason):
 
 def test_compiled_and_reference_validators_agree(fixtures_build, record):
     """fastjsonschema decides, jsonschema explains: they must agree on valid and invalid records."""
-    from schemas import _compiled, validator
+    from trajforge.schemas import _compiled, validator
     import fastjsonschema
 
     def compiled_ok(r):

@@ -1,5 +1,5 @@
 import sys
 
-from training.cli import main
+from trajforge.training.cli import main
 
 sys.exit(main())

@@ -39,7 +39,7 @@ class SFTTrainConfig(SFTConfig):
 class GRPOTrainConfig(GRPOConfig):
     reward_funcs: list[str] = field(
         default_factory=lambda: ["format", "tag_count", "accuracy"],
-        metadata={"help": "Reward names from training.rewards.REWARDS; weights in `reward_weights`."})
+        metadata={"help": "Reward names from trajforge.training.rewards.REWARDS; weights in `reward_weights`."})
     max_prompt_tokens: int | None = field(
         default=None,
         metadata={"help": "Drop (and count) prompts longer than this: cutting an agent prompt loses its "
@@ -51,8 +51,8 @@ class GRPOTrainConfig(GRPOConfig):
                           "reward (weight 1) beside `reward_funcs`. Rows of other environments are dropped (counted)."})
     env_settings: dict | str | None = field(
         default=None,
-        metadata={"help": "Per environment, its settings (JSON on the command line), e.g. "
-                          "{\"os\": {\"step_timeout\": 10}, \"agentgym\": {\"base_url\": \"http://127.0.0.1:36001\"}}."})
+        metadata={"help": "Per environment, its settings (JSON on the command line), e.g. {\"os\": "
+                          "{\"step_timeout\": 10}, \"agentgym\": {\"base_url\": \"http://127.0.0.1:36001\"}}."})
     max_turns: int | None = field(
         default=None,
         metadata={"help": "Actions per episode; also TRL's max_tool_calling_iterations when that is unset."})

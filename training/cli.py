@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-TRAINERS = {"sft": "training.sft", "grpo": "training.grpo", "dpo": "training.dpo"}
+TRAINERS = {"sft": "trajforge.training.sft", "grpo": "trajforge.training.grpo", "dpo": "trajforge.training.dpo"}
 USAGE = "usage: python -m training {sft,grpo,dpo} --config training/configs/<name>.yaml [--field value ...]"
 
 

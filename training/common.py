@@ -8,7 +8,7 @@ import os
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_utils import get_last_checkpoint
 
-from training.data import load_release, train_eval_split
+from trajforge.training.data import load_release, train_eval_split
 
 logger = logging.getLogger(__name__)
 

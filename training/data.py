@@ -74,7 +74,8 @@ class TemplateError(ValueError):
     """The chat template does not render a conversation as the concatenation of its prefixes."""
 
 
-def turn_boundaries(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+def turn_boundaries(tokenizer, messages: list[dict],
+                    tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and, per message, the character span it owns in it.
 
     An assistant message's span starts after the generation prompt (the header the model is given
@@ -152,10 +153,10 @@ def tokenize_trajectory(tokenizer, conversations: list[dict], max_length: int | 
 
 
 def tools_rendering(row: dict) -> dict | None:
-    """A trajectory as tool calls (`pipeline.envs.tool_calls`), the action format of multi-turn
+    """A trajectory as tool calls (`pipeline.synth.envs.tool_calls`), the action format of multi-turn
     GRPO in the environments; None when one of its actions is no tool call."""
-    from pipeline.envs.tool_calls import environment_of, tool_messages, trajectory_prompt
-    from training.environments import tool_schemas
+    from trajforge.pipeline.synth.envs.tool_calls import environment_of, tool_messages, trajectory_prompt
+    from trajforge.training.environments import tool_schemas
 
     return tool_messages(row, trajectory_prompt(row), tool_schemas(environment_of(row["env"])))
 

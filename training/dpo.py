@@ -6,8 +6,8 @@ import logging
 from datasets import Dataset
 from trl import DPOTrainer, get_peft_config
 
-from training.arguments import DPOTrainConfig, parse
-from training.common import load_model, load_splits, load_tokenizer, run
+from trajforge.training.arguments import DPOTrainConfig, parse
+from trajforge.training.common import load_model, load_splits, load_tokenizer, run
 
 logger = logging.getLogger(__name__)
 

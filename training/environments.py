@@ -13,7 +13,7 @@ scores the episode and closes it; `EnvironmentFactory.close_all()` (the launcher
 training ends, however it ends) closes whatever an interrupted rollout left open. A factory
 allows at most `max_concurrent` open sandboxes: more is a clear error, not an exhausted machine.
 
-Tools map to the environment's ReAct actions through `pipeline.envs.tool_calls`, the same map the
+Tools map to the environment's ReAct actions through `pipeline.synth.envs.tool_calls`, the same map the
 SFT `tools` rendering uses, so SFT and RL share one action format.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ import logging
 import threading
 from typing import Any
 
-from pipeline.envs import make_env
-from pipeline.envs.tool_calls import TOOLS, action_text
-from pipeline.tasks import coerce_task
+from trajforge.pipeline.synth.envs import make_env
+from trajforge.pipeline.synth.envs.tool_calls import TOOLS, action_text
+from trajforge.pipeline.synth.tasks import coerce_task
 
 logger = logging.getLogger(__name__)
 

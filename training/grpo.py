@@ -8,10 +8,10 @@ import logging
 from datasets import Dataset
 from trl import GRPOTrainer, get_peft_config
 
-from training.arguments import GRPOTrainConfig, parse
-from training.common import load_model, load_splits, load_tokenizer, run
-from training.environments import make_factories
-from training.rewards import get_rewards
+from trajforge.training.arguments import GRPOTrainConfig, parse
+from trajforge.training.common import load_model, load_splits, load_tokenizer, run
+from trajforge.training.environments import make_factories
+from trajforge.training.rewards import get_rewards
 
 logger = logging.getLogger(__name__)
 

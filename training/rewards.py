@@ -26,8 +26,8 @@ import logging
 import re
 from typing import Callable
 
-from pipeline.dialects import FREE_TEXT, parse_turn
-from pipeline.normalize import extract_answer
+from trajforge.pipeline.ingest.dialects import FREE_TEXT, parse_turn
+from trajforge.pipeline.ingest.normalize import extract_answer
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +160,8 @@ def env_reward(completions, **kwargs) -> list[float | None]:
     None for rows without a task or whose env has no registered environment."""
     n = len(completions)
     try:
-        from pipeline.envs import make_env
-        from pipeline.tasks import coerce_task
+        from trajforge.pipeline.synth.envs import make_env
+        from trajforge.pipeline.synth.tasks import coerce_task
     except ImportError:
         logger.warning("env reward: pipeline.envs is not available; the reward is skipped")
         return [None] * n
@@ -187,7 +187,7 @@ def env_reward(completions, **kwargs) -> list[float | None]:
 
 
 def _valid_call(call: dict, environment: str) -> bool:
-    from pipeline.envs.tool_calls import TOOLS
+    from trajforge.pipeline.synth.envs.tool_calls import TOOLS
 
     function = call.get("function") or {}
     expected = TOOLS[environment].get(function.get("name"))

@@ -5,9 +5,9 @@ import logging
 
 from trl import SFTTrainer, get_peft_config
 
-from training.arguments import SFTTrainConfig, parse
-from training.common import load_model, load_splits, load_tokenizer, run
-from training.data import prepare_sft
+from trajforge.training.arguments import SFTTrainConfig, parse
+from trajforge.training.common import load_model, load_splits, load_tokenizer, run
+from trajforge.training.data import prepare_sft
 
 logger = logging.getLogger(__name__)
 

@@ -24,18 +24,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pipeline.dialects import FREE_TEXT, parse_turn, render_turn
-from pipeline.normalize import extract_answer
-from pipeline.validate import ACTION_SPACE_ENVS, LOOP_REPEATS, action_name
+from trajforge.pipeline.ingest.dialects import FREE_TEXT, parse_turn, render_turn
+from trajforge.pipeline.ingest.grammars import action_name, break_action, grammar_for
+from trajforge.pipeline.ingest.normalize import extract_answer
+from trajforge.pipeline.ingest.validate import LOOP_REPEATS, action_contexts, grammar_breaches
 
 NEGATIVE_TYPES = ("invalid_action", "invented_tool", "irrelevant_tools", "hallucinated_observation",
                   "wrong_answer", "premature_answer", "broken_format", "action_loop")
 
 # The validator reason each type fails with when validated as a positive.
 EXPECTED_VIOLATION = {
-    "invalid_action": "action_outside_space",
-    "invented_tool": "action_outside_space",
-    "irrelevant_tools": "action_outside_space",
+    "invalid_action": "invalid_action",
+    "invented_tool": "invalid_action",
+    "irrelevant_tools": "invalid_action",
     "hallucinated_observation": "model_written_observation",
     "wrong_answer": "answer_mismatch",
     "premature_answer": "answer_mismatch",
@@ -43,8 +44,7 @@ EXPECTED_VIOLATION = {
     "action_loop": "action_loop",
 }
 
-# Names that no fixture env offers; the first one absent from a record's prompt is used.
-INVENTED_COMMANDS = ("teleport", "levitate", "summon", "conjure")
+# Tool names that no fixture env offers; the first one absent from a record's prompt is used.
 INVENTED_TOOLS = ("web_search", "search_internet", "call_external_api", "python_interpreter")
 NO_FITTING_TOOL = "I cannot answer this with the available actions."
 
@@ -130,11 +130,26 @@ def _renamed_action(record: dict, names: tuple[str, ...]) -> list[dict] | None:
 
 
 def make_invalid_action(record: dict, pool: list[dict], seed: int) -> dict | None:
-    """A command verb outside the env's action space (envs whose prompt names its actions)."""
-    if record["env"] not in ACTION_SPACE_ENVS or record["domain"] == "tool":
+    """A real trained action edited to break one rule of its env's grammar (pipeline/ingest/grammars.py):
+    the first action that some edit breaks, the rule picked by the seed among those it can break.
+    A tool the prompt does not offer is `invented_tool`'s, not this type's."""
+    grammar = grammar_for(record["env"])
+    if grammar is None:
         return None
-    made = _renamed_action(record, INVENTED_COMMANDS)
-    return _negative(record, "invalid_action", made) if made else None
+    turns = record["conversations"]
+    for i, turn, context in action_contexts(record):
+        if not turn["loss"]:
+            continue
+        edits = break_action(grammar, turn["action"], context)
+        edits.pop("tool.unknown_tool", None)
+        rules = sorted(edits)
+        start = _pick(seed, record["id"], len(rules)) if rules else 0
+        for rule in rules[start:] + rules[:start]:
+            changed = _turn(render_turn(turn["dialect"], turn["thought"], edits[rule]))
+            if changed["action"] == edits[rule].strip() and changed["dialect"] == turn["dialect"]:
+                # The trajectory stops at the bad action: the environment never answered it.
+                return _negative(record, "invalid_action", turns[:i] + [changed], extra={"grammar_rule": rule})
+    return None
 
 
 def make_invented_tool(record: dict, pool: list[dict], seed: int) -> dict | None:
@@ -228,14 +243,19 @@ def _final_answer(record: dict) -> tuple[int, dict] | None:
     return i, turns[i]
 
 
+def _breaks_grammar(record: dict, conversations: list[dict]) -> bool:
+    return bool(grammar_breaches({**record, "conversations": conversations})[1])
+
+
 def make_wrong_answer(record: dict, pool: list[dict], seed: int) -> dict | None:
     """The trajectory ends with a wrong final answer (another task's answer of the same env)."""
     final = _final_answer(record)
     wrong = _wrong_answer(record, pool, seed) if final else None
     changed = _answer_turn(final[1], wrong, final[1]["thought"]) if wrong else None
-    if changed is None:
+    conversations = record["conversations"][:final[0]] + [changed] if changed else None
+    if conversations is None or _breaks_grammar(record, conversations):
         return None
-    return _negative(record, "wrong_answer", record["conversations"][:final[0]] + [changed])
+    return _negative(record, "wrong_answer", conversations)
 
 
 def make_premature_answer(record: dict, pool: list[dict], seed: int) -> dict | None:
@@ -247,9 +267,10 @@ def make_premature_answer(record: dict, pool: list[dict], seed: int) -> dict | N
     wrong = _wrong_answer(record, pool, seed)
     first = actions[0]
     changed = _answer_turn(final[1], wrong, record["conversations"][first]["thought"]) if wrong else None
-    if changed is None:
-        return None
-    return _negative(record, "premature_answer", record["conversations"][:first] + [changed])
+    conversations = record["conversations"][:first] + [changed] if changed else None
+    if conversations is None or _breaks_grammar(record, conversations):
+        return None  # e.g. a KG answer naming a variable no step has made yet: invalid, not just wrong
+    return _negative(record, "premature_answer", conversations)
 
 
 def make_broken_format(record: dict, pool: list[dict], seed: int) -> dict | None:

@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 import re
 
-from pipeline.envs.agentgym import item_index
-from pipeline.envs.tool_calls import INSTRUCTIONS, environment_of
-from pipeline.tasks import Task, task_prompt
+from trajforge.pipeline.synth.envs.agentgym import item_index
+from trajforge.pipeline.synth.envs.tool_calls import INSTRUCTIONS, environment_of
+from trajforge.pipeline.synth.tasks import Task, task_prompt
 
 _ITEM_ID = re.compile(r"[a-z_]+_\d+")
 

@@ -29,10 +29,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.agent import AgentConfig, Episode, StepLog, record_id, run_episode
-from pipeline.build import write_parquet
-from pipeline.llm import JsonStore, LLMConfig, make_backend
-from schemas import arrow_schema
+from trajforge.pipeline.synth.agent import AgentConfig, Episode, StepLog, record_id, run_episode
+from trajforge.pipeline.build import write_parquet
+from trajforge.pipeline.synth.llm import JsonStore, LLMConfig, make_backend
+from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.synth")
 
@@ -116,8 +116,8 @@ def _write_failures(rows: list[dict], path: Path) -> None:
 
 
 async def synthesize_async(config: SynthConfig) -> dict:
-    from pipeline.envs import make_env
-    from pipeline.tasks import load_tasks
+    from trajforge.pipeline.synth.envs import make_env
+    from trajforge.pipeline.synth.tasks import load_tasks
 
     out = Path(config.out)
     state = out / ".synth"

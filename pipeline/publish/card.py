@@ -23,9 +23,10 @@ from datasets.info import DatasetInfosDict
 from datasets.utils.metadata import MetadataConfigs
 from huggingface_hub import DatasetCardData
 
-from pipeline.shards import layout
-from schemas import load_schema
-from sources import REGISTRY
+from trajforge.pipeline.publish.report import VALIDATION_HEADER, validation_rows
+from trajforge.pipeline.publish.shards import layout
+from trajforge.schemas import load_schema
+from trajforge.sources import REGISTRY
 
 DEFAULT_CONFIG = "sft"
 SNAPSHOT_RE = re.compile(r"/snapshots/([0-9a-f]{40})/")
@@ -198,6 +199,11 @@ def render_card(out: Path, report: dict, provenance: list[dict], build: str, cod
     lines += (_table(["reason", "records"], [[f"`{r}`", n] for r, n in sorted(reasons.items())]) if reasons
               else ["Nothing was quarantined."])
     lines += ["", "The quarantined records, with their raw input and a reason code, are in `quarantine/`.", ""]
+    if report.get("validation_by_env"):
+        lines += ["## Validation per environment", "",
+                  "Every trained action is checked against its environment's action grammar, and every "
+                  "episode against its env's end rule (trajforge `pipeline/ingest/grammars.py`).", ""]
+        lines += _table(VALIDATION_HEADER, validation_rows(report["validation_by_env"])) + [""]
     lines += _dedup_lines(report.get("duplicates")) + _negative_lines(report.get("negatives"))
     lines += ["## Schema", "", f"Record schema `trajectory` {load_schema('trajectory').get('version', '')} "
               "(JSON Schema in the trajforge repository, `schemas/trajectory.schema.json`).", ""]

@@ -83,6 +83,20 @@ def report_extras(report: dict, records: list[dict], duplicates: list[dict], neg
                        "chars": _summary([sum(len(t["content"]) for t in r["conversations"]) for r in records])}
 
 
+VALIDATION_HEADER = ["env", "grammar", "records", "actions checked", "valid by grammar", "quarantined by rule"]
+
+
+def validation_rows(figures: dict[str, dict]) -> list[list]:
+    """One row per env of `report["validation_by_env"]`, for the html report and the card."""
+    rows = []
+    for env, e in sorted(figures.items()):
+        checked, valid = e["actions_checked"], e["actions_valid"]
+        share = f"{valid} ({valid / checked:.1%})" if checked else "-"
+        rules = ", ".join(f"{rule} {n}" for rule, n in sorted(e["quarantined"].items())) or "-"
+        rows.append([env, "yes" if e["grammar"] else "none", e["records"], e["actions_checked"], share, rules])
+    return rows
+
+
 # --- plots ----------------------------------------------------------------------------------
 
 def _save(fig, out: Path, name: str) -> str:
@@ -224,6 +238,9 @@ def write_html(out: Path, report: dict, records: list[dict], duplicates: list[di
         f"<p class='{'ok' if balanced else 'bad'}'>read = written + quarantined + duplicates: "
         f"{'holds for every source' if balanced else 'DOES NOT HOLD'}</p>",
         _table(["source", "read", "written", "quarantined", "duplicates"], rows),
+        "<h2>Validation per environment</h2><p>Every trained action checked against its env's grammar "
+        "(pipeline/ingest/grammars.py); records quarantined per env by grammar rule or reason.</p>",
+        _table(VALIDATION_HEADER, validation_rows(report.get("validation_by_env", {}))),
     ]
     for title, src in plots.items():
         parts.append(f"<h2>{html.escape(title)}</h2><img src='{html.escape(src)}' alt='{html.escape(title)}'>")

@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 import httpx
 
-from pipeline.envs.base import ClosingEnvironment, StepResult
-from pipeline.tasks import Task, coerce_task
+from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
+from trajforge.pipeline.synth.tasks import Task, coerce_task
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import re
 import sqlite3
 from typing import Any
 
-from pipeline.envs.base import ClosingEnvironment, StepResult
-from pipeline.tasks import Task, coerce_task, db_answers_match, table_hash, task_prompt
+from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
+from trajforge.pipeline.synth.tasks import Task, coerce_task, db_answers_match, table_hash, task_prompt
 
 _SQL_BLOCK = re.compile(r"```sql\s*\n(.*?)```", re.S | re.I)
 _FINAL = re.compile(r"Final Answer:\s*(.*)", re.S)

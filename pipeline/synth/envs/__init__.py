@@ -14,12 +14,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from pipeline.envs.base import Environment, StepResult
+from trajforge.pipeline.synth.envs.base import Environment, StepResult
 
 REGISTRY: dict[str, str] = {
-    "os": "pipeline.envs.os_sandbox:OsSandboxEnv",
-    "db": "pipeline.envs.db:DbEnv",
-    "agentgym": "pipeline.envs.agentgym:AgentGymEnv",
+    "os": "trajforge.pipeline.synth.envs.os_sandbox:OsSandboxEnv",
+    "db": "trajforge.pipeline.synth.envs.db:DbEnv",
+    "agentgym": "trajforge.pipeline.synth.envs.agentgym:AgentGymEnv",
 }
 
 

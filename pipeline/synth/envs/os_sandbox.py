@@ -5,14 +5,18 @@ Model-issued commands only ever run inside the sandbox; when it cannot be built,
 
 The sandbox (one per episode), built from stock tools, needs root (as in CI):
 - a pids cgroup (v1 `pids` hierarchy, or v2 with `pids` delegated at its root) bounds the number
-  of processes of everything below; RLIMIT_NPROC cannot, because the kernel exempts uid 0;
-- `unshare --mount` gives a private mount namespace where a tmpfs (size-limited) holds the upper
-  layer of an overlayfs over the host root: the agent may write anywhere (useradd, /etc), the host
-  never sees it, and the mounts vanish with the namespace's last process;
-- `bwrap` binds that tree as `/` with fresh /dev and /proc, empty tmpfs over paths that hold host
-  data (/root, /home, /tmp, the checkout...), and new pid, net (loopback only, down), ipc and uts
-  namespaces; its pid 1 and a `sleep infinity` are the anchor of the sandbox and die with
-  us (--die-with-parent);
+  of processes of everything below; RLIMIT_NPROC cannot, because the kernel exempts uid 0; a
+  memory cgroup (v1 `memory` hierarchy, or v2 `memory.max`) bounds the episode's memory, tmpfs
+  pages included; without either, `reset` refuses;
+- `unshare --mount --ipc` gives private mount and IPC namespaces where `sandbox_root` builds the
+  root on one size-limited tmpfs: the sandbox's own empty /root, /home, /tmp, /run, /var/tmp,
+  /dev/shm..., and copy-on-write overlays of an allowlist of host system trees (/usr, /etc, /bin,
+  /sbin, /lib*, /var/lib/dpkg) with /etc's secrets whited out. The agent may write anywhere
+  (useradd, /etc), the host never sees it, every byte counts against `disk_bytes`, and the mounts
+  vanish with the namespace's last process. Nothing else of the host is there;
+- `bwrap` binds that tree as `/` with a fresh /proc, and new pid, net (loopback only, down), uts
+  and cgroup namespaces; its pid 1 and a `sleep infinity` are the anchor of the sandbox and die
+  with us (--die-with-parent);
 - every process we start inside (init scripts, the agent's shell, check scripts) enters those
   namespaces with `nsenter`, keeps only a docker-like set of capabilities (no CAP_SYS_ADMIN,
   MKNOD, DAC_READ_SEARCH, NET_ADMIN, PTRACE...) via `setpriv`, gets CPU-time, address-space,
@@ -37,16 +41,18 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.envs.base import ClosingEnvironment, StepResult
-from pipeline.tasks import Task, coerce_task, os_match, task_prompt
+from trajforge.pipeline.synth.envs import sandbox_root
+from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
+from trajforge.pipeline.synth.tasks import Task, coerce_task, os_match, task_prompt
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 TRUNCATION_NOTE = "\n[truncated because the output is too long]"
@@ -57,10 +63,6 @@ _CAPS = "-all,+chown,+dac_override,+fowner,+fsetid,+kill,+setgid,+setuid,+net_bi
 _SANDBOX_ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "USER=root",
                 "LOGNAME=root", "SHELL=/bin/bash", "TERM=dumb", "LANG=C.UTF-8"]
 _TOOLS = ("bwrap", "unshare", "nsenter", "setpriv", "prlimit", "env", "mount")
-# Top-level directories that are the system itself and must stay visible.
-_SYSTEM_DIRS = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "var", "opt", "boot", "dev",
-                "proc", "sys"}
-
 
 class SandboxUnavailable(RuntimeError):
     """The sandbox cannot be built here; nothing was run on the host."""
@@ -83,90 +85,137 @@ class SandboxConfig:
     cpu_seconds: int = 120          # RLIMIT_CPU of every process
     max_processes: int = 256        # pids.max of the whole sandbox
     file_bytes: int = 256 << 20     # RLIMIT_FSIZE
-    disk_bytes: int = 512 << 20     # tmpfs holding everything the sandbox writes
+    disk_bytes: int = 512 << 20     # everything the sandbox writes: its tmpfs + SysV shared memory
     output_bytes: int = 1 << 20     # output kept per command (head + the tail); the rest is dropped
     observation_chars: int = 800    # upstream cut
-    hidden_paths: tuple[str, ...] = field(default_factory=lambda: default_hidden_paths())
 
+    @property
+    def shm_bytes(self) -> int:
+        """SysV shared memory of the sandbox's IPC namespace (shmmax, shmall); the tmpfs gets the rest."""
+        return self.disk_bytes // 8
 
-def default_hidden_paths() -> tuple[str, ...]:
-    """Paths covered by an empty tmpfs: the agent starts, as upstream, with an empty /root and
-    /tmp, and does not see host data (home directories, the checkout we run from)."""
-    paths = {"/root", "/home", "/tmp", "/var/tmp", "/run", "/mnt", "/media", "/srv"}
-    for p in (Path.cwd(), Path(tempfile.gettempdir()), Path.home()):
-        parts = p.resolve().parts
-        if len(parts) > 1 and parts[1] not in _SYSTEM_DIRS:
-            paths.add("/" + parts[1])
-    return tuple(sorted(paths))
+    @property
+    def episode_memory_bytes(self) -> int:
+        """The memory cgroup's limit: one process at its RLIMIT_AS plus everything written to memory."""
+        return self.memory_bytes + self.disk_bytes
 
 
 # --- cgroup ------------------------------------------------------------------------------------
-@lru_cache(maxsize=1)
-def _pids_hierarchy() -> tuple[Path, int] | None:
-    """(mount point, version) of a cgroup hierarchy where we can create a child with pids.max."""
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
+def cgroup_roots(mountinfo: str) -> dict[str, tuple[Path, int]]:
+    """{controller: (mount point, version)} for `pids` and `memory`, from /proc/self/mountinfo's
+    text: where we may create a child cgroup that has this controller. v1 hierarchies win (on a
+    hybrid host the v2 tree has none of the controllers that v1 holds)."""
+    found: dict[str, tuple[Path, int]] = {}
+    for line in mountinfo.splitlines():
         left, _, right = line.partition(" - ")
         mountpoint, (fstype, _source, superopts) = Path(left.split()[4]), right.split()[:3]
-        if fstype == "cgroup" and "pids" in superopts.split(",") and os.access(mountpoint, os.W_OK):
-            return mountpoint, 1
-        if fstype == "cgroup2" and os.access(mountpoint, os.W_OK):
+        if not os.access(mountpoint, os.W_OK):
+            continue
+        if fstype == "cgroup":
+            for controller in {"pids", "memory"} & set(superopts.split(",")):
+                found[controller] = (mountpoint, 1)
+        elif fstype == "cgroup2":
             try:
-                if "pids" in (mountpoint / "cgroup.subtree_control").read_text().split():
-                    return mountpoint, 2
+                enabled = set((mountpoint / "cgroup.subtree_control").read_text().split())
             except OSError:
                 continue
-    return None
+            for controller in {"pids", "memory"} & enabled:
+                found.setdefault(controller, (mountpoint, 2))
+    return found
+
+
+@lru_cache(maxsize=1)
+def _cgroup_roots() -> dict[str, tuple[Path, int]]:
+    try:
+        return cgroup_roots(Path("/proc/self/mountinfo").read_text())
+    except OSError:
+        return {}
 
 
 class _Cgroup:
-    def __init__(self, name: str, config: SandboxConfig):
-        found = _pids_hierarchy()
-        if found is None:
+    """The episode's cgroup(s): one directory on v2, one per controller on v1."""
+
+    def __init__(self, name: str, config: SandboxConfig, roots: dict[str, tuple[Path, int]]):
+        if "pids" not in roots:
             raise SandboxUnavailable("no writable pids cgroup: the process count could not be bounded")
-        root, self.version = found
-        self.path = root / name
-        self.path.mkdir()
-        (self.path / "pids.max").write_text(str(config.max_processes))
-        if self.version == 2 and (self.path / "memory.max").exists():
-            (self.path / "memory.max").write_text(str(config.memory_bytes + config.disk_bytes))
+        if "memory" not in roots:
+            raise SandboxUnavailable("no writable memory cgroup (v1 `memory` hierarchy, or v2 with `memory` "
+                                     "enabled): the episode's memory could not be bounded")
+        self.paths: list[Path] = []
+        try:
+            self._create(name, config, roots)
+        except BaseException:
+            self.destroy()
+            raise
+
+    def _create(self, name: str, config: SandboxConfig, roots: dict[str, tuple[Path, int]]) -> None:
+        for controller in ("pids", "memory"):
+            path = roots[controller][0] / name
+            if path not in self.paths:
+                path.mkdir()
+                self.paths.append(path)
+        self.pids_dir, self.memory_dir = roots["pids"][0] / name, roots["memory"][0] / name
+        (self.pids_dir / "pids.max").write_text(str(config.max_processes))
+        limit = str(config.episode_memory_bytes)
+        if roots["memory"][1] == 1:
+            (self.memory_dir / "memory.limit_in_bytes").write_text(limit)
+            self._peak_file = self.memory_dir / "memory.max_usage_in_bytes"
+            swap_file = self.memory_dir / "memory.memsw.limit_in_bytes"  # memory + swap: no swap beyond
+        else:
+            (self.memory_dir / "memory.max").write_text(limit)
+            self._peak_file = self.memory_dir / "memory.peak"
+            swap_file, limit = self.memory_dir / "memory.swap.max", "0"
+        if swap_file.exists():
+            swap_file.write_text(limit)
 
     def wrap(self, argv: list[str]) -> list[str]:
-        """Join the cgroup before exec, so that everything the command forks is counted."""
-        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"), *argv]
+        """Join the cgroup(s) before exec, so that everything the command forks is counted."""
+        procs = [str(path / "cgroup.procs") for path in self.paths]
+        joins = " && ".join(f'echo $$ > "${i}"' for i in range(len(procs)))
+        return ["sh", "-c", f'{joins} && shift {len(procs) - 1} && exec "$@"', *procs, *argv]
 
     def pids(self) -> list[int]:
-        try:
-            return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
-        except (OSError, ValueError):
-            return []
+        found: set[int] = set()
+        for path in self.paths:
+            try:
+                found.update(int(p) for p in (path / "cgroup.procs").read_text().split())
+            except (OSError, ValueError):
+                pass
+        return sorted(found)
 
     def current(self) -> int:
-        return int((self.path / "pids.current").read_text())
+        return int((self.pids_dir / "pids.current").read_text())
+
+    def memory_peak(self) -> int | None:
+        try:
+            return int(self._peak_file.read_text())
+        except (OSError, ValueError):
+            return None  # v2 before Linux 5.19 has no memory.peak
 
     def destroy(self) -> None:
-        if not self.path.exists():
-            return
-        kill_file = self.path / "cgroup.kill"
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if kill_file.exists():
-                kill_file.write_text("1")
+        while self.paths and time.monotonic() < deadline:
+            for path in self.paths:
+                kill_file = path / "cgroup.kill"
+                if kill_file.exists():
+                    kill_file.write_text("1")
             # Repeat: a fork bomb may fork between our read and our kill (pids.max bounds it).
             for pid in self.pids():
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
+            for path in list(self.paths):
+                try:
+                    if path.exists():
+                        path.rmdir()
+                    self.paths.remove(path)
+                except OSError:
+                    pass
+            if self.paths:
                 time.sleep(0.02)
-        raise RuntimeError(f"could not remove cgroup {self.path}: processes left {self.pids()}")
+        if self.paths:
+            raise RuntimeError(f"could not remove cgroup {self.paths}: processes left {self.pids()}")
 
 
 # --- sandbox -----------------------------------------------------------------------------------
@@ -196,7 +245,7 @@ class Sandbox:
         self._cgroup: _Cgroup | None = None
         self._anchor: subprocess.Popen | None = None
         try:
-            self._cgroup = _Cgroup(self.name, self.config)
+            self._cgroup = _Cgroup(self.name, self.config, _cgroup_roots())
             self._cgroups.append(self._cgroup)
             self._start()
         except BaseException:
@@ -205,19 +254,19 @@ class Sandbox:
 
     def _start(self) -> None:
         c, d = self.config, str(self._dir)
-        mount = ('d=$1; size=$2; shift 2; mount -t tmpfs -o "size=$size,mode=700" trajforge "$d" && '
-                 'mkdir "$d/upper" "$d/work" "$d/root" && '
-                 'mount -t overlay overlay -o "lowerdir=/,upperdir=$d/upper,workdir=$d/work" "$d/root" && exec "$@"')
         read_fd, write_fd = os.pipe()
-        bwrap = ["bwrap", "--bind", f"{d}/root", "/", "--dev", "/dev", "--proc", "/proc",
-                 *[a for p in c.hidden_paths for a in ("--tmpfs", p)],
-                 "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+        # --dev-bind, not --bind: bwrap would remount everything below nodev, /dev/null included.
+        bwrap = ["bwrap", "--dev-bind", f"{d}/root", "/", "--proc", "/proc",
+                 "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
                  "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL",
                  "--info-fd", str(write_fd), "--",
                  # Runs once bwrap has finished building the root: "ready" means nsenter may enter.
                  "sh", "-c", "echo ready && exec sleep infinity"]
-        argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", mount, "sh", d,
-                str(c.disk_bytes), *bwrap]
+        # The IPC namespace is unshare's (not bwrap's): its SysV shm limits are set while we still
+        # hold CAP_SYS_ADMIN, and bwrap's child keeps it.
+        argv = ["unshare", "--mount", "--ipc", "--propagation", "private", "--",
+                sys.executable, "-I", "-S", sandbox_root.__file__, d, str(c.disk_bytes - c.shm_bytes),
+                str(c.shm_bytes), "--", *bwrap]
         assert self._cgroup is not None
         try:
             self._anchor = subprocess.Popen(self._cgroup.wrap(argv), stdin=subprocess.DEVNULL,
@@ -304,7 +353,11 @@ class Sandbox:
 
     def processes(self) -> int:
         """How many processes the sandbox holds now (our host-side helpers included)."""
-        return self._cgroup.current() if self._cgroup and self._cgroup.path.exists() else 0
+        return self._cgroup.current() if self._cgroup and self._cgroup.pids_dir.exists() else 0
+
+    def memory_peak(self) -> int | None:
+        """The most memory the episode has held (cgroup accounting: processes and tmpfs pages)."""
+        return self._cgroup.memory_peak() if self._cgroup else None
 
     def close(self) -> None:
         self._release()
@@ -343,7 +396,7 @@ def _release(procs: list[subprocess.Popen], cgroups: list[_Cgroup], directory: P
 def sandbox_unavailable_reason() -> str | None:
     """None when a sandbox can be built here (tried for real, once per process), else why not."""
     try:
-        with Sandbox(SandboxConfig(hidden_paths=("/tmp",))) as box:
+        with Sandbox() as box:
             run = box.run_script({"language": "bash", "code": "echo ok"}, [], timeout=20)
             if run.stdout.strip() != "ok":
                 return f"probe command failed: {run.stderr.strip()}"

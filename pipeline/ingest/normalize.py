@@ -16,9 +16,9 @@ import json
 import re
 from dataclasses import dataclass
 
-from pipeline.dialects import FREE_TEXT, DIALECTS, ParseError, clean_text, parse_turn, render_react
-from sources.agent_flan import NEGATIVE_FILES
-from sources.base import Source
+from trajforge.pipeline.ingest.dialects import FREE_TEXT, DIALECTS, ParseError, clean_text, parse_turn, render_react
+from trajforge.sources.agent_flan import NEGATIVE_FILES
+from trajforge.sources.base import Source
 
 SCHEMA_VERSION = "1.0.0"
 ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",

@@ -35,7 +35,7 @@ import numpy as np
 import polars as pl
 from datasketch import LeanMinHash, MinHash, MinHashLSH
 
-from pipeline.dialects import clean_text
+from trajforge.pipeline.ingest.dialects import clean_text
 
 # Lower is preferred. Re-releases drop upstream fields (loss flags, ids), synthetic rows are ours.
 SOURCE_RANK = {"agentinstruct": 0, "agent_flan": 0, "agenttraj_l": 0, "openmanus_rl": 1, "synthetic": 2}

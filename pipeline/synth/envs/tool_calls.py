@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pipeline.envs.agentgym import extract_action
-from pipeline.envs.db import _DECLARED, _FINAL, _SQL_BLOCK
-from pipeline.envs.os_sandbox import parse_os_action
+from trajforge.pipeline.synth.envs.agentgym import extract_action
+from trajforge.pipeline.synth.envs.db import _DECLARED, _FINAL, _SQL_BLOCK
+from trajforge.pipeline.synth.envs.os_sandbox import parse_os_action
 
 # Which environment a trajectory's `env` runs in: AgentBench OS and DB; every other env name is an
 # AgentGym server env (webshop, alfworld, ...).

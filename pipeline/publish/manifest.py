@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import os
 from importlib import metadata
@@ -18,8 +19,7 @@ from typing import Iterable
 
 MANIFEST = "manifest.json"
 # The code whose behaviour shapes the output: a change here is a new code version.
-CODE_PACKAGES = ("pipeline", "sources", "schemas")
-REPO_ROOT = Path(__file__).resolve().parents[1]
+CODE_PACKAGES = ("trajforge.pipeline", "trajforge.sources", "trajforge.schemas")
 
 
 def file_sha256(path: Path) -> str:
@@ -43,9 +43,11 @@ def code_version() -> str:
         version = "0"
     digest = hashlib.sha256()
     for package in CODE_PACKAGES:
-        for path in sorted((REPO_ROOT / package).rglob("*")):
+        root = Path(importlib.import_module(package).__file__).parent
+        for path in sorted(root.rglob("*")):
             if path.suffix in (".py", ".json") and "__pycache__" not in path.parts:
-                digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+                name = f"{package}/{path.relative_to(root).as_posix()}"
+                digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return f"{version}+{digest.hexdigest()[:12]}"
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
-from pipeline.manifest import MANIFEST, file_sha256, read_manifest
+from trajforge.pipeline.publish.manifest import MANIFEST, file_sha256, read_manifest
 
 log = logging.getLogger("trajforge.release")
 

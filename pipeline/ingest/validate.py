@@ -5,15 +5,15 @@ can count them. `validate_record` returns None for a valid record; it never rais
 """
 from __future__ import annotations
 
-import ast
 import json
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
-from pipeline.dialects import FREE_TEXT, parse_turn
-from pipeline.normalize import extract_answer
-from schemas import first_error
+from trajforge.pipeline.ingest.dialects import FREE_TEXT, parse_turn
+from trajforge.pipeline.ingest.grammars import GRAMMARS, Breach, Context, grammar_for
+from trajforge.pipeline.ingest.normalize import extract_answer
+from trajforge.schemas import first_error
 
 # An assistant turn that goes on to write the environment's reply itself.
 _MODEL_OBSERVATION = re.compile(
@@ -31,6 +31,7 @@ class ValidateConfig:
 class Violation:
     reason: str
     detail: str
+    rule: str | None = None   # the grammar rule behind an `invalid_action`
 
 
 def _schema(record: dict, config: ValidateConfig) -> Violation | None:
@@ -107,46 +108,46 @@ def _length(record: dict, config: ValidateConfig) -> Violation | None:
     return None
 
 
-# Envs whose prompt or observations name every valid action (a tool, a command verb): an action
-# whose name appears nowhere in them is outside the action space. Not listed: envs where valid
-# actions are free (wordle guesses, mind2web's lettered choices) or where upstream positives use
-# verbs the prompt does not spell out (alfworld's "go", babyai's "pickup").
-ACTION_SPACE_ENVS = frozenset({"os", "db", "kg", "webshop", "sciworld", "sqlgym", "textcraft", "maze",
-                               "movie", "todo", "weather", "toolbench"})
-_ACTION_HEAD = re.compile(r"[A-Za-z_][\w.\-]*")
-_CONTEXT_WORD = re.compile(r"[\w.\-]+")
 # The same action this many times in a row, with the same observation in between, is a loop. Three
 # happen in an accepted upstream row (AgentInstruct db_314 re-runs an INSERT that returns []), so the
 # rule starts at four; db_326 sends the same failing INSERT five times and is caught.
 LOOP_REPEATS = 4
 
 
-def action_name(action: str, dialect: str | None) -> str | None:
-    """The name of the tool or command an action invokes (`bash`, `get_relations`, `search`, ...)."""
-    try:
-        if dialect == "json_tool":
-            name = json.loads(action).get("Tool")
-            return name if isinstance(name, str) else None
-        if dialect == "dict_tool_call":
-            name = ast.literal_eval(action).get("name")
-            return name if isinstance(name, str) else None
-    except (ValueError, SyntaxError, AttributeError):
-        return None
-    m = _ACTION_HEAD.search(action.lstrip("`"))
-    return m.group(0) if m else None
+def action_contexts(record: dict) -> Iterator[tuple[int, dict, Context]]:
+    """Every assistant turn with an action, and what the agent had seen before it."""
+    seen = ""
+    turns = record["conversations"]
+    for i, turn in enumerate(turns):
+        if turn["role"] != "assistant":
+            seen = f"{seen}\n{turn['content']}" if seen else turn["content"]
+        elif turn["action"] is not None:
+            observation = turns[i - 1]["content"] if i and turns[i - 1]["role"] == "user" else ""
+            yield i, turn, Context(seen, observation, turn["dialect"])
 
 
-def _action_space(record: dict, config: ValidateConfig) -> Violation | None:
-    if record["env"] not in ACTION_SPACE_ENVS and record["domain"] != "tool":
+def grammar_breaches(record: dict) -> tuple[int, list[tuple[int, str, Breach]]]:
+    """(trained actions checked, [(turn, action, breach)]) against the record's env grammar."""
+    grammar = grammar_for(record["env"])
+    if grammar is None:
+        return 0, []
+    checked, breaches = 0, []
+    for i, turn, context in action_contexts(record):
+        if turn["loss"]:
+            checked += 1
+            breach = grammar.check(turn["action"], context)
+            if breach is not None:
+                breaches.append((i, turn["action"], breach))
+    return checked, breaches
+
+
+def _action_grammar(record: dict, config: ValidateConfig) -> Violation | None:
+    """Every trained action follows its env's grammar (pipeline/ingest/grammars.py)."""
+    breaches = grammar_breaches(record)[1]
+    if not breaches:
         return None
-    context = "\n".join(t["content"] for t in record["conversations"] if t["role"] != "assistant").lower()
-    known = set(_CONTEXT_WORD.findall(context))
-    for i, turn in enumerate(record["conversations"]):
-        if turn["role"] == "assistant" and turn["loss"] and turn["action"] is not None:
-            name = action_name(turn["action"], turn["dialect"])
-            if name is None or name.lower() not in known:
-                return Violation("action_outside_space", f"turn {i}: {name!r} is not an action the prompt offers")
-    return None
+    i, action, breach = breaches[0]
+    return Violation("invalid_action", f"turn {i}: {action[:120]!r} breaks {breach.rule}: {breach.detail}", breach.rule)
 
 
 def _action_loop(record: dict, config: ValidateConfig) -> Violation | None:
@@ -168,6 +169,42 @@ def _action_loop(record: dict, config: ValidateConfig) -> Violation | None:
     return None
 
 
+def _episode_end(record: dict, config: ValidateConfig) -> Violation | None:
+    """An env with a terminal action must end with it; an env that ends on its own must end on a
+    (valid, checked above) action rather than on a turn with none."""
+    grammar = grammar_for(record["env"])
+    if grammar is None:
+        return None
+    turns = record["conversations"]
+    last_at = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
+    last = turns[last_at]
+    if last["action"] is None:
+        if grammar.tool_replies:
+            return None
+        return Violation("incomplete_episode", f"turn {last_at}: the episode ends without an action; "
+                                               f"a {record['env']} episode ends {grammar.ends}")
+    if grammar.terminal is None or grammar.terminal(last["action"]):
+        return None
+    calls = sum(1 for t in turns if t["role"] == "assistant" and t["action"] is not None and t["loss"])
+    if grammar.tool_replies and calls == 1:
+        return None  # a single call answering a one-step instruction
+    return Violation("incomplete_episode", f"turn {last_at}: the episode stops at {last['action'][:100]!r}; "
+                                           f"a {record['env']} episode ends {grammar.ends}")
+
+
+def _outcome_consistent(record: dict, config: ValidateConfig) -> Violation | None:
+    """Upstream outcome fields agree with each other and with the record being a positive."""
+    success, reward = record["success"], record["reward"]
+    if success is False:
+        return Violation("outcome_mismatch", "a positive whose upstream outcome is failure")
+    if success is True and reward is not None and reward <= 0:
+        return Violation("outcome_mismatch", f"success with reward {reward}")
+    meta_reward = json.loads(record["meta"]).get("reward")
+    if reward is not None and isinstance(meta_reward, (int, float)) and meta_reward != reward:
+        return Violation("outcome_mismatch", f"reward {reward}, meta says {meta_reward}")
+    return None
+
+
 def _answer_consistent(record: dict, config: ValidateConfig) -> Violation | None:
     """The final action must give the record's answer (what a reward compares against)."""
     last = next(t for t in reversed(record["conversations"]) if t["role"] == "assistant")
@@ -181,7 +218,8 @@ def _answer_consistent(record: dict, config: ValidateConfig) -> Violation | None
 
 
 # Order matters: the schema first (the other rules assume its shape), then structure, then content;
-# a written-out observation is named as such before it shows up as a turn that misparses.
+# a written-out observation is named as such before it shows up as a turn that misparses. The
+# outcome fields come last: a negative (success false) is named for what is wrong in its turns.
 RULES: dict[str, Callable[[dict, ValidateConfig], Violation | None]] = {
     "schema": _schema,
     "role_order": _role_order,
@@ -190,9 +228,11 @@ RULES: dict[str, Callable[[dict, ValidateConfig], Violation | None]] = {
     "model_written_observation": _model_written_observation,
     "assistant_turns_parse": _assistant_turns_parse,
     "react_rendering": _react_rendering,
-    "action_space": _action_space,
+    "action_grammar": _action_grammar,
     "action_loop": _action_loop,
+    "episode_end": _episode_end,
     "answer_consistent": _answer_consistent,
+    "outcome_consistent": _outcome_consistent,
 }
 
 
@@ -203,3 +243,32 @@ def validate_record(record: dict, config: ValidateConfig = ValidateConfig()) -> 
         if violation is not None:
             return violation
     return None
+
+
+def tally_env(figures: dict[str, dict], record: dict, violation: Violation | None) -> None:
+    """Count one validated record into per-env figures (in place): records, trained actions
+    checked and valid by the env's grammar, and quarantined records by rule (the grammar rule for
+    `invalid_action`, the reason otherwise)."""
+    entry = figures.setdefault(record["env"], {"grammar": record["env"] in GRAMMARS, "records": 0,
+                                               "actions_checked": 0, "actions_valid": 0, "quarantined": {}})
+    checked, breaches = grammar_breaches(record)
+    entry["records"] += 1
+    entry["actions_checked"] += checked
+    entry["actions_valid"] += checked - len(breaches)
+    if violation is not None:
+        key = violation.rule or violation.reason
+        entry["quarantined"][key] = entry["quarantined"].get(key, 0) + 1
+
+
+def merge_env_figures(parts: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per-env figures of several units added up, envs sorted."""
+    total: dict[str, dict] = {}
+    for part in parts:
+        for env, entry in part.items():
+            into = total.setdefault(env, {"grammar": entry["grammar"], "records": 0, "actions_checked": 0,
+                                          "actions_valid": 0, "quarantined": {}})
+            for key in ("records", "actions_checked", "actions_valid"):
+                into[key] += entry[key]
+            for rule, n in entry["quarantined"].items():
+                into["quarantined"][rule] = into["quarantined"].get(rule, 0) + n
+    return dict(sorted(total.items()))

@@ -24,12 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from pipeline.dialects import FREE_TEXT, ParseError, clean_text, parse_turn
-from pipeline.llm import ChatBackend, LLMError, family_of, prepare_messages
-from pipeline.normalize import SCHEMA_VERSION, extract_answer
-from pipeline.reasoning import split_reasoning
-from pipeline.validate import validate_record
-from sources.synthetic import DOMAINS
+from trajforge.pipeline.ingest.dialects import FREE_TEXT, ParseError, clean_text, parse_turn
+from trajforge.pipeline.synth.llm import ChatBackend, LLMError, family_of, prepare_messages
+from trajforge.pipeline.ingest.normalize import SCHEMA_VERSION, extract_answer
+from trajforge.pipeline.synth.reasoning import split_reasoning
+from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.sources.synthetic import DOMAINS
 
 log = logging.getLogger("trajforge.agent")
 

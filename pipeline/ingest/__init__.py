@@ -1,0 +1,1 @@
+"""Ingest: upstream dialects, normalization to the record schema, validation with reasons."""

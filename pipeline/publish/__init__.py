@@ -1,0 +1,1 @@
+"""Publish: Parquet shards, report, dataset card, manifest and the Hub release."""

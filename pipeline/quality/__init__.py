@@ -1,0 +1,1 @@
+"""Quality: decontamination, deduplication, negatives and the derived datasets."""
