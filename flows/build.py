@@ -116,7 +116,8 @@ def process_units(files: list[tuple[str, SourceFile]], staging: str, config: Bui
 def build_dataset(sources: dict[str, str | None] | None = None, out: str = "build", rendering: str = "native",
                   runner: str = "threads", address: str | None = None, workers: int = 4,
                   shard_rows: int | None = None, decontaminate: str | None = None,
-                  dedup_threshold: float | None = None, synthetic: str | None = None) -> dict:
+                  dedup_threshold: float | None = None, synthetic: str | None = None,
+                  rl_tasks: list[str] | None = None) -> dict:
     """Build the dataset. `sources` maps a source name to a local path or Hub repo id (None: its Hub repo).
 
     `synthetic` is the output folder of the synthesis flow, read as one more source (`synthetic`).
@@ -125,13 +126,15 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str = "buil
     byte-identical whichever is used. `shard_rows` caps the rows per Parquet shard (default: by size).
     `decontaminate` is a file of evaluation tasks whose trajectories are quarantined;
     `dedup_threshold` the Jaccard similarity from which two trajectories are near duplicates.
+    `rl_tasks` are task files whose tasks join the `grpo_env` config.
     """
     sources = dict(sources or {name: None for name in DEFAULT_SOURCES})
     if synthetic:
         sources["synthetic"] = synthetic
     shards = ShardConfig(max_rows=shard_rows) if shard_rows else ShardConfig()
     dedup = DedupConfig(threshold=dedup_threshold) if dedup_threshold is not None else DedupConfig()
-    config = BuildConfig(rendering=rendering, shards=shards, dedup=dedup, decontaminate=decontaminate)
+    config = BuildConfig(rendering=rendering, shards=shards, dedup=dedup, decontaminate=decontaminate,
+                         rl_tasks=tuple(rl_tasks or ()))
     out_dir = Path(out)
     staging = (out_dir / ".staging").resolve()
     staging.mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,9 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decontaminate", metavar="FILE", default=None,
                    help="evaluation tasks (one per line, or JSON/JSONL strings or {task}); trajectories whose "
                         "task shares an 8-word n-gram with one go to the quarantine as `contaminated`")
+    p.add_argument("--rl-tasks", action="append", default=[], metavar="FILE",
+                   help="a task file (AgentBench OS/DB, JSONL of {env, description, ...}; repeatable) whose tasks "
+                        "join the `grpo_env` config for multi-turn GRPO")
     p.add_argument("--dedup-threshold", type=float, default=None, metavar="J",
                    help="shingle Jaccard similarity from which two trajectories are near duplicates (default 0.85)")
     p.set_defaults(func=_run_build)
@@ -113,7 +116,8 @@ def _run_build(args: argparse.Namespace) -> int:
 
     report = build_dataset(sources=sources or None, out=args.out, rendering=args.rendering, runner=args.runner,
                            address=args.address, decontaminate=args.decontaminate and os.path.abspath(args.decontaminate),
-                           dedup_threshold=args.dedup_threshold)
+                           dedup_threshold=args.dedup_threshold,
+                           rl_tasks=[os.path.abspath(path) for path in args.rl_tasks])
     print("\n".join(summary_lines(report)))
     print(f"dataset: {args.out}/data  quarantine: {args.out}/quarantine  report: {args.out}/report.json")
     return 0

@@ -21,13 +21,14 @@ import pyarrow.parquet as pq
 
 from trajforge.pipeline.publish.card import hub_revision, write_card
 from trajforge.pipeline.quality.dedup import Contamination, DedupConfig, decontaminate, deduplicate, read_eval_tasks
-from trajforge.pipeline.quality.derived import grpo_prompts, preference_pairs
+from trajforge.pipeline.quality.derived import grpo_env_rows, grpo_prompts, preference_pairs
 from trajforge.pipeline.publish.manifest import (GENERATOR, build_id, code_version, file_sha256,
                                                 remove_earlier_files, set_manifest_aside, write_manifest)
 from trajforge.pipeline.quality.negatives import NegativesConfig, make_negatives
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
 from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
 from trajforge.pipeline.publish.shards import ShardConfig, write_config
+from trajforge.pipeline.synth.tasks import load_tasks
 from trajforge.pipeline.ingest.validate import ValidateConfig, merge_env_figures, tally_env, validate_record
 from trajforge.schemas import arrow_schema
 from trajforge.sources import RawRow, SourceFile, get_source, iter_rows
@@ -51,6 +52,9 @@ class BuildConfig:
     # A file of evaluation tasks; trajectories whose task shares a word n-gram with one are quarantined.
     decontaminate: str | None = None
     decontaminate_ngram: int = 8
+    # Task files (pipeline.tasks formats) whose tasks become `grpo_env` rows, beside the
+    # trajectories' own resettable tasks.
+    rl_tasks: tuple[str, ...] = ()
 
     @property
     def normalize(self) -> NormalizeConfig:
@@ -359,10 +363,11 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     negatives = make_negatives(records, config.negatives)
     pairs, unpaired = preference_pairs(negatives, records)
     grpo = grpo_prompts(records)
+    grpo_env, unrunnable_tasks = grpo_env_rows([t for path in config.rl_tasks for t in load_tasks(path)], records)
     derived = {name: write_config(out, name, {"train": pa.Table.from_pylist(rows, schema=arrow_schema(schema))},
                                   config.shards)
                for name, rows, schema in [("negatives", negatives, "trajectory"), ("preference", pairs, "preference"),
-                                          ("grpo", grpo, "grpo")]}
+                                          ("grpo", grpo, "grpo"), ("grpo_env", grpo_env, "grpo_env")]}
     duplicates_path = out / "duplicates.parquet"
     write_parquet(duplicates, arrow_schema("duplicates"), duplicates_path)
     sft = write_config(out, "sft", {"train": pa.Table.from_pylist(records, schema=arrow_schema("trajectory"))},
@@ -383,6 +388,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     report["outputs"].update({name: files.get("train", []) for name, files in derived.items()},
                              duplicates=[str(duplicates_path.relative_to(out))])
     report_extras(report, records, duplicates, negatives, len(pairs), unpaired, len(grpo))
+    report["grpo_env"] = {"rows": len(grpo_env), "unrunnable_tasks": unrunnable_tasks}
     if not records:
         report["warnings"] = ["no record made it into data/sft: every input record was quarantined or a duplicate"]
     for warning in report.get("warnings", []):

@@ -40,6 +40,7 @@ CONFIG_NOTES = {
     "negatives": "trajectories with a known defect (`negative_type`, `parent_id`)",
     "preference": "chosen/rejected pairs for DPO",
     "grpo": "prompts with reference answers for GRPO",
+    "grpo_env": "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",
 }
 
 
