@@ -19,7 +19,9 @@ from prefect import flow, get_run_logger, task
 from prefect.context import FlowRunContext
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_unit, unit_key
+from trajforge.flows.artifacts import Progress, build_artifacts
+from trajforge.flows.names import build_run_name
+from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_unit, remove_stale_temp_files, unit_key
 from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.publish.manifest import code_version
 from trajforge.pipeline.publish.shards import ShardConfig, read_marker, unit_fingerprint, unit_marker, write_marker
@@ -108,35 +110,47 @@ def process_units(files: list[tuple[str, SourceFile]], staging: str, config: Bui
     logger = get_run_logger()
     unit = process_unit_task.with_options(result_storage=Path(staging) / "results")
     futures = [unit.submit(name, file, staging, config) for name, file in files]
+    progress = Progress("build-progress", f"Source files normalized and validated (of {len(files)})")
     units = []
     for done, future in enumerate(futures, 1):
         units.append(future.result())
+        progress(done, len(futures))
         logger.info("units done: %d/%d (%s/%s)", done, len(futures), units[-1].source, units[-1].source_file)
     return units
 
 
-@flow(name="build-dataset", log_prints=True)
+@flow(name="build-dataset", log_prints=True, flow_run_name=build_run_name)
 def build_dataset(sources: dict[str, str | None] | None = None, out: str = "build", rendering: str = "native",
                   runner: str = "threads", address: str | None = None, workers: int = 4,
                   shard_rows: int | None = None, decontaminate: str | None = None,
-                  dedup_threshold: float | None = None) -> dict:
+                  dedup_threshold: float | None = None, synthetic: str | None = None,
+                  rl_tasks: list[str] | None = None) -> dict:
     """Build the dataset. `sources` maps a source name to a local path or Hub repo id (None: its Hub repo).
+
+    `synthetic` is the output folder of the synthesis flow, read as one more source (`synthetic`).
 
     `runner`/`address` choose where the units run (threads, or a Dask / Ray cluster); the output is
     byte-identical whichever is used. `shard_rows` caps the rows per Parquet shard (default: by size).
     `decontaminate` is a file of evaluation tasks whose trajectories are quarantined;
     `dedup_threshold` the Jaccard similarity from which two trajectories are near duplicates.
+    `rl_tasks` are task files whose tasks join the `grpo_env` config.
     """
-    sources = sources or {name: None for name in DEFAULT_SOURCES}
+    sources = dict(sources or {name: None for name in DEFAULT_SOURCES})
+    if synthetic:
+        sources["synthetic"] = synthetic
     shards = ShardConfig(max_rows=shard_rows) if shard_rows else ShardConfig()
     dedup = DedupConfig(threshold=dedup_threshold) if dedup_threshold is not None else DedupConfig()
-    config = BuildConfig(rendering=rendering, shards=shards, dedup=dedup, decontaminate=decontaminate)
+    config = BuildConfig(rendering=rendering, shards=shards, dedup=dedup, decontaminate=decontaminate,
+                         rl_tasks=tuple(rl_tasks or ()))
     out_dir = Path(out)
     staging = (out_dir / ".staging").resolve()
     staging.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(out_dir)
     files = [(name, f) for name, location in sources.items() for f in resolve_source(name, location)]
     api_url = str(FlowRunContext.get().client.api_url)
     units = process_units.with_options(task_runner=make_task_runner(runner, address, workers, api_url))(
         files, str(staging), config)
-    # The CLI prints the summary table; deployment runs have report.json and report.html.
-    return finalize_task(units, str(out_dir), config)
+    # The CLI prints the summary table; deployment runs have report.json, report.html and the artifacts.
+    report = finalize_task(units, str(out_dir), config)
+    build_artifacts(report, out)
+    return report

@@ -54,6 +54,9 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decontaminate", metavar="FILE", default=None,
                    help="evaluation tasks (one per line, or JSON/JSONL strings or {task}); trajectories whose "
                         "task shares an 8-word n-gram with one go to the quarantine as `contaminated`")
+    p.add_argument("--rl-tasks", action="append", default=[], metavar="FILE",
+                   help="a task file (AgentBench OS/DB, JSONL of {env, description, ...}; repeatable) whose tasks "
+                        "join the `grpo_env` config for multi-turn GRPO")
     p.add_argument("--dedup-threshold", type=float, default=None, metavar="J",
                    help="shingle Jaccard similarity from which two trajectories are near duplicates (default 0.85)")
     p.set_defaults(func=_run_build)
@@ -113,7 +116,8 @@ def _run_build(args: argparse.Namespace) -> int:
 
     report = build_dataset(sources=sources or None, out=args.out, rendering=args.rendering, runner=args.runner,
                            address=args.address, decontaminate=args.decontaminate and os.path.abspath(args.decontaminate),
-                           dedup_threshold=args.dedup_threshold)
+                           dedup_threshold=args.dedup_threshold,
+                           rl_tasks=[os.path.abspath(path) for path in args.rl_tasks])
     print("\n".join(summary_lines(report)))
     print(f"dataset: {args.out}/data  quarantine: {args.out}/quarantine  report: {args.out}/report.json")
     return 0
@@ -199,21 +203,32 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
                    help="environment variable holding the API key (default: TRAJFORGE_API_KEY, OPENAI_API_KEY); "
                         "the key itself is never an argument")
     p.add_argument("--license", default="other", help="license of the task source, stamped on the records")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per request (default 600)")
+    p.add_argument("--max-retries", type=int, default=8, metavar="N",
+                   help="retries of a request that failed for a transient reason (default 8)")
+    p.add_argument("--max-connection-failures", type=int, default=10, metavar="N",
+                   help="stop the job after N requests in a row could not connect (default 10; 0: never)")
     p.set_defaults(func=_run_synth)
 
 
 def _run_synth(args: argparse.Namespace) -> int:
     from trajforge.flows.synth import synthesize
+    from trajforge.pipeline.synth.llm import ServerUnreachable
 
-    report = synthesize(tasks=args.tasks, env=args.env, model=args.model, out=args.out, base_url=args.base_url,
-                        n=args.n, keep=args.keep, concurrency=args.concurrency, episode_concurrency=args.episodes,
-                        max_turns=args.max_turns, max_tokens=args.max_tokens, seed=args.seed,
-                        sampling=dict(args.sampling), backend=args.backend, api_key_env=args.api_key_env,
-                        license=args.license)
+    try:
+        report = synthesize(tasks=args.tasks, env=args.env, model=args.model, out=args.out, base_url=args.base_url,
+                            n=args.n, keep=args.keep, concurrency=args.concurrency,
+                            episode_concurrency=args.episodes, max_turns=args.max_turns, max_tokens=args.max_tokens,
+                            seed=args.seed, sampling=dict(args.sampling), backend=args.backend,
+                            api_key_env=args.api_key_env, license=args.license, timeout_s=args.timeout,
+                            max_retries=args.max_retries, max_connection_failures=args.max_connection_failures)
+    except ServerUnreachable as exc:
+        print(f"trajforge: synth stopped: {exc.detail}", file=sys.stderr)
+        return 1
     reasons = ", ".join(f"{k}={v}" for k, v in report["failure_reasons"].items()) or "-"
     print(f"{args.env}: {report['tasks_with_record']}/{report['tasks']} tasks with a record, {report['records']} "
-          f"records, {report['failures']} failures ({reasons}); {report['llm']['calls']} LLM calls, "
-          f"{report['llm']['cache_hits']} cache hits")
+          f"records, {report['failures']} failures ({reasons}); {report['llm']['calls']} LLM calls answered of "
+          f"{report['llm']['attempts']} attempts, {report['llm']['cache_hits']} cache hits")
     print(f"records: {args.out}/data/synthetic/{args.env}.parquet  failures: {args.out}/failures.parquet")
     return 0
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
+from trajforge.flows.artifacts import release_artifacts
 from trajforge.flows.build import build_dataset
+from trajforge.flows.names import build_run_name, release_run_name
 from trajforge.pipeline.publish.release import ReleaseError, ReleasePlan, ReleaseResult, release
 
 
@@ -30,7 +32,7 @@ def push_task(folder: str, repo: str, revision: str, tag: str | None, private: b
     return release(Path(folder), repo, revision=revision, tag=tag, private=private, dry_run=dry_run)
 
 
-@flow(name="release", log_prints=True)
+@flow(name="release", log_prints=True, flow_run_name=release_run_name)
 def release_dataset(folder: str, repo: str, revision: str = "main", tag: str | None = None,
                     private: bool = False, dry_run: bool = False) -> dict:
     """Push `folder` (the output of the build flow) to the dataset repo `repo`, tag it and verify it."""
@@ -40,17 +42,23 @@ def release_dataset(folder: str, repo: str, revision: str = "main", tag: str | N
     for line in plan.lines():
         logger.info(line)
     if isinstance(outcome, ReleasePlan):
-        return {"dry_run": True, "added": plan.added, "changed": plan.changed, "deleted": plan.deleted}
-    logger.info("released %s@%s as commit %s%s; %d files verified against the manifest", repo, revision,
-                outcome.commit, f" (tag {tag})" if tag else "", outcome.verified)
-    return {"dry_run": False, "commit": outcome.commit, "tag": outcome.tag, "added": plan.added,
-            "changed": plan.changed, "deleted": plan.deleted, "verified": outcome.verified}
+        result = {"dry_run": True, "added": plan.added, "changed": plan.changed, "deleted": plan.deleted}
+    else:
+        logger.info("released %s@%s as commit %s%s; %d files verified against the manifest", repo, revision,
+                    outcome.commit, f" (tag {tag})" if tag else "", outcome.verified)
+        result = {"dry_run": False, "commit": outcome.commit, "tag": outcome.tag, "added": plan.added,
+                  "changed": plan.changed, "deleted": plan.deleted, "verified": outcome.verified,
+                  "files": sorted(plan.added + plan.changed + plan.unchanged)}
+    release_artifacts(result, repo, revision)
+    return result
 
 
-@flow(name="build-and-release", log_prints=True)
+@flow(name="build-and-release", log_prints=True, flow_run_name=build_run_name)
 def build_and_release(repo: str, out: str = "build", sources: dict[str, str | None] | None = None,
                       rendering: str = "native", runner: str = "threads", address: str | None = None,
-                      revision: str = "main", tag: str | None = None, private: bool = False) -> dict:
-    """Build, then release the build. Rerunning an unchanged build pushes nothing (empty plan)."""
-    build_dataset(sources=sources, out=out, rendering=rendering, runner=runner, address=address)
+                      revision: str = "main", tag: str | None = None, private: bool = False,
+                      synthetic: str | None = None) -> dict:
+    """Build (with the synthesis output folder `synthetic` as one more source), then release the build.
+    Rerunning an unchanged build pushes nothing (empty plan)."""
+    build_dataset(sources=sources, out=out, rendering=rendering, runner=runner, address=address, synthetic=synthetic)
     return release_dataset(folder=out, repo=repo, revision=revision, tag=tag, private=private)

@@ -10,9 +10,13 @@ import os
 from typing import Any
 
 from prefect import flow, get_run_logger, task
+from prefect.states import Failed, State
 
+from trajforge.flows.artifacts import Progress, synth_artifacts
+from trajforge.flows.limits import model_api_limit
+from trajforge.flows.names import synth_run_name
 from trajforge.pipeline.synth.agent import AgentConfig
-from trajforge.pipeline.synth.llm import LLMConfig
+from trajforge.pipeline.synth.llm import LLMConfig, ServerUnreachable
 from trajforge.pipeline.synth.job import SynthConfig
 from trajforge.pipeline.synth.job import synthesize as run_synthesis
 
@@ -24,24 +28,44 @@ def synthesize_episodes(config: SynthConfig, api_key_env: str | None) -> dict:
         if not key:
             raise ValueError(f"environment variable {api_key_env} is not set")
         config.llm.api_key = key
-    return run_synthesis(config)
+    try:
+        return run_synthesis(config, Progress("synth-progress", f"Episodes finished ({config.env})"))
+    except ServerUnreachable as exc:
+        # An outcome the user acts on (start the server, rerun), not a bug: a failed run with the
+        # message, without a traceback.
+        return Failed(message=exc.detail, data=exc)
 
 
-@flow(name="synthesize", log_prints=True)
+@flow(name="synthesize", log_prints=True, flow_run_name=synth_run_name)
 def synthesize(tasks: str, env: str, model: str, out: str, base_url: str | None = None, n: int = 4,
                keep: str = "best", concurrency: int = 64, episode_concurrency: int = 16, max_turns: int = 8,
                max_tokens: int | None = None, seed: int | None = None, sampling: dict[str, Any] | None = None,
                backend: str = "openai", api_key_env: str | None = None, license: str = "other",
-               env_kw: dict[str, Any] | None = None) -> dict:
-    """Synthesize trajectories for the tasks of one env; writes OUT/data/synthetic/<env>.parquet and OUT/failures.parquet."""
+               env_kw: dict[str, Any] | None = None, timeout_s: float = 600.0, max_retries: int = 8,
+               max_connection_failures: int = 10, api_limit: str | None = None,
+               api_rate_limit: str | None = None, api_limit_strict: bool = False) -> dict | State:
+    """Synthesize trajectories for the tasks of one env; writes OUT/data/synthetic/<env>.parquet and OUT/failures.parquet.
+
+    `api_limit` / `api_rate_limit` name Prefect global concurrency / rate limits held around every
+    request to the model API, shared with every other run that names them (flows/limits.py);
+    `api_limit_strict` fails the run when one does not exist instead of running without it.
+    """
     logger = get_run_logger()
+    gate = model_api_limit(api_limit, api_rate_limit, strict=api_limit_strict)
     config = SynthConfig(
         tasks=tasks, env=env, out=out, n=n, keep=keep, episode_concurrency=episode_concurrency, backend=backend,
-        llm=LLMConfig(model=model, base_url=base_url, sampling=dict(sampling or {}), concurrency=concurrency),
+        llm=LLMConfig(model=model, base_url=base_url, sampling=dict(sampling or {}), concurrency=concurrency,
+                      timeout_s=timeout_s, max_retries=max_retries, max_connection_failures=max_connection_failures,
+                      request_gate=gate),
         agent=AgentConfig(max_turns=max_turns, max_tokens=max_tokens, seed=seed, license=license),
         env_kw=dict(env_kw or {}))
-    report = synthesize_episodes(config, api_key_env)
-    logger.info("%s: %d/%d tasks with a record, %d records, %d failures %s; %d LLM calls, %d cache hits",
-                env, report["tasks_with_record"], report["tasks"], report["records"], report["failures"],
-                report["failure_reasons"], report["llm"]["calls"], report["llm"]["cache_hits"])
+    state = synthesize_episodes(config, api_key_env, return_state=True)
+    if state.is_failed():
+        return state
+    report = state.result()
+    logger.info("%s: %d/%d tasks with a record, %d records, %d failures %s; %d LLM calls answered of %d attempts, "
+                "%d cache hits", env, report["tasks_with_record"], report["tasks"], report["records"],
+                report["failures"], report["failure_reasons"], report["llm"]["calls"], report["llm"]["attempts"],
+                report["llm"]["cache_hits"])
+    synth_artifacts(report, out)
     return report

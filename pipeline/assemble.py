@@ -82,8 +82,10 @@ class KeysWriter:
         self.frames: list[pl.DataFrame] = []
         self.count = 0
 
-    def append(self, record: dict) -> None:
-        self.pending.append(record)
+    def extend(self, records: list[dict]) -> None:
+        """Records as their unit writes them (StreamingParquet's `on_written`): the key table
+        stays row for row in step with the staged records."""
+        self.pending.extend(records)
         if len(self.pending) >= self.batch_rows:
             self._flush()
 

@@ -23,15 +23,17 @@ import pyarrow.parquet as pq
 from trajforge.pipeline.assemble import KeysWriter, fill_pools, global_duplicates, iter_records, key_table
 from trajforge.pipeline.publish.card import hub_revision, write_card
 from trajforge.pipeline.quality.dedup import DedupConfig
-from trajforge.pipeline.quality.derived import grpo_prompt, preference_pair
-from trajforge.pipeline.publish.manifest import build_id, code_version, file_sha256, write_manifest
+from trajforge.pipeline.quality.derived import grpo_env_row, grpo_prompt, preference_pair, record_task, reference_answer
+from trajforge.pipeline.publish.manifest import (GENERATOR, build_id, code_version, file_sha256,
+                                                remove_earlier_files, set_manifest_aside, write_manifest)
 from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
 from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
 from trajforge.pipeline.publish.shards import ShardConfig, write_config_from_file
+from trajforge.pipeline.synth.tasks import load_tasks
 from trajforge.pipeline.ingest.validate import ValidateConfig, merge_env_figures, tally_env, validate_record
 from trajforge.schemas import arrow_schema
-from trajforge.sources import SourceFile, get_source, iter_rows
+from trajforge.sources import RawRow, SourceFile, get_source, iter_rows
 
 log = logging.getLogger("trajforge.build")
 
@@ -52,6 +54,9 @@ class BuildConfig:
     # A file of evaluation tasks; trajectories whose task shares a word n-gram with one are quarantined.
     decontaminate: str | None = None
     decontaminate_ngram: int = 8
+    # Task files (pipeline.tasks formats) whose tasks become `grpo_env` rows, beside the
+    # trajectories' own resettable tasks.
+    rl_tasks: tuple[str, ...] = ()
 
     @property
     def normalize(self) -> NormalizeConfig:
@@ -69,7 +74,6 @@ class UnitResult:
     source_file: str
     records_path: str
     quarantine_path: str
-    keys_path: str
     read: int = 0
     written: int = 0
     quarantined: int = 0
@@ -79,6 +83,10 @@ class UnitResult:
     revision: str | None = None
     # Per env: records validated, trained actions checked/valid by grammar, quarantined by rule.
     envs: dict[str, dict] = field(default_factory=dict)
+    # Something about the file itself worth a line in the report (an empty file).
+    note: str | None = None
+    # The unit's key table (pipeline/assemble.py), staged next to its records.
+    keys_path: str = ""
 
 
 def unit_key(source: str, file: SourceFile) -> str:
@@ -86,23 +94,69 @@ def unit_key(source: str, file: SourceFile) -> str:
     return f"{source}__{file.path.stem}__{digest}"
 
 
-def _raw_text(row: dict) -> str:
-    text = json.dumps(row, ensure_ascii=False, default=str)
-    return text if len(text) <= MAX_QUARANTINE_RAW else text[:MAX_QUARANTINE_RAW] + "...[cut]"
+def shown(value) -> str:
+    """A value as JSON text for the quarantine; never fails, whatever the value holds."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=str)
+        text.encode("utf-8")
+    except (RecursionError, ValueError, TypeError, UnicodeEncodeError):
+        # Too deep for the encoder, or text no UTF-8 file can hold: show it escaped.
+        text = ascii(value) if _depth_at_most(value, 200) else f"<{type(value).__name__} nested too deep to show>"
+    return text
+
+
+def _depth_at_most(value, limit: int) -> bool:
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return False
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return True
+
+
+def _storable(text: str | None) -> str | None:
+    """Text Arrow can store: an unpaired surrogate (from an exception message, say) escaped."""
+    if text is None or text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def quarantine_entry(source: str, source_file: str, index: int, source_id: str | None, reason: str,
                      detail: str, raw: str | None) -> dict:
     if raw is not None and len(raw) > MAX_QUARANTINE_RAW:
         raw = raw[:MAX_QUARANTINE_RAW] + "...[cut]"
-    return {"source": source, "source_file": source_file, "index": index, "source_id": source_id,
-            "reason": reason, "detail": detail, "raw": raw}
+    return {"source": source, "source_file": source_file, "index": index, "source_id": _storable(source_id),
+            "reason": reason, "detail": _storable(detail), "raw": _storable(raw)}
+
+
+def temp_name(path: Path) -> Path:
+    """Where `path` is written before its rename: hidden, and named by the writing process."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def remove_stale_temp_files(out: Path) -> list[Path]:
+    """Delete the temp files a killed earlier run left under `out` (ours are renamed or gone)."""
+    mine = f".tmp-{os.getpid()}"
+    stale = [p for p in out.rglob(".*.tmp-*") if p.is_file() and not p.name.endswith(mine)] if out.exists() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d temp files of an earlier, interrupted run", len(stale))
+    return stale
 
 
 def write_parquet(rows: list[dict], schema: pa.Schema, path: Path) -> None:
     """Write atomically: a temp name, then rename, so a crash never leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_name(path)
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp, compression="zstd")
     os.replace(tmp, path)
 
@@ -110,30 +164,56 @@ def write_parquet(rows: list[dict], schema: pa.Schema, path: Path) -> None:
 class StreamingParquet:
     """Append rows in batches to a Parquet file written under a temp name, renamed on close.
 
-    A unit's memory stays one batch deep however large the upstream file is.
+    A unit's memory stays one batch deep however large the upstream file is. A batch that Arrow
+    refuses is written row by row: each row it still refuses goes to `on_refused(row, exc)`
+    (the unit quarantines it), and the rest of the batch is kept.
     """
 
-    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000):
+    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000, on_refused=None, on_written=None):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.schema, self.batch_rows = path, schema, batch_rows
-        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self.on_refused = on_refused
+        # Called with the rows of every batch written, after the refused ones are left out.
+        self.on_written = on_written
+        self.nbytes = 0  # Arrow size of what was written (shards are planned by it)
+        self.tmp = temp_name(path)
         self.writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
         self.pending: list[dict] = []
         self.count = 0
-        self.nbytes = 0  # Arrow size of what was written (shards are planned by it)
 
     def append(self, row: dict) -> None:
         self.pending.append(row)
-        self.count += 1
         if len(self.pending) >= self.batch_rows:
             self._flush()
 
     def _flush(self) -> None:
-        if self.pending:
-            table = pa.Table.from_pylist(self.pending, schema=self.schema)
-            self.nbytes += table.nbytes
-            self.writer.write_table(table)
-            self.pending = []
+        if not self.pending:
+            return
+        rows = self.pending
+        try:
+            table = pa.Table.from_pylist(rows, schema=self.schema)
+        except Exception:
+            if self.on_refused is None:
+                raise
+            rows = self._convertible(rows)
+            table = pa.Table.from_pylist(rows, schema=self.schema)
+        self.writer.write_table(table)
+        self.nbytes += table.nbytes
+        if self.on_written is not None:
+            self.on_written(rows)
+        self.count += table.num_rows
+        self.pending = []
+
+    def _convertible(self, rows: list[dict]) -> list[dict]:
+        kept = []
+        for row in rows:
+            try:
+                pa.Table.from_pylist([row], schema=self.schema)
+            except Exception as exc:
+                self.on_refused(row, exc)
+                continue
+            kept.append(row)
+        return kept
 
     def close(self) -> None:
         self._flush()
@@ -141,49 +221,94 @@ class StreamingParquet:
         os.replace(self.tmp, self.path)
 
 
+def _record_or_rejection(raw: RawRow, source, file: SourceFile, config: BuildConfig,
+                         envs: dict[str, dict]) -> tuple[dict | None, tuple | None]:
+    """(record, None), or (None, (source_id, reason, detail)) for a row that cannot be one.
+
+    Positive records also count into `envs`, the per-env validation figures of the unit.
+    """
+    if raw.error:
+        return None, (None, raw.error, raw.detail or "")
+    upstream_id = raw.row.get("id", raw.row.get("item_id"))
+    try:
+        record = normalize_row(raw.row, source, file.split, file.label, raw.index, config.normalize)
+    except NormalizeError as exc:
+        return None, (str(upstream_id) if isinstance(upstream_id, (str, int)) else None, exc.reason, exc.detail)
+    violation = validate_record(record, config.validate) if record["kind"] == "positive" else None
+    if record["kind"] == "positive":
+        tally_env(envs, record, violation)
+    if violation is not None:
+        return None, (record["source_id"], violation.reason, violation.detail)
+    return record, None
+
+
+def _internal_error(what: str, exc: BaseException) -> str:
+    """The quarantine detail of an unexpected exception; its traceback goes to the log."""
+    log.warning("%s: internal error", what, exc_info=exc)
+    return f"{type(exc).__name__}: {exc}"[:1000]
+
+
 def process_unit(source_name: str, file: SourceFile, staging: Path, config: BuildConfig = BuildConfig()) -> UnitResult:
-    """Read one file of one source, normalize and validate every row, stage the results."""
+    """Read one file of one source, normalize and validate every row, stage the results.
+
+    Every row ends as a staged record or a quarantine entry, whatever it holds: an exception
+    that no rule foresaw quarantines the row as `internal_error` (type in the detail, traceback
+    in the log) instead of ending the build.
+    """
     source = get_source(source_name)
-    name = file.path.name
+    name = file.label
     key = unit_key(source_name, file)
-    records = StreamingParquet(staging / f"{key}.records.parquet", arrow_schema("trajectory"))
-    quarantine = StreamingParquet(staging / f"{key}.quarantine.parquet", arrow_schema("quarantine"))
-    keys = KeysWriter(staging / f"{key}.keys.parquet", config)
     reasons: Counter[str] = Counter()
     envs: dict[str, dict] = {}
+    counts = Counter()
+    quarantine = StreamingParquet(staging / f"{key}.quarantine.parquet", arrow_schema("quarantine"))
 
-    def reject(index: int, source_id: str | None, reason: str, detail: str, raw: str | None) -> None:
-        reasons[reason] += 1
+    def reject(index: int, source_id: str | None, reason: str, detail: str, raw: str | None, rows: int = 1) -> None:
+        reasons[reason] += rows
+        counts["quarantined"] += rows
         quarantine.append(quarantine_entry(source_name, name, index, source_id, reason, detail, raw))
 
-    for raw in iter_rows(file.path, name):
-        if raw.error:
-            reject(raw.index, None, raw.error, raw.detail or "", raw.raw_text)
-            continue
-        upstream_id = raw.row.get("id", raw.row.get("item_id"))
+    def refused(record: dict, exc: Exception) -> None:
+        index = json.loads(record["meta"]).get("source_index", -1)
+        reject(index, record["source_id"], "internal_error",
+               _internal_error(f"{source_name}/{name} row {index} (writing)", exc), shown(record))
+
+    keys = KeysWriter(staging / f"{key}.keys.parquet", config)
+    records = StreamingParquet(staging / f"{key}.records.parquet", arrow_schema("trajectory"), on_refused=refused,
+                               on_written=keys.extend)
+    rows = iter_rows(file.path, name)
+    next_index = 0
+    while True:
         try:
-            record = normalize_row(raw.row, source, file.split, name, raw.index, config.normalize)
-        except NormalizeError as exc:
-            reject(raw.index, str(upstream_id) if isinstance(upstream_id, (str, int)) else None,
-                   exc.reason, exc.detail, _raw_text(raw.row))
-            continue
-        violation = validate_record(record, config.validate) if record["kind"] == "positive" else None
-        if record["kind"] == "positive":
-            tally_env(envs, record, violation)
-        if violation is not None:
-            reject(raw.index, record["source_id"], violation.reason, violation.detail, _raw_text(raw.row))
+            raw = next(rows)
+        except StopIteration:
+            break
+        except Exception as exc:  # a reader bug: the rest of the file is one entry, the build goes on
+            reject(next_index, None, "internal_error",
+                   _internal_error(f"{source_name}/{name} reading from row {next_index}", exc)
+                   + f"; rows from {next_index} on were not read", None)
+            break
+        counts["read"] += raw.rows
+        next_index = raw.index + raw.rows
+        try:
+            record, rejection = _record_or_rejection(raw, source, file, config, envs)
+        except Exception as exc:
+            record, rejection = None, (None, "internal_error", _internal_error(f"{source_name}/{name} row {raw.index}", exc))
+        if rejection is not None:
+            text = raw.raw_text if raw.raw_text is not None or raw.row is None else shown(raw.row)
+            reject(raw.index, *rejection, text, raw.rows)
             continue
         records.append(record)
-        keys.append(record)
-        if records.count % config.progress_every == 0:
-            log.info("%s/%s: %d records so far", source_name, name, records.count)
+        counts["staged"] += 1
+        if counts["staged"] % config.progress_every == 0:
+            log.info("%s/%s: %d records so far", source_name, name, counts["staged"])
     records.close()
     quarantine.close()
     keys.close()
-    # A whole unreadable file counts as one input record.
-    result = UnitResult(source_name, name, str(records.path), str(quarantine.path), str(keys.path),
-                        read=records.count + quarantine.count, written=records.count,
-                        quarantined=quarantine.count, reasons=dict(reasons), envs=envs)
+    result = UnitResult(source_name, name, str(records.path), str(quarantine.path), keys_path=str(keys.path),
+                        read=counts["read"], written=records.count, quarantined=counts["quarantined"],
+                        reasons=dict(reasons), envs=envs, input_sha256=file_sha256(file.path), revision=hub_revision(file.path),
+                        note="empty file: no records" if file.path.stat().st_size == 0 else None)
     log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, result.read, result.written,
              result.quarantined, result.reasons or "")
     return result
@@ -215,7 +340,7 @@ def merge_counts(units: list[UnitResult]) -> dict:
         for reason, n in unit.reasons.items():
             entry["reasons"][reason] = entry["reasons"].get(reason, 0) + n
         entry["files"][unit.source_file] = {"read": unit.read, "written": unit.written,
-                                            "quarantined": unit.quarantined}
+                                            "quarantined": unit.quarantined, **({"note": unit.note} if unit.note else {})}
     total = {"read": 0, "written": 0, "quarantined": 0, "reasons": {}}
     for entry in per_source.values():
         for key in ("read", "written", "quarantined"):
@@ -230,7 +355,13 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
 
     Global stages run on the units' key tables, the outputs are written by streaming the staged
     records (pipeline/assemble.py): memory stays one batch of records plus the key tables.
+
+    The manifest of an earlier build in `out` is set aside first and the new one written last, so
+    a folder with a manifest always holds the files of the build it names. Files of the earlier
+    build that this one does not write are removed; nothing else in `out` is touched.
     """
+    remove_stale_temp_files(out)
+    earlier = set_manifest_aside(out)
     keys = key_table(units, config)
     offsets = [0]
     for unit in units:
@@ -247,7 +378,14 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     staged = out / ".staging" / "outputs"
     writers = {name: StreamingParquet(staged / f"{name}.parquet", arrow_schema(schema))
                for name, schema in [("sft", "trajectory"), ("negatives", "trajectory"), ("preference", "preference"),
-                                    ("grpo", "grpo")]}
+                                    ("grpo", "grpo"), ("grpo_env", "grpo_env"), ("grpo_env_records", "grpo_env")]}
+    # grpo_env: the task files' runnable tasks first, then each kept positive's resettable task
+    # (derived.grpo_env_rows), the latter streamed; a task file's task takes the first answer of a
+    # synthetic trajectory of it.
+    tasks = [t for path in config.rl_tasks for t in load_tasks(path)]
+    runnable = [t for t in tasks if not t.skip_reason]
+    env_task_ids = {t.id for t in runnable}
+    synthetic_answers: dict[str, str] = {}
     contaminated: list[dict] = []
     negatives_by_type: Counter[str] = Counter()
     unpaired = 0
@@ -261,7 +399,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
             if order in details:
                 contaminated.append(quarantine_entry(
                     record["source"], record["source_file"], json.loads(record["meta"]).get("source_index", -1),
-                    record["source_id"], "contaminated", details[order], json.dumps(record, ensure_ascii=False)))
+                    record["source_id"], "contaminated", details[order], shown(record)))
             if order not in kept:
                 continue
             writers["sft"].append(record)
@@ -273,14 +411,29 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
                     unpaired += 1
                 else:
                     writers["preference"].append(pair)
-            prompt = grpo_prompt(record) if record["kind"] == "positive" else None
+            if record["kind"] != "positive":
+                continue
+            prompt = grpo_prompt(record)
             if prompt is not None:
                 writers["grpo"].append(prompt)
+            task_id = json.loads(record["meta"]).get("task_id") if record["source"] == "synthetic" else None
+            if task_id is not None and record["answer"] is not None:
+                synthetic_answers.setdefault(task_id, record["answer"])
+            task = record_task(record)
+            if task is not None and task.id not in env_task_ids:
+                env_task_ids.add(task.id)
+                writers["grpo_env_records"].append(grpo_env_row(task, record["source"], row_id=task.id,
+                                                                env=record["env"], answer=record["answer"]))
+    for t in runnable:
+        writers["grpo_env"].append(grpo_env_row(t, "tasks", answer=reference_answer(t) or synthetic_answers.get(t.id)))
     files = {}
-    for name, writer in writers.items():
+    for writer in writers.values():
         writer.close()
-        files[name] = write_config_from_file(out, name, "train", writer.path, writer.schema, writer.nbytes,
-                                             config.shards)
+    for name in ("sft", "negatives", "preference", "grpo", "grpo_env"):
+        parts = [writers[name]] + ([writers["grpo_env_records"]] if name == "grpo_env" else [])
+        files[name] = write_config_from_file(out, name, "train", [w.path for w in parts], writers[name].schema,
+                                             sum(w.nbytes for w in parts), config.shards)
+    for writer in writers.values():
         writer.path.unlink()
 
     duplicates = [{k: v for k, v in d.items() if k not in ("order", "kept_order")} for d in duplicates]
@@ -297,6 +450,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     quarantine.close()
 
     report = merge_counts(units)
+    report["generator"] = GENERATOR
     report["config"] = asdict(config)
     report["outputs"] = {"sft": files["sft"].get("train", []),
                          "quarantine": [str(quarantine_path.relative_to(out))]}
@@ -304,25 +458,36 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
         report[name] = dict(sorted(Counter(kept_keys[column].to_list()).items()))
     report["validation_by_env"] = merge_env_figures([u.envs for u in units])
     stage_counts(report, contaminated, duplicates)
-    report["outputs"].update({name: files[name].get("train", []) for name in ("negatives", "preference", "grpo")},
+    report["outputs"].update({name: files[name].get("train", []) for name in ("negatives", "preference", "grpo", "grpo_env")},
                              duplicates=[str(duplicates_path.relative_to(out))])
     turns, chars = kept_keys["turns"].to_list(), kept_keys["chars"].to_list()
     report_extras(report, duplicates, negatives_by_type, writers["preference"].count, unpaired,
                   writers["grpo"].count, turns, chars)
-    write_html(out, report, duplicates, turns, chars)
+    report["grpo_env"] = {"rows": writers["grpo_env"].count + writers["grpo_env_records"].count,
+                          "unrunnable_tasks": len(tasks) - len(runnable)}
+    if not kept:
+        report["warnings"] = ["no record made it into data/sft: every input record was quarantined or a duplicate"]
+    for warning in report.get("warnings", []):
+        log.warning(warning)
+    html_files = write_html(out, report, duplicates, turns, chars)
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    write_release_files(out, report, units, config)
+    owned = [path for paths in report["outputs"].values() for path in paths]
+    owned += [p.relative_to(out).as_posix() for p in html_files] + ["report.json"]
+    write_release_files(out, report, units, config, owned)
+    remove_earlier_files(out, earlier - set(owned) - {"README.md"})
     return report
 
 
-def write_release_files(out: Path, report: dict, units: list[UnitResult], config: BuildConfig) -> str:
-    """Dataset card and manifest, last: they describe the files written before them. Returns the build id."""
+def write_release_files(out: Path, report: dict, units: list[UnitResult], config: BuildConfig,
+                        files: list[str]) -> str:
+    """Dataset card and manifest, last: they describe the files written before them (`files`,
+    relative to `out`; the card is added). Returns the build id."""
     code = code_version()
     build = build_id([(u.source, u.source_file, u.input_sha256) for u in units], asdict(config), code)
     provenance = [{"source": u.source, "source_file": u.source_file, "sha256": u.input_sha256,
                    "revision": u.revision} for u in units]
     write_card(out, report, provenance, build, code)
-    write_manifest(out, build)
+    write_manifest(out, build, [*files, "README.md"])
     return build
 
 
@@ -335,4 +500,4 @@ def summary_lines(report: dict) -> list[str]:
                      f"{entry.get('duplicates', 0):>7}  {reasons}")
     t = report["total"]
     lines.append(f"{'total':<14}{t['read']:>8}{t['written']:>9}{t['quarantined']:>10}{t.get('duplicates', 0):>7}")
-    return lines
+    return lines + [f"warning: {w}" for w in report.get("warnings", [])]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trajforge.sources.agentinstruct import SPLITS, env_from_prompt
-from trajforge.sources.base import Source
+from trajforge.sources.base import Source, file_stem
 
 FILES = (
     "agent_instruct_react", "agent_instruct_tflan", "toolbench_instruct_j1s1_3k", "toolbench_negative",
@@ -25,7 +25,7 @@ class AgentFlan(Source):
     hub_patterns = ("data/*.jsonl",)
 
     def split_of(self, path: Path) -> str:
-        return path.name.split(".")[0]
+        return file_stem(path)
 
     def record_id(self, split, source_id):
         # Agent-FLAN numbers rows per file, so the file is part of the id.

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from trajforge.sources.base import Source
+from trajforge.sources.base import Source, file_stem
 
 ENVS = {
     "alfworld": ("household", "alfworld"),
@@ -44,8 +44,7 @@ class AgentTrajL(Source):
     hub_patterns = ("*.json", "data/*")
 
     def split_of(self, path: Path) -> str:
-        stem = path.name.split(".")[0]
-        return stem.removesuffix("_train").split("-")[0]
+        return file_stem(path).removesuffix("_train").split("-")[0]
 
     def domain_env(self, split, source_id, prompt=""):
         return ENVS.get(split) or env_from_item_id(source_id)

@@ -1,23 +1,29 @@
 """What every source shares: locating files (local or Hub), streaming rows from any container.
 
 Mirrors re-serialize the upstream files, so every source accepts Parquet, JSON arrays and JSON
-Lines whatever its upstream container is. Rows are streamed (Parquet by record batch, JSON arrays
-with ijson, JSON Lines by line): memory does not grow with the file.
+Lines whatever its upstream container is. Rows are streamed (Parquet by row group and record batch,
+JSON arrays by element, JSON Lines by line): memory does not grow with the file.
 
 A row that cannot be decoded is not an exception: it comes out as a `RawRow` with `error` set
-(a reason code) and the raw text, and the build quarantines it.
+(a reason code) and the raw text, and the build quarantines it. A damaged container loses as
+little as possible: a JSON array resumes at the next row after a malformed element, a Parquet
+file at the next row group.
 """
 from __future__ import annotations
 
+import codecs
 import json
+import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-import ijson
 import pyarrow.parquet as pq
 
 from trajforge.sources.locate import hub_failure, is_local_path, local_path
+
+log = logging.getLogger("trajforge.sources")
 
 PARQUET_SUFFIXES = (".parquet",)
 JSON_SUFFIXES = (".json",)
@@ -26,6 +32,17 @@ DATA_SUFFIXES = PARQUET_SUFFIXES + JSON_SUFFIXES + JSONL_SUFFIXES
 
 # One record's raw text larger than this is not read into a record; it is quarantined.
 MAX_RAW_BYTES = 8 * 1024 * 1024
+# Raw text kept on a RawRow that could not be decoded (the quarantine cuts it again).
+MAX_KEPT_RAW = 100_000
+# JSON arrays are decoded this many bytes at a time.
+CHUNK_BYTES = 1 << 20
+UTF8_BOM = b"\xef\xbb\xbf"
+# The Hub's shard suffix on a file stem: `os-00000-of-00001`, `train-00000-of-00003-1a2b3c4d`.
+SHARD_SUFFIX = re.compile(r"-\d{5}-of-\d{5}(?:-[0-9a-fA-F]+)?$")
+# Top-level keys of an upstream row (or of one of our records); a JSON array reader that lost
+# its place resumes at the next object with one of them.
+ROW_KEYS = frozenset({"id", "item_id", "conversations", "conversation", "schema_version"})
+TURN_KEYS = frozenset({"from", "role", "value", "content", "loss"})
 
 
 class SourceError(ValueError):
@@ -34,36 +51,121 @@ class SourceError(ValueError):
 
 @dataclass
 class RawRow:
-    """One upstream row, or the trace of one that could not be decoded."""
+    """One upstream row, or the trace of one that could not be decoded.
+
+    `rows` is how many upstream rows the entry stands for: 1, except for an unreadable Parquet
+    row group, which is one entry holding the row count its footer states.
+    """
     source_file: str
     index: int
     row: dict | None = None
     error: str | None = None
     raw_text: str | None = None
     detail: str | None = None
+    rows: int = 1
 
 
 @dataclass(frozen=True)
 class SourceFile:
     path: Path
     split: str  # the upstream split or env name, taken from the file name
+    # The file's path relative to the source root: how the report and the quarantine name it.
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.path.name
+
+
+def file_stem(path: Path) -> str:
+    """The file name without extensions and without the Hub's `-NNNNN-of-MMMMM[-hash]` suffix."""
+    return SHARD_SUFFIX.sub("", path.name.split(".")[0])
+
+
+def _shown(text: str) -> str:
+    """Decoded text made safe to store: undecodable bytes (kept as surrogate escapes) as `\\xNN`."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")[:MAX_KEPT_RAW]
+
+
+# An object that follows a separator: where a JSON array reader that lost its place looks for a row.
+_ROW_CANDIDATE = re.compile(r'[,\[]\s*(\{)\s*"')
+_FIRST_KEY = re.compile(r'\{\s*"([^"\\]*)"')
+_SURROGATE_ESCAPE = re.compile(r"\\[uU][dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_UNDECODABLE = re.compile("[\udc80-\udcff]")
+
+
+def _has_lone_surrogate(value) -> bool:
+    """Whether any string (or key) in a decoded JSON value holds an unpaired surrogate."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def _decoded_row(name: str, index: int, text: str, value) -> RawRow:
+    """A decoded JSON value as a row, or the reason it cannot be one. `text` is its source text."""
+    if _UNDECODABLE.search(text):
+        return RawRow(name, index, error="invalid_utf8", raw_text=_shown(text), detail="bytes that are not UTF-8")
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
+        # Valid JSON, but no UTF-8 text can hold it; replacing it would change the text silently.
+        return RawRow(name, index, error="unpaired_surrogate", raw_text=text[:MAX_KEPT_RAW],
+                      detail="a \\uD800-\\uDFFF escape without its pair")
+    if not isinstance(value, dict):
+        return RawRow(name, index, error="not_an_object", raw_text=text[:MAX_KEPT_RAW])
+    return RawRow(name, index, row=value)
 
 
 def _parquet_rows(path: Path, name: str) -> Iterator[RawRow]:
+    """Rows of a Parquet file, row group by row group: a damaged group costs only its own rows."""
     try:
         reader = pq.ParquetFile(path)
-        index = 0
-        for batch in reader.iter_batches(batch_size=256):
-            for row in batch.to_pylist():
-                yield RawRow(name, index, row=row)
-                index += 1
+        meta = reader.metadata
     except Exception as exc:  # pyarrow raises several types for a corrupt or mislabelled file
-        yield RawRow(name, -1, error="unreadable_file", detail=f"not a readable Parquet file: {exc}"[:500])
+        yield RawRow(name, -1, error="unreadable_file",
+                     detail=f"not a readable Parquet file (bytes 0-{path.stat().st_size}): {exc}"[:500])
+        return
+    index = 0
+    for group in range(meta.num_row_groups):
+        in_group = meta.row_group(group).num_rows
+        done = 0
+        try:
+            for batch in reader.iter_batches(batch_size=256, row_groups=[group]):
+                for row in batch.to_pylist():
+                    yield RawRow(name, index + done, row=row)
+                    done += 1
+        except Exception as exc:
+            lost = in_group - done
+            yield RawRow(name, index + done, error="unreadable_row_group", rows=lost,
+                         detail=(f"row group {group} of {meta.num_row_groups}: rows {index + done}-{index + in_group - 1}"
+                                 f" ({lost} rows{_row_group_bytes(meta, group)}) unreadable: {exc}")[:1000])
+        index += in_group
+
+
+def _row_group_bytes(meta, group: int) -> str:
+    """`, bytes A-B` of a row group in the file, from its column chunks ('' when the footer lacks it)."""
+    try:
+        columns = [meta.row_group(group).column(i) for i in range(meta.row_group(group).num_columns)]
+        starts = [min(c.data_page_offset, c.dictionary_page_offset or c.data_page_offset) for c in columns]
+        ends = [c.data_page_offset + c.total_compressed_size for c in columns]
+        return f", bytes {min(starts)}-{max(ends)}"
+    except Exception:
+        return ""
 
 
 def _jsonl_rows(path: Path, name: str) -> Iterator[RawRow]:
     with open(path, "rb") as fh:
         for index, line in enumerate(fh):
+            # A BOM opens the file, or a line of files that were concatenated.
+            line = line.removeprefix(UTF8_BOM)
             if not line.strip():
                 continue
             if len(line) > MAX_RAW_BYTES:
@@ -73,76 +175,207 @@ def _jsonl_rows(path: Path, name: str) -> Iterator[RawRow]:
             try:
                 text = line.decode("utf-8")
             except UnicodeDecodeError as exc:
-                yield RawRow(name, index, error="invalid_utf8", raw_text=line.decode("utf-8", "replace"),
+                yield RawRow(name, index, error="invalid_utf8", raw_text=line.decode("utf-8", "backslashreplace"),
                              detail=str(exc))
                 continue
+            text = text.rstrip("\r\n")
             try:
                 row = json.loads(text)
             except json.JSONDecodeError as exc:
                 yield RawRow(name, index, error="malformed_json", raw_text=text, detail=str(exc))
                 continue
-            if not isinstance(row, dict):
-                yield RawRow(name, index, error="not_an_object", raw_text=text)
+            except RecursionError:
+                yield RawRow(name, index, error="too_deep", raw_text=text, detail="nested deeper than the JSON parser goes")
                 continue
-            yield RawRow(name, index, row=row)
+            yield _decoded_row(name, index, text, row)
+
+
+class _JsonText:
+    """A JSON file's text, decoded a chunk at a time into a window that the reader trims.
+
+    Bytes that are not UTF-8 are kept as surrogate escapes, so one bad byte spoils only the
+    element it is in, and the element's raw bytes can still be shown.
+    """
+
+    def __init__(self, fh):
+        self.fh = fh
+        self.decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="surrogateescape")
+        self.buf = ""
+        self.eof = False
+        self.offset = len(UTF8_BOM) if fh.read(3) == UTF8_BOM else 0  # byte offset of buf[0]
+        fh.seek(0)
+
+    def more(self) -> bool:
+        """Read one more chunk; False at the end of the file."""
+        if self.eof:
+            return False
+        chunk = self.fh.read(CHUNK_BYTES)
+        self.buf += self.decoder.decode(chunk, final=not chunk)
+        self.eof = not chunk
+        return True
+
+    def skip_space(self, pos: int) -> int:
+        while True:
+            while pos < len(self.buf) and self.buf[pos] in " \t\r\n":
+                pos += 1
+            if pos < len(self.buf) or not self.more():
+                return pos
+
+    def drop(self, pos: int) -> None:
+        """Forget the text before `pos` (positions shift by `pos`)."""
+        self.offset += len(self.buf[:pos].encode("utf-8", "surrogateescape"))
+        self.buf = self.buf[pos:]
+
+    def byte_at(self, pos: int) -> int:
+        return self.offset + len(self.buf[:pos].encode("utf-8", "surrogateescape"))
+
+    def value_at(self, pos: int, decoder=json.JSONDecoder()):
+        """(value, end) of the JSON value at `pos`, reading on while the value may continue."""
+        while True:
+            try:
+                value, end = decoder.raw_decode(self.buf, pos)
+            except json.JSONDecodeError as exc:
+                if self.cut_off(exc) and len(self.buf) - pos <= MAX_RAW_BYTES and self.more():
+                    continue
+                raise
+            if end == len(self.buf) and self.more():
+                continue  # a number (or the file) may go on
+            return value, end
+
+    def cut_off(self, exc: json.JSONDecodeError) -> bool:
+        """Whether a decoding error comes from the end of the text (more may follow), not bad JSON."""
+        return exc.msg.startswith("Unterminated string") or len(self.buf) - exc.pos <= 16
+
+    def next_row_start(self, pos: int) -> int:
+        """Where the next row begins after `pos`, or the end of the text: an object after a `,`
+        that has a row key and is followed by `,` or `]`, or that is broken too and does not
+        start like a turn."""
+        search = pos + 1
+        while True:
+            match = _ROW_CANDIDATE.search(self.buf, search)
+            if match is None:
+                search = max(search, len(self.buf) - 64)  # a candidate may straddle two chunks
+                if self.more():
+                    continue
+                return len(self.buf)
+            start = match.start(1)
+            try:
+                value, end = self.value_at(start)
+            except (json.JSONDecodeError, RecursionError):
+                # Broken too (or too deep to decode): judged by its first key, since a turn of
+                # the broken row is not a row.
+                first_key = _FIRST_KEY.match(self.buf, start)
+                if first_key and first_key[1] not in TURN_KEYS:
+                    return start
+                search = start + 1
+                continue
+            after = self.skip_space(end)
+            if isinstance(value, dict) and ROW_KEYS & value.keys() and (after == len(self.buf)
+                                                                        or self.buf[after] in ",]"):
+                return start
+            search = start + 1
+
+
+def _json_array_rows(text: _JsonText, name: str, pos: int) -> Iterator[RawRow]:
+    """Elements of the array opening at `pos`. A malformed element (or one cut off) is one
+    quarantine entry with its raw text and byte span, and reading resumes at the next row."""
+    index = 0
+    pos += 1
+    error = None
+    while True:
+        pos = text.skip_space(pos)
+        if pos >= len(text.buf):
+            if index and error is None:
+                log.warning("%s: the JSON array is not closed (cut off after element %d)", name, index - 1)
+            return
+        if text.buf[pos] == "]":
+            return
+        if text.buf[pos] == ",":  # an empty slot (`,,`) holds no record
+            pos += 1
+            continue
+        try:
+            value, end = text.value_at(pos)
+            error = None
+        except json.JSONDecodeError as exc:
+            error, detail = ("truncated", f"the file ends inside this element: {exc.msg}") \
+                if text.eof and text.cut_off(exc) else ("malformed_json", str(exc))
+        except RecursionError:
+            error, detail = "too_deep", "nested deeper than the JSON parser goes"
+        if error is None:
+            yield _decoded_row(name, index, text.buf[pos:end], value)
+            pos = text.skip_space(end)
+            if pos < len(text.buf) and text.buf[pos] == ",":
+                pos += 1
+        else:
+            resume = text.next_row_start(pos)
+            span = text.buf[pos:resume].rstrip().removesuffix(",").rstrip()
+            first, last = text.byte_at(pos), text.byte_at(pos + len(span))
+            yield RawRow(name, index, error=error, raw_text=_shown(span),
+                         detail=f"{detail}; bytes {first}-{last}"[:1000])
+            pos = resume
+        index += 1
+        if pos > CHUNK_BYTES:
+            text.drop(pos)
+            pos = 0
 
 
 def _json_rows(path: Path, name: str) -> Iterator[RawRow]:
     with open(path, "rb") as fh:
-        head = fh.read(4096).lstrip()
-    if head.startswith(b"{"):
-        # A single object (AgentBench task files do this) or JSON Lines under a .json name.
-        with open(path, "rb") as fh:
-            first = fh.readline()
-        try:
-            json.loads(first)
-            yield from _jsonl_rows(path, name)
+        text = _JsonText(fh)
+        pos = text.skip_space(0)
+        if pos >= len(text.buf):
+            return  # an empty file holds no record
+        if text.buf[pos] == "[":
+            yield from _json_array_rows(text, name, pos)
             return
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            pass
-        yield from _whole_object(path, name)
-        return
-    index = 0
+    with open(path, "rb") as fh:
+        first = fh.readline().removeprefix(UTF8_BOM)
     try:
-        with open(path, "rb") as fh:
-            for index, row in enumerate(ijson.items(fh, "item", use_float=True)):
-                if isinstance(row, dict):
-                    yield RawRow(name, index, row=row)
-                else:
-                    yield RawRow(name, index, error="not_an_object", raw_text=json.dumps(row)[:2000])
-    except (ijson.JSONError, UnicodeDecodeError) as exc:
-        # Rows before the break were yielded; the rest of the file cannot be located reliably.
-        yield RawRow(name, index + 1, error="malformed_json", detail=f"JSON array broken after row {index}: {exc}"[:500])
+        json.loads(first)
+        # JSON Lines under a .json name.
+        yield from _jsonl_rows(path, name)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        # A single object (AgentBench task files do this), or no JSON at all.
+        yield from _whole_object(path, name)
 
 
 def _whole_object(path: Path, name: str) -> Iterator[RawRow]:
     if path.stat().st_size > MAX_RAW_BYTES:
-        yield RawRow(name, 0, error="too_long", detail=f"{path.stat().st_size} bytes in one object")
+        yield RawRow(name, 0, error="too_long", detail=f"bytes 0-{path.stat().st_size} in one object")
         return
-    raw = path.read_bytes()
+    raw = path.read_bytes().removeprefix(UTF8_BOM)
     try:
-        row = json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        yield RawRow(name, 0, error="invalid_utf8", raw_text=raw.decode("utf-8", "replace")[:2000], detail=str(exc))
+        yield RawRow(name, 0, error="invalid_utf8", raw_text=raw.decode("utf-8", "backslashreplace")[:MAX_KEPT_RAW],
+                     detail=str(exc))
         return
+    try:
+        row = json.loads(text)
     except json.JSONDecodeError as exc:
-        yield RawRow(name, 0, error="malformed_json", raw_text=raw.decode("utf-8", "replace")[:2000], detail=str(exc))
+        yield RawRow(name, 0, error="malformed_json", raw_text=text[:MAX_KEPT_RAW], detail=str(exc))
         return
-    yield RawRow(name, 0, row=row)
+    except RecursionError:
+        yield RawRow(name, 0, error="too_deep", raw_text=text[:MAX_KEPT_RAW],
+                     detail="nested deeper than the JSON parser goes")
+        return
+    yield _decoded_row(name, 0, text, row)
 
 
 def iter_rows(path: Path, name: str | None = None) -> Iterator[RawRow]:
-    """Stream the rows of one data file, whatever container it is in."""
+    """Stream the rows of one data file, whatever container it is in. An empty file has none."""
     name = name or path.name
     suffix = path.suffix.lower()
+    if suffix not in DATA_SUFFIXES:
+        raise SourceError(f"{path}: not a data file (expected one of {', '.join(DATA_SUFFIXES)})")
+    if path.stat().st_size == 0:
+        return
     if suffix in PARQUET_SUFFIXES:
         yield from _parquet_rows(path, name)
     elif suffix in JSONL_SUFFIXES:
         yield from _jsonl_rows(path, name)
-    elif suffix in JSON_SUFFIXES:
-        yield from _json_rows(path, name)
     else:
-        raise SourceError(f"{path}: not a data file (expected one of {', '.join(DATA_SUFFIXES)})")
+        yield from _json_rows(path, name)
 
 
 def find_data_files(root: Path) -> list[Path]:
@@ -151,6 +384,11 @@ def find_data_files(root: Path) -> list[Path]:
         return [root]
     return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES
                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
+
+
+def relative_name(path: Path, root: Path) -> str:
+    """How a file is named in the report and quarantine: its path under the source root."""
+    return path.name if root.is_file() else path.relative_to(root).as_posix()
 
 
 def download_from_hub(repo_id: str, patterns: list[str], revision: str | None = None) -> Path:
@@ -199,7 +437,7 @@ class Source:
         paths = find_data_files(root)
         if not paths:
             raise SourceError(f"source {self.name}: no data files ({', '.join(DATA_SUFFIXES)}) under {root}")
-        return [SourceFile(p, self.split_of(p)) for p in paths]
+        return [SourceFile(p, self.split_of(p), relative_name(p, root)) for p in paths]
 
     def local_root(self, location: str) -> Path:
         root = local_path(location)
@@ -208,8 +446,9 @@ class Source:
         return root
 
     def split_of(self, path: Path) -> str:
-        """Upstream split or env from an upstream file name (`os-00000-of-00001-<hash>.parquet`)."""
-        return path.name.split(".")[0].split("-")[0]
+        """Upstream split or env from an upstream file name (`os-00000-of-00001-<hash>.parquet`,
+        `db-sample.parquet`)."""
+        return file_stem(path).split("-")[0]
 
     def row_id(self, row: dict) -> str | None:
         value = row.get("id", row.get("item_id"))

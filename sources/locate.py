@@ -28,15 +28,17 @@ class HubUnavailable(Exception):
         self.offline = offline
 
 
-def is_local_path(location: str) -> bool:
+def is_local_path(location: str | os.PathLike) -> bool:
     """Whether a `--source` location names a local path (see the module docstring) or a repo id."""
+    if isinstance(location, os.PathLike):
+        return True
     if location.startswith((".", "/", "~")) or os.path.exists(location):
         return True
     first = Path(location).parts[0] if Path(location).parts else ""
     return bool(first) and os.path.exists(first)
 
 
-def local_path(location: str) -> Path:
+def local_path(location: str | os.PathLike) -> Path:
     return Path(location).expanduser()
 
 

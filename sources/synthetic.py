@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trajforge.sources.base import Source, SourceError, SourceFile
+from trajforge.sources.base import Source, SourceError, SourceFile, file_stem, relative_name
 
 # Env name -> record domain, for synthetic records (pipeline/synth/agent.py uses it too).
 DOMAINS = {"os": "os", "db": "db", "webshop": "ecommerce", "alfworld": "household", "sciworld": "science",
@@ -35,13 +35,14 @@ class Synthetic(Source):
     def files(self, location: str | None) -> list[SourceFile]:
         if not location:
             raise SourceError("source synthetic: give the output folder of `trajforge synth` (synthetic=DIR)")
-        parquet = synthetic_files(self.local_root(location))
+        root = self.local_root(location)
+        parquet = synthetic_files(root)
         if not parquet:
             raise SourceError(f"source synthetic: no data/synthetic/*.parquet under {location}")
-        return [SourceFile(path, path.stem) for path in parquet]
+        return [SourceFile(path, self.split_of(path), relative_name(path, root)) for path in parquet]
 
     def split_of(self, path: Path) -> str:
-        return path.stem
+        return file_stem(path)
 
     def domain_env(self, split: str, source_id: str, prompt: str = "") -> tuple[str, str] | None:
         domain = DOMAINS.get(split)

@@ -47,6 +47,16 @@ FIXTURE_QUARANTINE = {
 }
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-records", type=int, default=3000,
+                     help="records the fuzz suite generates (tests/test_fuzz.py); 10000+ for the full run")
+
+
+@pytest.fixture(scope="session")
+def fuzz_records(request) -> int:
+    return request.config.getoption("--fuzz-records")
+
+
 @pytest.fixture(scope="session")
 def raw_dir() -> Path:
     assert RAW.is_dir(), f"fixtures not found at {RAW} (set TRAJFORGE_FIXTURES)"

@@ -15,8 +15,15 @@ result: a task succeeds only if the environment really produced it.
 Faults are injected per call by a function (call number, request body) -> kind or None:
 `429` (with Retry-After), `500`, `reset` (connection dropped before any response byte),
 `malformed` (a JSON body cut off), `truncate` (finish_reason length, unclosed think), `empty`
-(no content, no reasoning), `slow` (the reply waits `slow_s`). `max_tokens` (whitespace
+(no content, no reasoning), `slow` (the reply waits `slow_s`), `401` (bad key). `max_tokens` (whitespace
 tokens), `stop`, `n` and `seed` behave as on a real server.
+
+Real servers' bad habits, each an option: `echo_request` puts the request (headers, Authorization
+included, and body) into every error body, as careless servers do; `strict` rejects body fields
+outside the OpenAI schema with transformers serve's 422 `{"detail": "Unexpected fields in the request:
+{'top_k'}"}`; `sampling` makes replies differ between draws when the temperature is above 0 (without
+it, the same request always gets the same reply, as from a server that ignores sampling).
+`down_url()` is a base URL where nothing listens (connection refused).
 
 Run standalone for benchmarks: `python -m tests.openai_server --latency 0.2` prints the base URL;
 `GET /stats` returns the call counts.
@@ -29,7 +36,9 @@ import asyncio
 import hashlib
 import json
 import logging
+import random
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +51,22 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 R1_BODY = FIXTURES / "reasoning" / "openhands_deepseek_r1" / "jinja_turn1_reasoning_content_then_action.json"
 
 SHAPES = ("reasoning_content", "think", "action_in_reasoning", "unclosed_think")
+
+# The request fields of OpenAI's Chat Completions schema: what a strict server (transformers serve) accepts.
+OPENAI_FIELDS = frozenset({
+    "model", "messages", "stream", "stream_options", "temperature", "top_p", "n", "stop", "max_tokens",
+    "max_completion_tokens", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
+    "seed", "user", "response_format", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort",
+    "metadata", "store", "modalities", "prediction", "audio", "service_tier", "web_search_options",
+    "functions", "function_call"})
+
+
+def down_url() -> str:
+    """A loopback base URL with no server behind it: every connection is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
 
 
 @dataclass(frozen=True)
@@ -64,8 +89,13 @@ class Server:
     """The app plus its counters. Use as a context manager to run it on a background thread."""
 
     def __init__(self, policy: Policy = echo_policy, latency_s: float = 0.0, fault: Fault | None = None,
-                 shapes: tuple[str, ...] = SHAPES, slow_s: float = 5.0, retry_after: str = "1"):
+                 shapes: tuple[str, ...] = SHAPES, slow_s: float = 5.0, retry_after: str = "1",
+                 echo_request: bool = False, strict: bool = False, sampling: bool = False):
         self.policy = policy
+        self.echo_request = echo_request
+        self.strict = strict
+        self.sampling = sampling
+        self._draws = random.Random()
         self.latency_s = latency_s
         self.fault = fault
         self.shapes = shapes
@@ -75,6 +105,10 @@ class Server:
         self.faults: dict[str, int] = {}
         self.requests: list[dict] = []
         self.authorizations: set[str] = set()
+        # Requests being answered now, the most at once, and (start, end, model) of each answered one.
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.spans: list[tuple[float, float, str]] = []
         self._envelope = json.loads(R1_BODY.read_bytes())
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -97,6 +131,16 @@ class Server:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        start = time.monotonic()
+        try:
+            return await self._answer(request, body)
+        finally:
+            self.in_flight -= 1
+            self.spans.append((start, time.monotonic(), str(body.get("model"))))
+
+    async def _answer(self, request: web.Request, body: dict) -> web.StreamResponse:
         self.calls += 1
         number = self.calls
         self.requests.append(body)
@@ -107,6 +151,10 @@ class Server:
                 or not isinstance(m.get("content"), str) for m in messages):
             return web.json_response({"error": {"message": "invalid messages", "type": "invalid_request_error"}},
                                      status=400)
+        unexpected = set(body) - OPENAI_FIELDS if self.strict else set()
+        if unexpected:
+            self.faults["422"] = self.faults.get("422", 0) + 1
+            return self._error(request, body, 422, {"detail": f"Unexpected fields in the request: {unexpected}"})
         kind = self.fault(number, body) if self.fault else None
         if kind:
             self.faults[kind] = self.faults.get(kind, 0) + 1
@@ -115,11 +163,15 @@ class Server:
         if kind == "slow":
             await asyncio.sleep(self.slow_s)
         if kind == "429":
-            return web.json_response({"error": {"message": "Rate limit reached", "type": "rate_limit_error"}},
-                                     status=429, headers={"Retry-After": self.retry_after})
+            return self._error(request, body, 429, {"error": {"message": "Rate limit reached",
+                                                              "type": "rate_limit_error"}},
+                               headers={"Retry-After": self.retry_after})
         if kind == "500":
-            return web.json_response({"error": {"message": "Internal server error", "type": "server_error"}},
-                                     status=500)
+            return self._error(request, body, 500, {"error": {"message": "Internal server error",
+                                                              "type": "server_error"}})
+        if kind == "401":
+            return self._error(request, body, 401, {"error": {"message": "Incorrect API key provided",
+                                                              "type": "invalid_request_error"}})
         if kind == "reset":
             request.transport.abort()
             raise asyncio.CancelledError
@@ -129,15 +181,23 @@ class Server:
             return web.Response(text=text[: len(text) // 2], content_type="application/json")
         return web.json_response(completion)
 
+    def _error(self, request: web.Request, body: dict, status: int, payload: dict, **kw) -> web.Response:
+        if self.echo_request:
+            payload = {**payload, "request": {"headers": dict(request.headers), "body": body}}
+        return web.json_response(payload, status=status, **kw)
+
     # --- the completion ------------------------------------------------------------------------
     def completion(self, body: dict, kind: str | None = None) -> dict:
         messages = body.get("messages") or []
         reply = self.policy(messages)
-        choices, completion_tokens = [], 0
+        if self.sampling and (body.get("temperature") or 0) > 0:
+            reply = Reply(f"(draw {self._draws.random():.6f}) {reply.reasoning}", reply.content)
+        choices, completion_tokens, reasoning_tokens = [], 0, 0
         for index in range(int(body.get("n") or 1)):
             shape = self._shape(messages, body.get("seed"), index)
             message, finish = self._shaped(reply, shape, body, kind)
             completion_tokens += len(((message.get("reasoning_content") or "") + " " + message["content"]).split())
+            reasoning_tokens += len(reply.reasoning.split()) if kind not in ("empty", "truncate") else 0
             choices.append({"finish_reason": finish, "index": index, "message": message})
         prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
         out = {k: v for k, v in self._envelope.items() if k not in ("choices", "timings")}
@@ -145,7 +205,9 @@ class Server:
         out.update(choices=choices, created=int(time.time()), model=body.get("model", out["model"]),
                    id=f"chatcmpl-{digest}", usage={"completion_tokens": completion_tokens,
                                                    "prompt_tokens": prompt_tokens,
-                                                   "total_tokens": prompt_tokens + completion_tokens})
+                                                   "total_tokens": prompt_tokens + completion_tokens,
+                                                   # DeepSeek's API counts the reasoning here.
+                                                   "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}})
         return out
 
     def _shape(self, messages: list[dict], seed, index: int) -> str:

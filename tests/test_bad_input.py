@@ -74,7 +74,8 @@ def test_file_that_is_not_the_format_it_claims(tmp_path):
 def test_broken_json_array_keeps_the_rows_before_the_break(tmp_path):
     payload = b"[" + json.dumps(GOOD).encode() + b", {\"item_id\": "
     unit, quarantine = _run(tmp_path, "maze_train.json", payload)
-    assert unit.written == 1 and [q["reason"] for q in quarantine] == ["malformed_json"]
+    assert unit.written == 1 and [q["reason"] for q in quarantine] == ["truncated"]
+    assert quarantine[0]["raw"] == '{"item_id":' and quarantine[0]["index"] == 1
 
 
 def test_parquet_with_wrong_column_types(tmp_path):

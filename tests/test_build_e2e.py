@@ -15,7 +15,7 @@ import pytest
 
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.schemas import validator
-from tests.conftest import AGENT_FLAN, FIXTURE_QUARANTINE, FIXTURE_SOURCES, REPO
+from tests.conftest import AGENT_FLAN, FIXTURE_QUARANTINE, FIXTURE_SOURCES, FIXTURES, REPO
 
 
 @pytest.mark.slow
@@ -25,6 +25,7 @@ def test_trajforge_build_on_the_fixtures(tmp_path):
     for name, location in FIXTURE_SOURCES.items():
         args += ["--source", f"{name}={location}"]
     args += ["--source", f"agent_flan={AGENT_FLAN}"]
+    args += ["--rl-tasks", str(FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl")]
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Progress while running and a summary at the end.
@@ -37,6 +38,11 @@ def test_trajforge_build_on_the_fixtures(tmp_path):
     assert total["read"] == total["written"] + total["quarantined"] + total.get("duplicates", 0)
     quarantine = pl.read_parquet(out / "quarantine" / "quarantine.parquet")
     assert Counter(zip(quarantine["source_id"], quarantine["reason"])) == FIXTURE_QUARANTINE
+    # The DB task file's 39 tasks, plus the AgentGym items the AgentTraj-L trajectories were recorded on.
+    rl_tasks = pl.read_parquet(out / "data" / "grpo_env" / "*.parquet")
+    assert report["grpo_env"] == {"rows": rl_tasks.height, "unrunnable_tasks": 0}
+    assert rl_tasks.filter(pl.col("environment") == "db").height == 39
+    assert rl_tasks.filter(pl.col("environment") == "agentgym").height > 0
 
     ds = datasets.load_dataset("parquet", data_files=str(out / "data" / "sft" / "*.parquet"), split="train")
     frame = pl.read_parquet(out / "data" / "sft" / "*.parquet")

@@ -12,7 +12,7 @@ from huggingface_hub import DatasetCard
 
 from conftest import FIXTURE_SOURCES
 from trajforge.pipeline.publish.card import hub_license_id, hub_revision, size_category
-from trajforge.pipeline.publish.manifest import read_manifest
+from trajforge.pipeline.publish.manifest import file_sha256, read_manifest
 from trajforge.schemas import arrow_schema
 from trajforge.sources import get_source
 
@@ -44,7 +44,10 @@ def test_licenses_are_the_upstream_ones_per_source(card):
         row = next(line for line in body.splitlines()
                    if line.startswith(f"| {name} |") and "huggingface.co/datasets" in line)
         assert get_source(name).hub_repo in row and text in row
-        assert "local files" in row and "sha256" in row
+        # Local files are named by content: the real sha256 of each input file.
+        assert "local files" in row
+        for file in get_source(name).files(FIXTURE_SOURCES[name]):
+            assert f"`{file.label}` (sha256 `{file_sha256(file.path)}`)" in row
 
 
 def test_body_has_counts_quarantine_schema_and_ids(card, fixtures_build):

@@ -64,7 +64,7 @@ def test_nothing_else_is_merged(build):
     # and db_326 are quarantined in both), ADP's content-only copy overlaps 6 of them; the rows with
     # upstream loss flags are kept.
     db = [d for d in dups if d["source"] == "agentinstruct"]
-    assert Counter(d["source_file"] for d in db) == {"db.jsonl": 17, "db.json": 6}
+    assert Counter(d["source_file"] for d in db) == {"db.jsonl": 17, "adp_role_content/db.json": 6}
     assert all(d["kept_id"].split("/")[1].startswith("db_") for d in db)
     assert {r["loss_flags"] for r in sft if r["id"] in {d["kept_id"] for d in db}} == {"upstream"}
 

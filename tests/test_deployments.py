@@ -69,11 +69,20 @@ def test_prefect_yaml_deploys_and_an_adhoc_build_runs_on_a_worker(prefect_server
     deployments = httpx.post(f"{api}/deployments/filter", json={}).json()
     flows = {f["id"]: f["name"] for f in httpx.post(f"{api}/flows/filter", json={}).json()}
     found = {f"{flows[d['flow_id']]}/{d['name']}": d for d in deployments}
-    assert set(found) == {"synthesize/nightly", "build-and-release/weekly", "build-dataset/adhoc"}
-    assert len(declared) == 3
+    assert set(found) == {"synthesize/nightly", "synthesize/adhoc", "build-dataset/after-synthesis",
+                          "release/after-build", "release/adhoc", "build-and-release/weekly", "build-dataset/adhoc"}
+    assert len(declared) == 7
     crons = {name: [s["schedule"]["cron"] for s in d["schedules"]] for name, d in found.items()}
     assert crons == {"synthesize/nightly": ["0 2 * * *"], "build-and-release/weekly": ["0 4 * * 1"],
-                     "build-dataset/adhoc": []}
+                     **{name: [] for name in found if name not in ("synthesize/nightly", "build-and-release/weekly")}}
+    # Synthesis writes where the scheduled and the chained builds read; the release reads what the build wrote.
+    assert found["synthesize/nightly"]["parameters"]["out"] == found["build-dataset/after-synthesis"]["parameters"][
+        "synthetic"] == found["build-and-release/weekly"]["parameters"]["synthetic"]
+    assert found["build-dataset/after-synthesis"]["parameters"]["out"] == found["release/after-build"]["parameters"][
+        "folder"]
+    # The triggers are automations on the server, one per chained step.
+    automations = {a["name"] for a in httpx.post(f"{api}/automations/filter", json={}, timeout=60).json()}
+    assert {"trajforge: build after synthesis", "trajforge: release after build"} <= automations
 
     out = tmp_path / "adhoc"
     sources = json.dumps({"openmanus_rl": str(RAW / "openmanus_rl")})

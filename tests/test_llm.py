@@ -3,26 +3,47 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from trajforge.pipeline.synth.llm import LLMConfig, LLMError, OpenAIBackend, VLLMBackend, family_of, vllm_available
-from tests.openai_server import Server
+from trajforge.pipeline.synth.llm import (LLMConfig, LLMError, OpenAIBackend, ServerUnreachable, VLLMBackend,
+                                          family_of, parse_body, unsupported_params, vllm_available)
+from tests.openai_server import Server, down_url
 
 SECRET = "sk-test-0123456789abcdefSECRET"
 MESSAGES = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "List /etc."}]
 
 
+def _config(base_url: str, model="deepseek-ai/DeepSeek-R1", cache=None, **kw) -> LLMConfig:
+    return LLMConfig(model=model, base_url=base_url, api_key=SECRET, cache_path=cache, backoff_base_s=0.01, **kw)
+
+
 def _chat(server: Server, messages=MESSAGES, cache=None, model="deepseek-ai/DeepSeek-R1", sample=0, **kw):
     config_kw = {k: kw.pop(k) for k in list(kw) if k in LLMConfig.__dataclass_fields__}
-    config = LLMConfig(model=model, base_url=server.base_url, api_key=SECRET, cache_path=cache,
-                       backoff_base_s=0.01, **config_kw)
+    config = _config(server.base_url, model, cache, **config_kw)
 
     async def go():
         backend = OpenAIBackend(config)
         try:
             return await backend.chat(messages, sample=sample, **kw), backend.stats
+        finally:
+            await backend.aclose()
+    return asyncio.run(go())
+
+
+def _chats(config: LLMConfig, count: int) -> tuple[list, OpenAIBackend]:
+    """`count` concurrent chats (different samples); each outcome is a ChatResult or the exception."""
+    async def go():
+        backend = OpenAIBackend(config)
+        try:
+            outcomes = await asyncio.gather(*(backend.chat(MESSAGES, sample=k) for k in range(count)),
+                                            return_exceptions=True)
+            return outcomes, backend
         finally:
             await backend.aclose()
     return asyncio.run(go())
@@ -132,3 +153,105 @@ def test_vllm_backend_refuses_cleanly_without_cuda():
         pytest.skip("vLLM and CUDA are present: the offline backend is exercised on GPU machines")
     with pytest.raises(RuntimeError, match="vLLM backend needs"):
         VLLMBackend(LLMConfig(model="Qwen/QwQ-32B"))
+
+
+def test_a_refused_connection_is_a_connection_failure_not_a_timeout():
+    """The SDK's aiohttp transport raises APITimeoutError for a refused connection; the cause says otherwise."""
+    started = time.monotonic()
+    [outcome], backend = _chats(_config(down_url(), max_retries=2, max_connection_failures=0), 1)
+    assert isinstance(outcome, LLMError) and not isinstance(outcome, ServerUnreachable)
+    assert outcome.reason == "connection" and "ConnectionRefusedError" in outcome.detail
+    assert backend.stats.calls == 0 and backend.stats.attempts == 3
+    assert time.monotonic() - started < backend.config.timeout_s  # refused at once, not timed out
+
+
+def test_the_circuit_breaker_stops_every_call_after_n_connection_failures_in_a_row():
+    outcomes, backend = _chats(_config(down_url(), max_retries=8, max_connection_failures=4), 12)
+    assert all(isinstance(o, ServerUnreachable) for o in outcomes), outcomes
+    assert "4 requests in a row could not connect" in outcomes[0].detail
+    # The calls already in flight when it tripped end too; no call is retried after that.
+    assert backend.stats.calls == 0 and 4 <= backend.stats.attempts <= 12 and backend.unreachable
+
+
+def test_answered_requests_reset_the_breaker_and_count_as_calls():
+    # Every other request is reset before any byte: 20 connection failures, never 2 in a row.
+    with Server(fault=lambda n, body: "reset" if n % 2 else None) as server:
+        outcomes, backend = _chats(_config(server.base_url, max_connection_failures=2, concurrency=1), 20)
+    assert not any(isinstance(o, Exception) for o in outcomes)
+    assert backend.stats.calls == 20 and backend.stats.attempts == 40 == server.calls
+
+
+def test_a_server_killed_mid_request_is_a_connection_failure():
+    server = subprocess.Popen([sys.executable, "-m", "tests.openai_server", "--latency", "30"], stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).parents[1], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        base_url = server.stdout.readline().strip()
+
+        async def go():
+            backend = OpenAIBackend(_config(base_url, max_retries=0, timeout_s=60))
+            try:
+                call = asyncio.create_task(backend.chat(MESSAGES))
+                await asyncio.sleep(1.0)  # the request is in the server's hands
+                server.kill()
+                with pytest.raises(LLMError) as info:
+                    await call
+                return info.value
+            finally:
+                await backend.aclose()
+        error = asyncio.run(go())
+    finally:
+        server.kill()
+        server.wait()
+    assert error.reason == "connection", error
+
+
+@pytest.mark.parametrize("kind,status,reason", [("401", 401, "client_error"), ("500", 500, "server_error")])
+def test_error_bodies_are_kept_redacted_and_logged_once(kind, status, reason, caplog):
+    caplog.set_level(logging.DEBUG)
+    with Server(fault=lambda n, body: kind, echo_request=True) as server:
+        for _ in range(2):
+            with pytest.raises(LLMError) as info:
+                _chat(server, max_retries=2)
+    assert f"Bearer {SECRET}" in server.authorizations
+    error = info.value
+    assert error.reason == reason and f"HTTP {status}" in error.detail and "[REDACTED]" in error.detail
+    assert ("Incorrect API key" if kind == "401" else "Internal server error") in error.detail
+    assert SECRET not in error.detail and SECRET not in caplog.text
+    bodies = [r for r in caplog.records if "the server answered" in r.getMessage()]
+    assert len(bodies) == 2  # once per backend (each _chat is a new one), not once per attempt
+
+
+def test_a_strict_server_s_unknown_fields_are_dropped_once_and_remembered(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    cache = str(tmp_path / "cache.sqlite")
+    with Server(strict=True) as server:
+        result, _ = _chat(server, model="Qwen/QwQ-32B", cache=cache, sampling={"min_p": 0.05})
+        assert server.faults == {"422": 1} and server.calls == 2
+        assert result.params == {"temperature": 0.6, "top_p": 0.95}
+        assert "top_k" not in server.requests[-1] and "min_p" not in server.requests[-1]
+        # A new client on the same cache (a rerun) does not ask with them again.
+        _chat(server, model="Qwen/QwQ-32B", cache=cache, sampling={"min_p": 0.05}, sample=1)
+        assert server.faults == {"422": 1} and server.calls == 3
+    warnings = [r.getMessage() for r in caplog.records if "rejects" in r.getMessage()]
+    assert len(warnings) == 1 and "min_p, top_k" in warnings[0] and "Unexpected fields" in warnings[0]
+
+
+def test_unsupported_fields_are_named_only_when_the_server_says_so():
+    sent = ["temperature", "top_p", "top_k", "max_tokens"]
+    assert unsupported_params(422, "Unexpected fields in the request: {'top_k'}", sent) == ["top_k"]
+    assert unsupported_params(400, "Unrecognized request argument supplied: top_k", sent) == ["top_k"]
+    assert unsupported_params(422, '{"detail":[{"type":"extra_forbidden","loc":["body","top_k"]}]}', sent) == ["top_k"]
+    # Naming a field is not rejecting it; nor is a server error.
+    assert unsupported_params(400, "max_tokens must be at most 4096", sent) == []
+    assert unsupported_params(500, "unexpected error in top_k sampling", sent) == []
+
+
+def test_usage_keeps_reasoning_tokens_and_stats_sum_what_was_paid():
+    body = {"choices": [{"index": 0, "message": {"content": "x"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17,
+                      "completion_tokens_details": {"reasoning_tokens": 5}}}
+    assert parse_body(body).usage == {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17,
+                                      "reasoning_tokens": 5}
+    with Server() as server:
+        outcomes, backend = _chats(_config(server.base_url), 3)
+    assert backend.stats.usage["prompt_tokens"] == sum(o.usage["prompt_tokens"] for o in outcomes) > 0

@@ -4,17 +4,18 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from trajforge.pipeline.synth.llm import LLMConfig
-from trajforge.pipeline.synth.job import SynthConfig, synthesize
+from trajforge.pipeline.synth.llm import LLMConfig, ServerUnreachable
+from trajforge.pipeline.synth.job import USAGE_KEYS, SynthConfig, synthesize
 from trajforge.pipeline.ingest.validate import validate_record
 from tests.conftest import FIXTURES
-from tests.openai_server import Server, fixture_policy
+from tests.openai_server import Server, down_url, fixture_policy
 
 AGENTBENCH = FIXTURES / "tasks" / "agentbench"
 DB_FILE = AGENTBENCH / "db" / "dev.jsonl"
@@ -23,10 +24,13 @@ SECRET = "sk-live-SECRET-0123456789abcdef"
 MODEL = "deepseek-ai/DeepSeek-R1"
 
 
-def _config(server: Server, out: Path, tasks: Path = DB_FILE, env: str = "db", n: int = 2, **llm) -> SynthConfig:
-    return SynthConfig(tasks=str(tasks), env=env, out=str(out), n=n,
-                       llm=LLMConfig(model=MODEL, base_url=server.base_url, api_key=SECRET, backoff_base_s=0.01,
-                                     **llm))
+def _config(server: Server | str, out: Path, tasks: Path = DB_FILE, env: str = "db", n: int = 2, model: str = MODEL,
+            episode_concurrency: int = 16, **llm) -> SynthConfig:
+    """A job against `server` (or a base URL)."""
+    base_url = server if isinstance(server, str) else server.base_url
+    return SynthConfig(tasks=str(tasks), env=env, out=str(out), n=n, episode_concurrency=episode_concurrency,
+                       llm=LLMConfig(model=model, base_url=base_url, api_key=SECRET,
+                                     **{"backoff_base_s": 0.01, **llm}))
 
 
 def _outcomes(out: Path, env: str) -> tuple[list[dict], list[dict], list[dict]]:
@@ -62,11 +66,22 @@ def test_db_synthesis_writes_valid_records_and_a_rerun_makes_zero_calls(tmp_path
         report = synthesize(_config(server, out))
         calls = server.calls
         assert report["llm"]["calls"] == calls > 0
+        assert report["llm"]["attempts"] == calls
         records, failures = _assert_every_episode_once(out, "db", 39, 2)
         _assert_valid_with_reasoning(records)
         assert len(records) == report["tasks_with_record"] >= 20  # best-of-2: one record per solved task
         # The reference SQL upstream is sometimes broken: those tasks fail, scored, with the reason kept.
         assert {f["reason"] for f in failures} == {"wrong_answer"}
+        # Token totals add up over every episode: records, failures and unselected successes.
+        _, _, unselected = _outcomes(out, "db")
+        for key in USAGE_KEYS:
+            total = (sum(json.loads(r["meta"])["usage"].get(key, 0) for r in records)
+                     + sum(row["usage"][key] for row in failures + unselected))
+            assert report["usage"][key] == total and (total > 0), key
+        assert report["llm"]["usage"] == {k: report["usage"][k] for k in report["llm"]["usage"]}
+        # This server answers the same request the same way: every task's two samples are identical.
+        assert report["tasks_with_identical_samples"] == 39
+        assert "the very same replies in all their samples" in caplog.text
         first = (out / "data" / "synthetic" / "db.parquet").read_bytes()
 
         again = synthesize(_config(server, out))
@@ -147,25 +162,57 @@ def test_os_synthesis_in_the_real_sandbox(tmp_path):
         assert server.calls == calls
 
 
-def test_cli_synth_flow_and_the_build_reads_the_output(tmp_path, monkeypatch, capsys):
-    """The one test that pays for Prefect: `trajforge synth` through the flow, then a build unit."""
+UNAUTHORIZED_TASK = "what is the total number of register listings from dover?"
+
+
+def test_cli_synth_flow_and_the_build_reads_the_output(tmp_path, monkeypatch, capsys, caplog):
+    """The one test that pays for Prefect: `trajforge synth` through the flow, then a build unit.
+
+    The server echoes each request, Authorization header included, in its error bodies (a 500 now and
+    then, and 401 for one task): the bodies are kept in the failure details, and no trace of the key
+    reaches an output file, the request cache, a log, the printed output or Prefect's database. Then a
+    server that is down: exit 1 with one clear line.
+    """
     from trajforge.flows.cli import main
     from trajforge.pipeline.build import BuildConfig, process_unit
     from trajforge.sources import get_source
 
+    caplog.set_level(logging.INFO)
     monkeypatch.setenv("MY_LLM_KEY", SECRET)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
     out = tmp_path / "out"
-    with Server(fixture_policy(db_files=[DB_FILE])) as server:
+
+    def fault(number: int, body: dict) -> str | None:
+        if UNAUTHORIZED_TASK in body["messages"][0]["content"]:
+            return "401"
+        return "500" if number % 7 == 0 else None
+
+    with Server(fixture_policy(db_files=[DB_FILE]), fault=fault, echo_request=True) as server:
         code = main(["synth", "--tasks", str(DB_FILE), "--env", "db", "--model", MODEL, "--base-url",
                      server.base_url, "--n", "1", "--out", str(out), "--api-key-env", "MY_LLM_KEY",
-                     "--sampling", "temperature=0.5"])
+                     "--sampling", "temperature=0.5", "--max-retries", "3", "--timeout", "30"])
     assert code == 0 and f"Bearer {SECRET}" in server.authorizations
+    assert server.faults["401"] == 1 and server.faults["500"] > 1
     assert all(r["temperature"] == 0.5 for r in server.requests)
     printed = capsys.readouterr()
     assert "tasks with a record" in printed.out and SECRET not in printed.out + printed.err
-    records, _ = _assert_every_episode_once(out, "db", 39, 1)
-    for path in list(out.rglob("*")) + list((tmp_path / "prefect").rglob("*")):
+    records, failures = _assert_every_episode_once(out, "db", 39, 1)
+    [unauthorized] = [f for f in failures if f["reason"] == "llm_error:client_error"]
+    assert "HTTP 401" in unauthorized["detail"] and "Incorrect API key" in unauthorized["detail"]
+    assert "Bearer [REDACTED]" in unauthorized["detail"]
+    assert len([r for r in caplog.records if "the server answered HTTP 500" in r.getMessage()]) == 1
+    assert SECRET not in caplog.text
+
+    down = tmp_path / "down"
+    started = time.monotonic()
+    code = main(["synth", "--tasks", str(DB_FILE), "--env", "db", "--model", MODEL, "--base-url", down_url(),
+                 "--n", "1", "--out", str(down), "--api-key-env", "MY_LLM_KEY", "--max-connection-failures", "5"])
+    assert code == 1 and time.monotonic() - started < 30
+    printed = capsys.readouterr()
+    assert "trajforge: synth stopped: 5 requests in a row could not connect" in printed.err
+    assert not (down / "report.json").exists()
+    assert SECRET not in printed.out + printed.err + caplog.text
+    for path in list(out.rglob("*")) + list(down.rglob("*")) + list((tmp_path / "prefect").rglob("*")):
         if path.is_file():
             assert SECRET.encode() not in path.read_bytes(), path
 
@@ -181,3 +228,61 @@ def test_cli_synth_flow_and_the_build_reads_the_output(tmp_path, monkeypatch, ca
         assert record["conversations"] == by_id[record["id"]]["conversations"]
         assert all(t["reasoning"] for t in record["conversations"] if t["role"] == "assistant")
         assert json.loads(record["meta"])["sampling"]["temperature"] == 0.5
+
+
+TRUNCATED_TASK = "how many floors does the capitol square have?"
+
+
+def test_a_strict_server_gets_only_the_fields_it_knows_and_the_outputs_say_what_was_sent(tmp_path, caplog):
+    """transformers serve rejects QwQ's top_k with 422: it is dropped once, and the report and meta say so."""
+    caplog.set_level(logging.WARNING)
+    out = tmp_path / "out"
+
+    def fault(number: int, body: dict) -> str | None:  # one task's replies are always cut off
+        return "truncate" if TRUNCATED_TASK in body["messages"][1]["content"] else None
+
+    with Server(fixture_policy(db_files=[DB_FILE]), strict=True, sampling=True, fault=fault) as server:
+        report = synthesize(_config(server, out, model="Qwen/QwQ-32B", episode_concurrency=4))
+    sent = {"temperature": 0.6, "top_p": 0.95}
+    assert report["llm"]["sampling"] == sent and report["llm"]["sampling_dropped"] == ["top_k"]
+    assert 1 <= server.faults["422"] <= 4  # only the requests in flight before the first answer
+    assert all("top_k" not in body for body in server.requests[server.faults["422"]:])
+    records, failures = _assert_every_episode_once(out, "db", 39, 2)
+    assert records and all(json.loads(r["meta"])["sampling"] == sent for r in records)
+    assert len([r for r in caplog.records if "rejects top_k" in r.getMessage()]) == 1
+    # A server that samples: no task's samples are identical, and no warning.
+    assert report["tasks_with_identical_samples"] == 0 and "the very same replies" not in caplog.text
+    # The rejected replies' text and the tokens they cost are kept with the failure.
+    cut = [f for f in failures if f["reason"] == "truncated"]
+    assert len(cut) == 2
+    for row in cut:
+        rejected = json.loads(row["rejected"])
+        assert len(rejected) == 3 and all(r["issue"] == "truncated" and r["finish_reason"] == "length"
+                                          and r["content"].startswith("<think>") for r in rejected)
+        assert row["usage"]["completion_tokens"] > 0 and row["usage"]["prompt_tokens"] > 0
+
+
+def test_a_server_that_goes_away_stops_the_job_and_a_rerun_resumes(tmp_path):
+    out = tmp_path / "out"
+    # The server answers 30 requests, then every connection is dropped before an answer (as when killed).
+    with Server(fixture_policy(db_files=[DB_FILE]), fault=lambda n, body: "reset" if n > 30 else None) as server:
+        with pytest.raises(ServerUnreachable, match="10 requests in a row could not connect") as info:
+            synthesize(_config(server, out, episode_concurrency=4))
+    assert "Rerun the same command" in info.value.detail
+    assert not (out / "report.json").exists() and not (out / "failures.parquet").exists()
+
+    with Server(fixture_policy(db_files=[DB_FILE])) as server:
+        report = synthesize(_config(server, out))
+    assert report["episodes_resumed"] > 0 and report["episodes_resumed"] + report["episodes_run"] == 78
+    assert not any(r.startswith("llm_error") for r in report["failure_reasons"])
+    _assert_every_episode_once(out, "db", 39, 2)
+
+
+def test_a_server_that_is_down_fails_the_job_at_once(tmp_path):
+    out = tmp_path / "out"
+    started = time.monotonic()
+    # Default backoff: without the breaker, 78 episodes x 9 attempts would take minutes.
+    with pytest.raises(ServerUnreachable, match="ConnectionRefusedError"):
+        synthesize(_config(down_url(), out, backoff_base_s=0.5))
+    assert time.monotonic() - started < 30
+    assert not (out / "report.json").exists()

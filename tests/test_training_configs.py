@@ -22,7 +22,13 @@ def test_config_parses(path: Path):
     data_args, training_args, model_args = parse(CLASSES[trainer], [
         "--config", str(path), "--bf16", "false", "--model_name_or_path", "m", "--dataset_name", "d"])
     assert isinstance(training_args, CLASSES[trainer])
-    assert data_args.dataset_config == {"sft": "sft", "grpo": "grpo", "dpo": "preference"}[trainer]
+    expected = {"sft": "sft", "grpo": "grpo", "dpo": "preference"}[trainer]
+    if getattr(training_args, "environments", None):
+        expected = "grpo_env"  # whole episodes in the environments
+        assert training_args.max_tool_calling_iterations == training_args.max_turns
+        assert training_args.max_concurrent_envs >= (training_args.per_device_train_batch_size
+                                                     * training_args.steps_per_generation)
+    assert data_args.dataset_config == expected
     if trainer == "grpo":
         assert len(training_args.reward_weights) == len(training_args.reward_funcs)
 
@@ -58,3 +64,11 @@ def test_short_help_lists_real_options(trainer):
     known = {flag for action in parser._actions for flag in action.option_strings}
     shown = {flag for flag, _, _ in options(trainer)} - {"--config"}  # --config is TrlParser's own
     assert shown <= known, shown - known
+
+
+def test_environment_settings_come_as_json_on_the_command_line():
+    _, training_args, _ = parse(GRPOTrainConfig, [
+        "--config", str(CONFIGS / "grpo_env_tiny.yaml"), "--model_name_or_path", "m", "--dataset_name", "d",
+        "--env_settings", '{"db": {}, "os": {"step_timeout": 3}}', "--environments", "db", "os"])
+    assert training_args.env_settings == {"db": {}, "os": {"step_timeout": 3}}
+    assert training_args.environments == ["db", "os"]

@@ -127,7 +127,7 @@ def test_env_reward_replays_db_answers_in_the_registered_environment(raw_dir):
 
 
 def test_registry_names_and_unknown_names():
-    assert set(REWARDS) == {"format", "tag_count", "accuracy", "env"}
+    assert set(REWARDS) == {"format", "tag_count", "accuracy", "env", "tool_call"}
     assert get_rewards(["format", "accuracy"]) == [format_reward, accuracy_reward]
     with pytest.raises(KeyError, match="unknown reward"):
         get_rewards(["math_verify"])

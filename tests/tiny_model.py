@@ -35,7 +35,15 @@ def fixture_texts(build_dir: Path) -> list[str]:
     return texts
 
 
-def build_tokenizer(texts: list[str], vocab_size: int = 1024):
+def tool_chat_template() -> str:
+    """Qwen2.5's own chat template (TRL's copy), which renders tools and tool calls: TRL recognises
+    it and parses `<tool_call>` replies of a model that uses it."""
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    return qwen2_5_chat_template
+
+
+def build_tokenizer(texts: list[str], vocab_size: int = 1024, chat_template: str = CHATML):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -47,14 +55,14 @@ def build_tokenizer(texts: list[str], vocab_size: int = 1024):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=CHATML)
+                                   chat_template=chat_template)
 
 
-def build_tiny_model(out: Path, build_dir: Path, seed: int = 0) -> Path:
+def build_tiny_model(out: Path, build_dir: Path, seed: int = 0, chat_template: str = CHATML) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = build_tokenizer(fixture_texts(build_dir))
+    tokenizer = build_tokenizer(fixture_texts(build_dir), chat_template=chat_template)
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
@@ -88,19 +96,29 @@ def warm_start(model_dir: Path, build_dir: Path, out: Path, steps: int = 60, row
     action marker, so every reward ties, every advantage is zero and no weight moves; a policy
     that has seen the reply formats sometimes writes them, as a real SFT-then-GRPO run does.
     """
+    replies = []
+    for row in read_config(build_dir, "sft")[:rows]:
+        first = next(t for t in row["conversations"] if t["role"] == "assistant" and t["loss"])
+        replies.append(f"<|im_start|>assistant\n{first['content']}<|im_end|>")
+    return fit_texts(model_dir, replies, out, steps)
+
+
+def fit_texts(model_dir: Path, texts: list[str], out: Path, steps: int, max_length: int = 64,
+              contexts: list[str] | None = None, lr: float = 1e-2) -> Path:
+    """The model after `steps` full-batch steps of next-token fitting on `texts`, each after its
+    context (`contexts`, not trained on) when given."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    replies = []
-    for row in read_config(build_dir, "sft")[:rows]:
-        first = next(t for t in row["conversations"] if t["role"] == "assistant" and t["loss"])
-        replies.append(f"<|im_start|>assistant\n{first['content']}<|im_end|>")
-    batch = tokenizer(replies, add_special_tokens=False, padding=True, truncation=True, max_length=64,
-                      return_tensors="pt")
+    contexts = contexts or [""] * len(texts)
+    batch = tokenizer([c + t for c, t in zip(contexts, texts)], add_special_tokens=False, padding=True,
+                      truncation=True, max_length=max_length, return_tensors="pt")
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for row, context in enumerate(contexts):
+        labels[row, :len(tokenizer(context, add_special_tokens=False)["input_ids"])] = -100
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
         model(**batch, labels=labels).loss.backward()
         optimizer.step()

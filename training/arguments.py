@@ -5,6 +5,7 @@ TrlParser: `--config file.yaml` sets the values, any `--field value` on the comm
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from trl import DPOConfig, GRPOConfig, ModelConfig, SFTConfig, TrlParser
@@ -27,6 +28,11 @@ class DataArguments(ScriptArguments):
 @dataclass
 class SFTTrainConfig(SFTConfig):
     """SFTConfig; `max_length` is applied by our turn-aware truncation before TRL sees the rows."""
+    action_format: str = field(
+        default="react",
+        metadata={"help": "`react`: the trajectories' text as released; `tools`: actions as tool calls and "
+                          "observations as tool turns, the format of GRPO in the environments (`environments`).",
+                  "choices": ["react", "tools"]})
 
 
 @dataclass
@@ -38,6 +44,29 @@ class GRPOTrainConfig(GRPOConfig):
         default=None,
         metadata={"help": "Drop (and count) prompts longer than this: cutting an agent prompt loses its "
                           "instructions, and TRL 1.x has no prompt truncation of its own."})
+    environments: list[str] | None = field(
+        default=None,
+        metadata={"help": "Run whole episodes in these environments (os, db, agentgym) on the `grpo_env` config: "
+                          "the model calls the environment's actions as tools and the environment's score is a "
+                          "reward (weight 1) beside `reward_funcs`. Rows of other environments are dropped (counted)."})
+    env_settings: dict | str | None = field(
+        default=None,
+        metadata={"help": "Per environment, its settings (JSON on the command line), e.g. {\"os\": "
+                          "{\"step_timeout\": 10}, \"agentgym\": {\"base_url\": \"http://127.0.0.1:36001\"}}."})
+    max_turns: int | None = field(
+        default=None,
+        metadata={"help": "Actions per episode; also TRL's max_tool_calling_iterations when that is unset."})
+    max_concurrent_envs: int | None = field(
+        default=None,
+        metadata={"help": "Open sandboxes per environment and process at most; must cover the rollouts of one "
+                          "generation batch (per_device_train_batch_size x steps_per_generation)."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.env_settings, str):
+            self.env_settings = json.loads(self.env_settings)
+        if self.environments and self.max_turns is not None and self.max_tool_calling_iterations is None:
+            self.max_tool_calling_iterations = self.max_turns
 
 
 @dataclass

@@ -74,7 +74,8 @@ class TemplateError(ValueError):
     """The chat template does not render a conversation as the concatenation of its prefixes."""
 
 
-def turn_boundaries(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+def turn_boundaries(tokenizer, messages: list[dict],
+                    tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and, per message, the character span it owns in it.
 
     An assistant message's span starts after the generation prompt (the header the model is given
@@ -82,17 +83,17 @@ def turn_boundaries(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
     when a later one is added (for example by dropping past reasoning) break the prefix property
     that per-turn masking needs, and are refused with the turn where it happened.
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     spans, previous_end = [], 0
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            head = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            head = tokenizer.apply_chat_template(messages[:i], tools=tools, tokenize=False, add_generation_prompt=True)
             if not text.startswith(head):
                 raise TemplateError(f"turn {i}: the generation prompt is not a prefix of the full rendering")
             start = len(head)
         else:
             start = previous_end
-        prefix = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        prefix = tokenizer.apply_chat_template(messages[:i + 1], tools=tools, tokenize=False)
         if not text.startswith(prefix):
             raise TemplateError(f"turn {i}: rendering the first {i + 1} messages is not a prefix of the full "
                                 "rendering; this template rewrites earlier turns")
@@ -109,21 +110,27 @@ class SFTStats:
     truncated: int = 0          # cut at a turn boundary to fit max_length
     dropped_too_long: int = 0   # even the first trained turn does not fit
     dropped_no_loss: int = 0    # no assistant turn with loss
+    dropped_no_tool_call: int = 0  # action_format tools: an action that is no tool call
     trained_tokens: int = 0
     dropped_ids: list[str] = field(default_factory=list, repr=False)
 
 
-def tokenize_trajectory(tokenizer, conversations: list[dict], max_length: int | None) -> dict | None:
+_MESSAGE_KEYS = ("role", "content", "tool_calls", "name")
+
+
+def tokenize_trajectory(tokenizer, conversations: list[dict], max_length: int | None,
+                        tools: list[dict] | None = None) -> dict | None:
     """input_ids and labels for one trajectory, or None when no trained turn fits.
 
     Truncation keeps whole turns only: the sequence ends after the last assistant turn that fits
     (observations after it would carry no loss). `truncated` says whether turns were dropped.
+    With `tools` the turns are in TRL's tool-calling format (assistant `tool_calls`, `tool` turns).
     """
-    messages = [{"role": t["role"], "content": t["content"]} for t in conversations]
-    text, spans = turn_boundaries(tokenizer, messages)
+    messages = [{k: t[k] for k in _MESSAGE_KEYS if t.get(k) is not None} for t in conversations]
+    text, spans = turn_boundaries(tokenizer, messages, tools)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
-    trained = [(s, e) for (s, e), t in zip(spans, conversations) if t["role"] == "assistant" and t["loss"]]
+    trained = [(s, e) for (s, e), t in zip(spans, conversations) if t["role"] == "assistant" and t.get("loss")]
     labels = [IGNORE] * len(ids)
     # Walk tokens and trained spans together: both are sorted by position.
     k = 0
@@ -145,11 +152,25 @@ def tokenize_trajectory(tokenizer, conversations: list[dict], max_length: int | 
     return {"input_ids": ids, "labels": labels, "truncated": truncated}
 
 
-def _prepare_row(row: dict, tokenizer, max_length: int | None) -> dict:
-    conversations = row["conversations"]
+def tools_rendering(row: dict) -> dict | None:
+    """A trajectory as tool calls (`pipeline.synth.envs.tool_calls`), the action format of multi-turn
+    GRPO in the environments; None when one of its actions is no tool call."""
+    from trajforge.pipeline.synth.envs.tool_calls import environment_of, tool_messages, trajectory_prompt
+    from trajforge.training.environments import tool_schemas
+
+    return tool_messages(row, trajectory_prompt(row), tool_schemas(environment_of(row["env"])))
+
+
+def _prepare_row(row: dict, tokenizer, max_length: int | None, action_format: str = "react") -> dict:
+    conversations, tools = row["conversations"], None
     if not any(t["role"] == "assistant" and t["loss"] for t in conversations):
         return {"input_ids": [], "labels": [], "status": "no_loss", "trained": 0}
-    out = tokenize_trajectory(tokenizer, conversations, max_length)
+    if action_format == "tools":
+        rendered = tools_rendering(row)
+        if rendered is None:
+            return {"input_ids": [], "labels": [], "status": "no_tool_call", "trained": 0}
+        conversations, tools = rendered["messages"], rendered["tools"]
+    out = tokenize_trajectory(tokenizer, conversations, max_length, tools)
     if out is None:
         return {"input_ids": [], "labels": [], "status": "too_long", "trained": 0}
     return {"input_ids": out["input_ids"], "labels": out["labels"],
@@ -158,12 +179,13 @@ def _prepare_row(row: dict, tokenizer, max_length: int | None) -> dict:
 
 
 def prepare_sft(dataset: Dataset, tokenizer, max_length: int | None,
-                num_proc: int | None = None) -> tuple[Dataset, SFTStats]:
+                num_proc: int | None = None, action_format: str = "react") -> tuple[Dataset, SFTStats]:
     """Tokenized rows with per-turn labels, TRL-ready (`input_ids`, `labels`), and the counts.
 
     Rendering every prefix is quadratic in the turns of a trajectory, so rows are prepared with
     `Dataset.map` (cached, and parallel with `num_proc`, TRL's `dataset_num_proc`)."""
-    mapped = dataset.map(_prepare_row, fn_kwargs={"tokenizer": tokenizer, "max_length": max_length},
+    mapped = dataset.map(_prepare_row, fn_kwargs={"tokenizer": tokenizer, "max_length": max_length,
+                                                  "action_format": action_format},
                          remove_columns=[c for c in dataset.column_names if c != "id"], num_proc=num_proc,
                          desc="Tokenizing trajectories with per-turn labels")
     statuses = mapped["status"]
@@ -171,14 +193,16 @@ def prepare_sft(dataset: Dataset, tokenizer, max_length: int | None,
     stats = SFTStats(rows=len(dataset), truncated=statuses.count("truncated"),
                      dropped_too_long=statuses.count("too_long"), dropped_no_loss=statuses.count("no_loss"),
                      trained_tokens=sum(mapped["trained"]),
-                     dropped_ids=[i for i, s in zip(ids, statuses) if s in ("too_long", "no_loss")])
+                     dropped_no_tool_call=statuses.count("no_tool_call"),
+                     dropped_ids=[i for i, s in zip(ids, statuses) if s in ("too_long", "no_loss", "no_tool_call")])
     kept = mapped.filter(lambda status: status in ("ok", "truncated"), input_columns="status")
     stats.kept = len(kept)
-    if stats.truncated or stats.dropped_too_long or stats.dropped_no_loss:
+    if stats.truncated or stats.dropped_too_long or stats.dropped_no_loss or stats.dropped_no_tool_call:
         logger.warning("SFT data: %d rows, %d kept, %d truncated at a turn boundary to max_length=%s, "
-                       "%d dropped (first trained turn longer than max_length), %d dropped (no turn with loss)",
+                       "%d dropped (first trained turn longer than max_length), %d dropped (no turn with loss), "
+                       "%d dropped (an action that is no tool call)",
                        stats.rows, stats.kept, stats.truncated, max_length, stats.dropped_too_long,
-                       stats.dropped_no_loss)
+                       stats.dropped_no_loss, stats.dropped_no_tool_call)
     if not stats.kept:
         raise ValueError(f"no SFT row left after preparation: {stats}")
     return kept.select_columns(["input_ids", "labels"]), stats

@@ -1,4 +1,6 @@
-"""GRPO on the `grpo` config: agent prompts up to the first action, scored by the reward registry."""
+"""GRPO on the `grpo` config (agent prompts up to the first action, scored by the reward registry),
+or, with `environments`, on the `grpo_env` config: whole episodes in our environments, the model
+calling their actions as tools (TRL's `environment_factory`), scored by the environment."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +10,7 @@ from trl import GRPOTrainer, get_peft_config
 
 from trajforge.training.arguments import GRPOTrainConfig, parse
 from trajforge.training.common import load_model, load_splits, load_tokenizer, run
+from trajforge.training.environments import make_factories
 from trajforge.training.rewards import get_rewards
 
 logger = logging.getLogger(__name__)
@@ -18,22 +21,52 @@ def prompt_tokens(tokenizer, prompt: list[dict]) -> int:
                                              return_dict=True)["input_ids"])
 
 
+def select_counted(dataset: Dataset, keep: list[int], dropped: str) -> Dataset:
+    """The rows in `keep`; the others are counted in a warning ("N of M <dropped>")."""
+    if len(keep) < len(dataset):
+        logger.warning("GRPO data: %d of %d %s", len(dataset) - len(keep), len(dataset), dropped)
+    if not keep:
+        raise ValueError(f"no GRPO row left: every one of them {dropped}")
+    return dataset.select(keep)
+
+
 def limit_prompts(dataset: Dataset, tokenizer, max_prompt_tokens: int | None) -> Dataset:
     """Drop prompts longer than max_prompt_tokens, counting them: a cut prompt loses its instructions."""
     if max_prompt_tokens is None:
         return dataset
     keep = [i for i, p in enumerate(dataset["prompt"]) if prompt_tokens(tokenizer, p) <= max_prompt_tokens]
-    if len(keep) < len(dataset):
-        logger.warning("GRPO data: %d of %d prompts longer than max_prompt_tokens=%d dropped",
-                       len(dataset) - len(keep), len(dataset), max_prompt_tokens)
-    if not keep:
-        raise ValueError(f"no GRPO prompt fits max_prompt_tokens={max_prompt_tokens}")
-    return dataset.select(keep)
+    return select_counted(dataset, keep, f"prompts longer than max_prompt_tokens={max_prompt_tokens} dropped")
+
+
+def keep_environments(dataset: Dataset | None, environments: list[str]) -> Dataset | None:
+    """Only the rows of the configured environments (TRL fails on a row whose environment has no
+    factory); the others are counted."""
+    if dataset is None:
+        return None
+    if "environment" not in dataset.column_names:
+        raise ValueError("`environments` needs the `grpo_env` config (an `environment` column per row)")
+    keep = [i for i, name in enumerate(dataset["environment"]) if name in environments]
+    return select_counted(dataset, keep, f"tasks for environments other than {environments} dropped")
+
+
+def environment_factories(training_args: GRPOTrainConfig) -> dict | None:
+    if not training_args.environments:
+        return None
+    per_process = training_args.per_device_train_batch_size * training_args.steps_per_generation
+    if training_args.max_concurrent_envs is not None and training_args.max_concurrent_envs < per_process:
+        raise ValueError(f"max_concurrent_envs={training_args.max_concurrent_envs} is below the {per_process} "
+                         "rollouts one generation batch runs at once (per_device_train_batch_size x "
+                         "steps_per_generation)")
+    return make_factories(training_args.environments, training_args.env_settings,
+                          training_args.max_concurrent_envs, training_args.max_turns)
 
 
 def build_trainer(data_args, training_args: GRPOTrainConfig, model_args, callbacks=None) -> GRPOTrainer:
     tokenizer = load_tokenizer(model_args, training_args)
-    train, evaluation = load_splits(data_args, "grpo", training_args.seed)
+    factories = environment_factories(training_args)
+    train, evaluation = load_splits(data_args, "grpo_env" if factories else "grpo", training_args.seed)
+    if factories:
+        train, evaluation = (keep_environments(d, training_args.environments) for d in (train, evaluation))
     train = limit_prompts(train, tokenizer, training_args.max_prompt_tokens)
     if evaluation is not None:
         evaluation = limit_prompts(evaluation, tokenizer, training_args.max_prompt_tokens)
@@ -42,9 +75,20 @@ def build_trainer(data_args, training_args: GRPOTrainConfig, model_args, callbac
                          f"{training_args.reward_funcs}")
     return GRPOTrainer(model=load_model(model_args, training_args), reward_funcs=get_rewards(training_args.reward_funcs),
                        args=training_args, train_dataset=train, eval_dataset=evaluation,
-                       processing_class=tokenizer, peft_config=get_peft_config(model_args), callbacks=callbacks)
+                       processing_class=tokenizer, peft_config=get_peft_config(model_args), callbacks=callbacks,
+                       environment_factory=factories)
+
+
+def close_environments(trainer: GRPOTrainer) -> None:
+    """Close every sandbox the run's environments still hold (TRL never closes them)."""
+    for factory in (trainer.environment_factories or {}).values():
+        factory.close_all()
 
 
 def main(argv: list[str] | None = None) -> dict:
     data_args, training_args, model_args = parse(GRPOTrainConfig, argv)
-    return run(build_trainer(data_args, training_args, model_args), training_args)
+    trainer = build_trainer(data_args, training_args, model_args)
+    try:
+        return run(trainer, training_args)
+    finally:
+        close_environments(trainer)

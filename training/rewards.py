@@ -11,6 +11,10 @@ the prompt asks for, as parsed from the reference turn), `answer`, `env`, `domai
   order, a non-empty action), the agent analogue of open-r1's <think>/<answer> tag counting.
 - `accuracy`: the final answer the completion gives against the row's `answer`, normalized
   exact match, and order-insensitive set match for list answers (DB rows, KG entity sets).
+- `tool_call`: for multi-turn rollouts in an environment (`environment` column), the share of the
+  model's turns that call one of the environment's tools with the arguments it takes: the format
+  reward of the tool-call action format. The episode's score itself comes from the environment
+  (the adapters' `get_reward`, training/environments.py), not from this registry.
 - `env`: replays the action in the registered environment (`pipeline.envs.make_env`) for the
   row's `env_task` and returns its reward; None where a row has no task or no environment.
 """
@@ -137,8 +141,10 @@ def answers_match(predicted: str, reference: str) -> bool:
 def accuracy_reward(completions, **kwargs) -> list[float | None]:
     n = len(completions)
     rewards: list[float | None] = []
-    for completion, answer in zip(completions, _column(kwargs, "answer", n)):
-        if answer is None:
+    # Episodes in an environment (`environment` column) answer by tool call; their environment scores them.
+    for completion, answer, environment in zip(completions, _column(kwargs, "answer", n),
+                                               _column(kwargs, "environment", n)):
+        if answer is None or environment is not None:
             rewards.append(None)
             continue
         text = completion_text(completion).strip()
@@ -180,11 +186,38 @@ def env_reward(completions, **kwargs) -> list[float | None]:
     return rewards
 
 
+def _valid_call(call: dict, environment: str) -> bool:
+    from trajforge.pipeline.synth.envs.tool_calls import TOOLS
+
+    function = call.get("function") or {}
+    expected = TOOLS[environment].get(function.get("name"))
+    arguments = function.get("arguments")
+    return expected is not None and isinstance(arguments, dict) and set(arguments) == set(expected)
+
+
+def tool_call_reward(completions, **kwargs) -> list[float | None]:
+    n = len(completions)
+    rewards: list[float | None] = []
+    for completion, environment in zip(completions, _column(kwargs, "environment", n)):
+        if environment is None or isinstance(completion, str):
+            rewards.append(None)
+            continue
+        # The reply after the last observation may close the episode in words: only the turns
+        # that led to an observation, or all of them when none did, must be calls.
+        last_tool = max((i for i, m in enumerate(completion) if m.get("role") == "tool"), default=len(completion))
+        turns = [m for m in completion[:last_tool] if m.get("role") == "assistant"]
+        good = sum(len(m.get("tool_calls") or []) == 1 and _valid_call(m["tool_calls"][0], environment)
+                   for m in turns)
+        rewards.append(good / len(turns) if turns else 0.0)
+    return rewards
+
+
 REWARDS: dict[str, Callable[..., list[float | None]]] = {
     "format": format_reward,
     "tag_count": tag_count_reward,
     "accuracy": accuracy_reward,
     "env": env_reward,
+    "tool_call": tool_call_reward,
 }
 
 

@@ -121,8 +121,8 @@ def _turns(row: dict) -> list[dict]:
             raise NormalizeError("unexpected_keys", f"turn {i} has {sorted(extra)}")
         role = turn.get("role", turn.get("from"))
         content = turn.get("content", turn.get("value"))
-        if role not in ROLE_NAMES:
-            raise NormalizeError("unknown_role", f"turn {i} role {role!r}")
+        if not isinstance(role, str) or role not in ROLE_NAMES:
+            raise NormalizeError("unknown_role", f"turn {i} role {role!r}"[:300])
         if not isinstance(content, str):
             raise NormalizeError("wrong_type", f"turn {i} content is {type(content).__name__}")
         loss = turn.get("loss")

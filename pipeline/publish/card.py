@@ -40,6 +40,7 @@ CONFIG_NOTES = {
     "negatives": "trajectories with a known defect (`negative_type`, `parent_id`)",
     "preference": "chosen/rejected pairs for DPO",
     "grpo": "prompts with reference answers for GRPO",
+    "grpo_env": "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",
 }
 
 
@@ -143,7 +144,7 @@ def _provenance_rows(provenance: list[dict], licenses: dict[str, list[str]]) -> 
         if local:
             # A local copy has no Hub revision: name its files by content instead.
             where += (", " if where else "") + "local files " + ", ".join(
-                f"`{u['source_file']}` (sha256 `{u['sha256'][:12]}`)" for u in sorted(local, key=lambda u: u["source_file"]))
+                f"`{u['source_file']}` (sha256 `{u['sha256']}`)" for u in sorted(local, key=lambda u: u["source_file"]))
         stated = "; ".join(licenses.get(source, [])) or (registered.license if registered else "see records")
         rows.append([source, f"[{registered.hub_repo}](https://huggingface.co/datasets/{registered.hub_repo})"
                      if registered else "-", where or "-", stated])

@@ -18,6 +18,10 @@ from pathlib import Path
 from typing import Iterable
 
 MANIFEST = "manifest.json"
+# Says that a folder is the output of `trajforge build`: the `generator` of its manifest.json and
+# report.json. While a rebuild runs, the earlier manifest waits under .staging (EARLIER_MANIFEST).
+GENERATOR = "trajforge"
+EARLIER_MANIFEST = Path(".staging") / "earlier-manifest.json"
 # The code whose behaviour shapes the output: a change here is a new code version.
 CODE_PACKAGES = ("trajforge.pipeline", "trajforge.sources", "trajforge.schemas")
 
@@ -63,15 +67,43 @@ def published_files(out: Path) -> list[Path]:
                   and not any(part.startswith(".") for part in p.relative_to(out).parts))
 
 
-def write_manifest(out: Path, build: str) -> dict:
-    """Write `out/manifest.json` (temp name + rename) listing every published file."""
-    files = {p.relative_to(out).as_posix(): {"size": p.stat().st_size, "sha256": file_sha256(p)}
-             for p in published_files(out)}
-    manifest = {"build_id": build, "files": files}
+def write_manifest(out: Path, build: str, files: Iterable[str] | None = None) -> dict:
+    """Write `out/manifest.json` (temp name + rename) listing `files` (paths relative to `out`):
+    the files the build wrote. Without `files`, every published file under `out`."""
+    paths = published_files(out) if files is None else [out / rel for rel in sorted(set(files))]
+    listed = {p.relative_to(out).as_posix(): {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in paths}
+    manifest = {"generator": GENERATOR, "build_id": build, "files": listed}
     tmp = out / f".{MANIFEST}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, out / MANIFEST)
     return manifest
+
+
+def set_manifest_aside(out: Path) -> set[str]:
+    """Before a build writes into `out`: move an earlier build's manifest out of the way (so no
+    reader takes the folder for a finished build meanwhile) and return the files it listed.
+
+    A rebuild that was killed left the manifest set aside; it still says what the earlier build owns.
+    """
+    current, aside = out / MANIFEST, out / EARLIER_MANIFEST
+    if current.exists():
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(current, aside)
+    try:
+        manifest = json.loads(aside.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return set()
+    return set(manifest.get("files", {}))
+
+
+def remove_earlier_files(out: Path, stale: Iterable[str]) -> None:
+    """Delete files an earlier build wrote and this one did not, then its set-aside manifest."""
+    root = out.resolve()
+    for rel in stale:
+        path = (out / rel).resolve()
+        if path.is_relative_to(root) and path != root:  # a manifest names files inside its folder only
+            path.unlink(missing_ok=True)
+    (out / EARLIER_MANIFEST).unlink(missing_ok=True)
 
 
 def read_manifest(out: Path) -> dict:

@@ -221,8 +221,8 @@ td:first-child,th:first-child{text-align:left}img{max-width:100%;border:1px soli
 .ok{color:#2a7a2a}.bad{color:#b22}"""
 
 
-def write_html(out: Path, report: dict, duplicates: list[dict], turns: list[int], chars: list[int]) -> Path:
-    """report.html and its PNGs under `out`; returns the html path (`turns`, `chars`: as in report_extras)."""
+def write_html(out: Path, report: dict, duplicates: list[dict], turns: list[int], chars: list[int]) -> list[Path]:
+    """report.html and its PNGs under `out`; returns the files written (`turns`, `chars`: as in report_extras)."""
     plots = {"Counts per source and stage": plot_stages(report, out),
              "Quarantine reasons": plot_quarantine(report, out),
              "Duplicate clusters across sources": plot_duplicates(duplicates, out),
@@ -259,4 +259,4 @@ def write_html(out: Path, report: dict, duplicates: list[dict], turns: list[int]
     parts.append("</body></html>")
     path = out / "report.html"
     path.write_text("\n".join(parts), encoding="utf-8")
-    return path
+    return [path, *(out / src for src in plots.values())]

@@ -102,14 +102,15 @@ def write_config(out: Path, config_name: str, splits: dict[str, pa.Table],
     """Write every split of one config as shards; returns split -> shard paths relative to `out`.
 
     A shard whose marker matches its content fingerprint and whose file is intact is not
-    rewritten (resume after a crash). Shards of an earlier build that this one does not produce
-    (another shard count, a split that is gone) are removed, so the folder holds one build.
+    rewritten (resume after a crash). An empty split is one shard without rows, so the config
+    still loads. Shards of an earlier build that this one does not produce (another shard count,
+    a split that is gone) are removed, so the folder holds one build.
     """
     folder = out / "data" / config_name
     written: dict[str, list[str]] = {}
     keep: set[str] = set()
     for split, table in splits.items():
-        plan = plan_shards(table, config)
+        plan = plan_shards(table, config) or [(0, 0)]
         for index, (offset, length) in enumerate(plan):
             name = shard_name(split, index, len(plan))
             path = folder / name
@@ -157,19 +158,19 @@ def unit_marker(staging: Path, key: str) -> Path:
 
 # -- shards from a stream ----------------------------------------------------------------------
 
-def write_config_from_file(out: Path, config_name: str, split: str, staged: Path, schema: pa.Schema, nbytes: int,
-                           config: ShardConfig = ShardConfig()) -> dict[str, list[str]]:
-    """`write_config` for a split staged as one Parquet file, one row group of a shard in memory at
+def write_config_from_file(out: Path, config_name: str, split: str, staged: list[Path], schema: pa.Schema,
+                           nbytes: int, config: ShardConfig = ShardConfig()) -> dict[str, list[str]]:
+    """`write_config` for a split staged as Parquet files (their rows in order), one row group of a shard in memory at
     a time. `nbytes` is the split's Arrow size (what `plan_shards` divides by); shards hold the
     same rows and row groups as `write_config` of the whole table would write. `schema` is the
     split's Arrow schema (a Parquet round trip renames list items, which would change the bytes)."""
     folder = out / "data" / config_name
-    source = pq.ParquetFile(staged)
-    n = source.metadata.num_rows
+    sources = [pq.ParquetFile(path) for path in staged]
+    n = sum(source.metadata.num_rows for source in sources)
     per_shard = (max(1, config.max_rows) if config.max_rows is not None
                  else max(1, int(config.max_bytes // max(1, nbytes / n)))) if n else 0
     plan = [(offset, min(per_shard, n - offset)) for offset in range(0, n, per_shard)] if n else []
-    batches = source.iter_batches(batch_size=config.row_group_rows)
+    batches = (batch for source in sources for batch in source.iter_batches(batch_size=config.row_group_rows))
     pending: list[pa.RecordBatch] = []
     buffered = 0
     names = []

@@ -11,10 +11,21 @@ GRPO prompts (schemas/grpo.schema.json) are the conversation up to the first tra
 turn, with what a reward needs: the reference answer, the reference actions, env and domain.
 Instructions, acknowledgement and upstream demonstrations stay in the prompt: they are the
 context the agent acts in.
+
+GRPO environment tasks (schemas/grpo_env.schema.json) are whole episodes to run: the tool-format
+prompt, the environment (`os`, `db`, `agentgym`) and the task payload it resets to, from task
+files and from trajectories recorded on a task an environment can load (AgentTraj-L items).
 """
 from __future__ import annotations
 
 import json
+import re
+
+from trajforge.pipeline.synth.envs.agentgym import item_index
+from trajforge.pipeline.synth.envs.tool_calls import INSTRUCTIONS, environment_of
+from trajforge.pipeline.synth.tasks import Task, task_prompt
+
+_ITEM_ID = re.compile(r"[a-z_]+_\d+")
 
 
 def _messages(turns: list[dict]) -> list[dict]:
@@ -79,3 +90,61 @@ def grpo_prompt(record: dict) -> dict | None:
 def grpo_prompts(records: list[dict]) -> list[dict]:
     """GRPO rows from the positives (upstream-labelled negatives are not tasks to reward)."""
     return [row for r in records if r["kind"] == "positive" for row in [grpo_prompt(r)] if row is not None]
+
+
+def grpo_env_row(task: Task, source: str, row_id: str | None = None, env: str | None = None,
+                 answer: str | None = None) -> dict:
+    """The RL task of a `pipeline.tasks.Task` (schemas/grpo_env.schema.json): the tool-format
+    instructions and the first observation where the task fixes it (OS, DB; an AgentGym server
+    sends its own at reset), the environment to run it in, and the task payload it resets to."""
+    first = task_prompt(task) if task.env in ("os", "db") else ""
+    return {"id": row_id or task.id, "source": source, "environment": task.env,
+            "env": env or task.data.get("env_name") or task.env, "task": task.description,
+            "prompt": [{"role": "system", "content": INSTRUCTIONS[task.env]}, {"role": "user", "content": first}],
+            "env_task": json.dumps(task.as_dict(), ensure_ascii=False, sort_keys=True),
+            "answer": answer if answer is not None else reference_answer(task)}
+
+
+def reference_answer(task: Task) -> str | None:
+    """What a correct episode answers, where the task file says: an OS `match` answer, a DB SELECT
+    label (JSON list). Tasks scored by a check script or a table hash have none."""
+    if task.env == "os":
+        match = task.data["evaluation"].get("match")
+        if isinstance(match, str):
+            return match
+        return match.get("answer") if isinstance(match, dict) else None
+    if task.env == "db" and task.data["kind"] == "select":
+        return json.dumps(task.data["label"], ensure_ascii=False)
+    return None
+
+
+def record_task(record: dict) -> Task | None:
+    """The AgentGym task an AgentTraj-L trajectory was recorded on (its `item_id`, `<env>_<n>`,
+    names the server's task index), or None: AgentInstruct / Agent-FLAN rows carry no task an
+    environment can load, and ALFWorld item ids are game names, not indices."""
+    if (record["source"] != "agenttraj_l" or environment_of(record["env"]) != "agentgym"
+            or not _ITEM_ID.fullmatch(record["source_id"])):
+        return None
+    index = item_index(record["source_id"])
+    return Task(f"{record['env']}/{index}", "agentgym", record["task"],
+                {"env_name": record["env"], "item_id": index}, record["source_file"])
+
+
+def grpo_env_rows(tasks: list[Task], records: list[dict]) -> tuple[list[dict], int]:
+    """RL tasks from task files and from the positives whose task an environment can reset to;
+    also the number of task-file tasks left out because they cannot run here (`skip_reason`).
+    One row per task: a trajectory of a task-file task (synthetic, `meta.task_id`) only lends its
+    final answer where the file knows none; repeated AgentGym items keep their first trajectory."""
+    positives = [r for r in records if r["kind"] == "positive"]
+    answers: dict[str, str] = {}
+    for r in positives:
+        task_id = json.loads(r["meta"]).get("task_id") if r["source"] == "synthetic" else None
+        if task_id is not None and r["answer"] is not None:
+            answers.setdefault(task_id, r["answer"])
+    runnable = [t for t in tasks if not t.skip_reason]
+    rows = {t.id: grpo_env_row(t, "tasks", answer=reference_answer(t) or answers.get(t.id)) for t in runnable}
+    for r in positives:
+        task = record_task(r)
+        if task is not None and task.id not in rows:
+            rows[task.id] = grpo_env_row(task, r["source"], row_id=task.id, env=r["env"], answer=r["answer"])
+    return list(rows.values()), len(tasks) - len(runnable)

@@ -13,6 +13,9 @@ the model carries the answers only, never the reasoning, as DeepSeek recommends 
 
 An episode always ends in an `Episode` with a status: `success` (scored at or above the
 threshold, and a valid record), or `failure` with a reason code and the partial conversation.
+
+Every text that comes from outside (model replies, observations, error messages) passes through the
+backend's `redact` (the configured API key, HF tokens, bearer tokens) before the episode keeps it.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import json
 import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, ParseError, clean_text, parse_turn
@@ -100,6 +103,8 @@ class Episode:
     steps: list[StepLog] = field(default_factory=list)
     usage: dict[str, int] = field(default_factory=dict)
     record: dict | None = None
+    rejected: list[dict] = field(default_factory=list)  # replies re-prompted away: turn, issue, text
+    sampling: dict[str, Any] = field(default_factory=dict)  # the parameters the last request really sent
 
     @property
     def transient(self) -> bool:
@@ -170,9 +175,9 @@ async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: A
             env = await on_env_thread(make_env)
             observation = await on_env_thread(env.reset, task)
         except Exception as exc:  # the env's own failure (sandbox missing, server down): a reason, not a crash
-            return _fail(episode, "env_error", f"reset: {type(exc).__name__}: {exc}")
+            return _fail(episode, "env_error", backend.redact(f"reset: {type(exc).__name__}: {exc}"))
         turns = [_turn("system", instructions_for(task.env, config)),
-                 _turn("user", observation.strip() or EMPTY_OBSERVATION)]
+                 _turn("user", backend.redact(observation.strip()) or EMPTY_OBSERVATION)]
         nudges: list[dict] = []  # re-prompts since the last valid reply; sent, never recorded
         for turn_no in range(config.max_turns):
             retries = 0
@@ -181,14 +186,19 @@ async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: A
                 try:
                     result = await backend.chat(messages, sample=sample, **overrides)
                 except LLMError as exc:
-                    return _fail(episode, f"llm_error:{exc.reason}", exc.detail)
+                    return _fail(episode, f"llm_error:{exc.reason}", backend.redact(exc.detail))
                 for key, value in result.usage.items():
                     episode.usage[key] = episode.usage.get(key, 0) + value
+                episode.sampling = result.params
                 choice = result.choices[0]
+                choice = replace(choice, content=backend.redact(choice.content),
+                                 reasoning_content=backend.redact(choice.reasoning_content))
                 split, issue, parsed = _check_reply(choice)
                 if issue is None:
                     break
                 episode.steps.append(StepLog(turn_no, False, issue, split.issue, choice.finish_reason))
+                episode.rejected.append({"turn": turn_no, "issue": issue, "content": choice.content,
+                                         "reasoning": choice.reasoning_content, "finish_reason": choice.finish_reason})
                 retries += 1
                 if retries > config.max_format_retries:
                     return _fail(episode, issue, f"{retries} replies in a row without an action", turns)
@@ -202,7 +212,7 @@ async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: A
             try:
                 step = await on_env_thread(env.step, parsed.action)
             except Exception as exc:
-                return _fail(episode, "env_error", f"step: {type(exc).__name__}: {exc}", turns)
+                return _fail(episode, "env_error", backend.redact(f"step: {type(exc).__name__}: {exc}"), turns)
             info = step.info or {}
             valid = info.get("valid", True) is not False
             # `error`: the action ran but failed (an SQL error, a non-zero exit); still a valid step.
@@ -212,14 +222,15 @@ async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: A
             episode.steps.append(StepLog(turn_no, valid, problem, split.issue, choice.finish_reason))
             if step.done:
                 return _finish(episode, step, turns, backend, task, config)
-            turns.append(_turn("user", step.observation.strip() or EMPTY_OBSERVATION))
+            turns.append(_turn("user", backend.redact(step.observation.strip()) or EMPTY_OBSERVATION))
         return _fail(episode, "max_turns", f"no final answer in {config.max_turns} turns", turns)
     finally:
         if env is not None:
             try:
                 await on_env_thread(env.close)
             except Exception as exc:  # the episode's outcome stands; the leak is the env's to report
-                log.warning("closing env for %s~%d failed: %s: %s", task.id, sample, type(exc).__name__, exc)
+                log.warning("closing env for %s~%d failed: %s", task.id, sample,
+                            backend.redact(f"{type(exc).__name__}: {exc}"))
         thread.shutdown(wait=False)
 
 
@@ -260,10 +271,7 @@ def build_record(episode: Episode, backend: ChatBackend, task: Any, config: Agen
     env_name = task.data.get("env_name", task.env) if task.env == "agentgym" else task.env
     meta = {
         "generator": {"model": backend.model, "family": family_of(backend.model).name},
-        "sampling": {**backend.params, **{k: v for k, v in (("max_tokens", config.max_tokens),
-                                                            ("stop", list(config.stop) if config.stop else None),
-                                                            ("seed", None if config.seed is None else config.seed + episode.sample))
-                                          if v is not None}},
+        "sampling": episode.sampling,
         "sample": episode.sample,
         "reward": episode.reward,
         "task_id": task.id,

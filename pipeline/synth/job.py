@@ -3,9 +3,10 @@
 Layout of an output folder:
 
     DIR/data/synthetic/<env>.parquet   successful trajectories (schema records; the `synthetic` source reads them)
-    DIR/failures.parquet               failed episodes with reason codes and partial conversations (all envs)
+    DIR/failures.parquet               failed episodes with reason codes, partial conversations, token usage and
+                                       the rejected replies' text (all envs)
     DIR/unselected.parquet             successes that best-of-N did not keep (keep="best" only)
-    DIR/report.json                    counts per reason, calls made, cache hits
+    DIR/report.json                    counts per reason, calls made, cache hits, token totals, sampling sent
     DIR/.synth/requests.sqlite         the LLM request cache
     DIR/.synth/episodes.sqlite         finished episodes, so a rerun does not even replay them
 
@@ -14,6 +15,9 @@ was cut short (crash, or an LLM/env error) is run again, and its calls that alre
 answer come from the request cache, so a rerun pays only for calls never answered. Episodes
 that failed for a transient reason (`llm_error:*`, `env_error`) are reported but not journaled,
 so the next run retries them.
+
+When the server cannot be reached (`max_connection_failures` requests in a row), the job stops with
+`ServerUnreachable` and writes no outputs: what finished is journaled, and a rerun resumes.
 """
 from __future__ import annotations
 
@@ -24,24 +28,27 @@ import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.synth.agent import AgentConfig, Episode, StepLog, record_id, run_episode
 from trajforge.pipeline.build import write_parquet
-from trajforge.pipeline.synth.llm import JsonStore, LLMConfig, make_backend
+from trajforge.pipeline.synth.llm import JsonStore, LLMConfig, ServerUnreachable, make_backend, sampling_params
 from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.synth")
 
 KEEP = ("best", "all")
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "total_tokens")
 
 FAILURE_SCHEMA = pa.schema([
     ("id", pa.string()), ("task_id", pa.string()), ("sample", pa.int64()), ("env", pa.string()),
     ("reason", pa.string()), ("detail", pa.string()), ("reward", pa.float64()), ("answer", pa.string()),
     ("model", pa.string()), ("conversations", pa.string()), ("steps", pa.string()),
+    ("usage", pa.struct([(k, pa.int64()) for k in USAGE_KEYS])),
+    ("rejected", pa.string()),  # JSON: the replies re-prompted away, with their text and reasoning
 ])
 
 
@@ -100,12 +107,26 @@ def select(episodes: list[Episode], keep: str) -> tuple[list[Episode], list[Epis
     return (wins, []) if keep == "all" else (wins[:1], wins[1:])
 
 
+def identical_samples(episodes: list[Episode]) -> bool:
+    """True when at least two samples of a task got the very same replies: the server did not sample."""
+    replies = {tuple((t["content"], t["reasoning"]) for t in e.turns if t["role"] == "assistant")
+               + tuple((r["content"], r["reasoning"]) for r in e.rejected) for e in episodes}
+    replies.discard(())
+    answered = sum(1 for e in episodes if e.rejected or any(t["role"] == "assistant" for t in e.turns))
+    return answered >= 2 and len(replies) == 1
+
+
+def usage_totals(episodes: list[Episode]) -> dict[str, int]:
+    return {k: sum(e.usage.get(k, 0) for e in episodes) for k in USAGE_KEYS}
+
+
 def _failure_row(episode: Episode, model: str) -> dict:
     return {"id": record_id(episode.task_id, episode.sample), "task_id": episode.task_id, "sample": episode.sample,
             "env": episode.env, "reason": episode.reason or "", "detail": episode.detail, "reward": episode.reward,
             "answer": episode.answer, "model": model,
             "conversations": json.dumps(episode.turns, ensure_ascii=False),
-            "steps": json.dumps([asdict(s) for s in episode.steps])}
+            "steps": json.dumps([asdict(s) for s in episode.steps]),
+            "usage": usage_totals([episode]), "rejected": json.dumps(episode.rejected, ensure_ascii=False)}
 
 
 def _write_failures(rows: list[dict], path: Path) -> None:
@@ -115,7 +136,8 @@ def _write_failures(rows: list[dict], path: Path) -> None:
     tmp.replace(path)
 
 
-async def synthesize_async(config: SynthConfig) -> dict:
+async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], None] | None = None) -> dict:
+    """The job; `progress(done, total)` is called as episodes finish (resumed ones included)."""
     from trajforge.pipeline.synth.envs import make_env
     from trajforge.pipeline.synth.tasks import load_tasks
 
@@ -129,17 +151,29 @@ async def synthesize_async(config: SynthConfig) -> dict:
     journal = EpisodeJournal(state / "episodes.sqlite")
     gate = asyncio.Semaphore(config.episode_concurrency)
     counts: Counter[str] = Counter()
+    # Keyed by the sampling asked for, not the sampling sent: fields a strict server rejects are dropped
+    # during the job, and the journal must still find the episodes of a run that started before that.
+    requested = sampling_params(backend.model, config.llm.sampling)
+    total = len(tasks) * config.n
+
+    def finished(episode: Episode) -> Episode:
+        counts["finished"] += 1
+        if progress is not None:
+            progress(counts["finished"], total)
+        return episode
 
     async def one(task: Any, sample: int) -> Episode:
         if task.skip_reason:
             counts["skipped"] += 1
-            return Episode(task.id, sample, task.env, "failure", "skipped", task.skip_reason)
-        key = episode_key(task, sample, backend.model, backend.params, config.agent)
+            return finished(Episode(task.id, sample, task.env, "failure", "skipped", task.skip_reason))
+        key = episode_key(task, sample, backend.model, requested, config.agent)
         done = journal.get(key)
         if done is not None:
             counts["resumed"] += 1
-            return done
+            return finished(done)
         async with gate:
+            if backend.unreachable:  # the job is stopping: start no environment
+                return Episode(task.id, sample, task.env, "failure", "llm_error:connection", backend.unreachable)
             episode = await run_episode(backend, lambda: make_env(config.env, **config.env_kw), task, sample,
                                         config.agent)
         if not episode.transient:
@@ -147,7 +181,7 @@ async def synthesize_async(config: SynthConfig) -> dict:
         counts["run"] += 1
         if counts["run"] % 50 == 0:
             log.info("%d episodes run", counts["run"])
-        return episode
+        return finished(episode)
 
     try:
         episodes = await asyncio.gather(*(one(t, k) for t in tasks for k in range(config.n)))
@@ -155,12 +189,19 @@ async def synthesize_async(config: SynthConfig) -> dict:
         stats = backend.stats
         await backend.aclose()
         journal.close()
+    if backend.unreachable:
+        journaled = sum(1 for e in episodes if not e.transient)
+        raise ServerUnreachable(
+            f"{backend.unreachable}. Stopped: {journaled} of {len(episodes)} episodes finished and are journaled; "
+            f"no outputs were written. Rerun the same command once the server answers to resume.")
 
     by_task: dict[str, list[Episode]] = {}
     for episode in episodes:
         by_task.setdefault(episode.task_id, []).append(episode)
     records, unselected = [], []
+    identical = 0
     for task_episodes in by_task.values():
+        identical += identical_samples(task_episodes)
         kept, rest = select(task_episodes, config.keep)
         records += [e.record for e in kept]
         unselected += [_failure_row(e, backend.model) | {"reason": "not_selected"} for e in rest]
@@ -180,20 +221,27 @@ async def synthesize_async(config: SynthConfig) -> dict:
         "failure_reasons": dict(sorted(Counter(e.reason for e in episodes if e.status == "failure").items())),
         "tasks_with_record": sum(1 for es in by_task.values() if any(e.status == "success" for e in es)),
         "episodes_run": counts["run"], "episodes_resumed": counts["resumed"], "skipped": counts["skipped"],
-        "llm": {"model": backend.model, "sampling": backend.params, "calls": stats.calls,
-                "cache_hits": stats.cache_hits, "retries": stats.retries, "failures": stats.failures},
+        "usage": usage_totals(episodes), "tasks_with_identical_samples": identical,
+        "llm": {"model": backend.model, "sampling": backend.params, "sampling_dropped": backend.dropped,
+                "calls": stats.calls, "attempts": stats.attempts, "cache_hits": stats.cache_hits,
+                "retries": stats.retries, "failures": stats.failures, "usage": stats.usage},
     }
+    if identical and config.n > 1 and backend.params.get("temperature", 1.0) > 0:
+        log.warning("%s: %d of %d tasks got the very same replies in all their samples: the server seems to "
+                    "ignore the sampling parameters %s, so best-of-%d gains nothing (transformers serve samples "
+                    "only when the model's generation config sets do_sample)", config.env, identical, len(by_task),
+                    backend.params, config.n)
     reports = out / ".synth" / "reports"
     reports.mkdir(parents=True, exist_ok=True)
     (reports / f"{config.env}.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     (out / "report.json").write_text(json.dumps(
         {p.stem: json.loads(p.read_text()) for p in sorted(reports.glob("*.json"))}, indent=2, sort_keys=True) + "\n")
-    log.info("synth %s: %d tasks x %d: %d records, %d failures %s; %d calls, %d cache hits", config.env,
-             len(tasks), config.n, len(records), len(failures), report["failure_reasons"], stats.calls,
-             stats.cache_hits)
+    log.info("synth %s: %d tasks x %d: %d records, %d failures %s; %d calls answered of %d attempts, %d cache hits",
+             config.env, len(tasks), config.n, len(records), len(failures), report["failure_reasons"], stats.calls,
+             stats.attempts, stats.cache_hits)
     return report
 
 
-def synthesize(config: SynthConfig) -> dict:
+def synthesize(config: SynthConfig, progress: Callable[[int, int], None] | None = None) -> dict:
     """Run the job to the end (blocking); see the module docstring for the outputs."""
-    return asyncio.run(synthesize_async(config))
+    return asyncio.run(synthesize_async(config, progress))

@@ -8,6 +8,12 @@ Why this is more than `client.chat.completions.create`:
   through one policy: exponential backoff with full jitter on timeouts, connection resets, 5xx and
   malformed bodies, and at least the server's Retry-After on 429. When retries run out the call
   raises `LLMError` with a reason code; the agent turns that into a failure with a reason.
+* A server that is gone: after `max_connection_failures` requests in a row that could not connect,
+  every call raises `ServerUnreachable` at once, so the job stops instead of retrying each episode.
+* Strict servers: a 400/422 that names a sampling field the server does not accept (`top_k`,
+  `min_p` outside the OpenAI schema) drops that field for the rest of the job, with one warning.
+* Error bodies are kept, redacted (`pipeline.redact`), in the error detail: a server may echo the
+  Authorization header.
 * Never paying twice: every response is stored in a SQLite cache keyed by a hash of (model,
   messages, sampling parameters, sample index), so a crashed or repeated job makes no call it
   already made. The API key is not part of the key and is never stored or logged.
@@ -22,11 +28,15 @@ import json
 import logging
 import os
 import random
+import re
 import sqlite3
 import threading
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
+
+from trajforge.pipeline.redact import redact
 
 log = logging.getLogger("trajforge.llm")
 
@@ -97,9 +107,13 @@ class LLMConfig:
     concurrency: int = 64
     timeout_s: float = 600.0
     max_retries: int = 8
+    max_connection_failures: int = 10  # requests in a row that could not connect before the job stops; 0: never
     backoff_base_s: float = 0.5
     backoff_max_s: float = 60.0
     cache_path: str | None = None
+    # Entered around every HTTP request, inside the per-job bound: how an orchestrator adds a limit
+    # shared by all jobs on one endpoint (flows/limits.py puts a Prefect global concurrency limit here).
+    request_gate: Callable[[], AbstractAsyncContextManager] | None = field(default=None, repr=False, compare=False)
 
     def resolved(self) -> "LLMConfig":
         """Fill model, base URL and key from the environment when the config leaves them out."""
@@ -137,6 +151,7 @@ class ChatResult:
     usage: dict[str, int]
     model: str
     cached: bool
+    params: dict[str, Any] = field(default_factory=dict)  # the sampling parameters this request really sent
 
 
 class LLMError(RuntimeError):
@@ -149,12 +164,55 @@ class LLMError(RuntimeError):
         self.detail = detail
 
 
+class ServerUnreachable(LLMError):
+    """The server could not be reached `max_connection_failures` times in a row: the job stops."""
+
+    def __init__(self, detail: str):
+        super().__init__("connection", detail)
+
+
 class _Retryable(Exception):
     def __init__(self, reason: str, detail: str, retry_after: float | None = None):
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
         self.retry_after = retry_after
+
+
+class _UnsupportedParams(Exception):
+    def __init__(self, names: list[str], detail: str):
+        super().__init__(detail)
+        self.names = names
+        self.detail = detail
+
+
+# How servers say a body field is not theirs: transformers serve (422 "Unexpected fields in the request:
+# {'top_k'}"), pydantic (`extra_forbidden`, "Extra inputs are not permitted"), OpenAI ("Unrecognized request
+# argument supplied: top_k", "Unsupported parameter: 'top_k'").
+_UNSUPPORTED_FIELD = re.compile(r"unexpected|unrecogni[sz]ed|unknown|unsupported|not supported|extra[_ ]"
+                                r"(?:fields?|inputs?|forbidden)|not permitted|not allowed", re.I)
+
+
+def unsupported_params(status: int, text: str, sent: list[str]) -> list[str]:
+    """The sent parameter names that a 400/422 error text rejects as unknown or unsupported."""
+    if status not in (400, 422) or not _UNSUPPORTED_FIELD.search(text):
+        return []
+    return [name for name in sent if re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text)]
+
+
+def _connection_cause(exc: BaseException) -> BaseException | None:
+    """The deepest error under `exc` that says the connection failed (refused, reset, closed by a dying server).
+
+    The SDK's aiohttp transport reports a refused connection as `APITimeoutError` (through httpx's
+    `ConnectTimeout`) within milliseconds, so the exception's class alone would say `timeout`.
+    """
+    found, seen = None, set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and not isinstance(exc, TimeoutError) or type(exc).__name__ == "ServerDisconnectedError":
+            found = exc
+        exc = exc.__cause__ or exc.__context__
+    return found
 
 
 def parse_body(body: Any) -> ChatResult:
@@ -173,7 +231,12 @@ def parse_body(body: Any) -> ChatResult:
             raise ValueError("message content is not text")
         choices.append(Choice(content or "", reasoning, c.get("finish_reason")))
     usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
-    return ChatResult(choices, {k: v for k, v in usage.items() if isinstance(v, int)}, str(body.get("model", "")), False)
+    counts = {k: v for k, v in usage.items() if isinstance(v, int) and not isinstance(v, bool)}
+    # OpenAI, vLLM and DeepSeek count the reasoning inside `completion_tokens_details`.
+    details = usage.get("completion_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
+        counts["reasoning_tokens"] = details["reasoning_tokens"]
+    return ChatResult(choices, counts, str(body.get("model", "")), False)
 
 
 def request_key(model: str, messages: list[dict], params: dict[str, Any], sample: int) -> str:
@@ -230,7 +293,13 @@ class RequestCache(JsonStore):
 
 class ChatBackend(Protocol):
     model: str
-    params: dict[str, Any]
+    params: dict[str, Any]            # the sampling parameters sent (fields the server rejected are dropped)
+    config: LLMConfig
+    stats: "CallStats"
+    unreachable: str | None           # why the server counts as gone (set by the circuit breaker)
+    dropped: list[str]                # sampling fields the server rejected, no longer sent
+
+    def redact(self, text: str | None) -> str | None: ...
 
     async def chat(self, messages: list[dict], sample: int = 0, **overrides: Any) -> ChatResult: ...
 
@@ -239,10 +308,16 @@ class ChatBackend(Protocol):
 
 @dataclass
 class CallStats:
-    calls: int = 0          # HTTP requests sent, retries included
+    calls: int = 0          # requests the server answered (any HTTP status), retries included
+    attempts: int = 0       # requests sent, answered or not (refused, reset, timed out)
     cache_hits: int = 0
     retries: int = 0
     failures: dict[str, int] = field(default_factory=dict)
+    usage: dict[str, int] = field(default_factory=dict)  # tokens of the answers this run paid for
+
+    def add_usage(self, usage: dict[str, int]) -> None:
+        for key, value in usage.items():
+            self.usage[key] = self.usage.get(key, 0) + value
 
 
 class OpenAIBackend:
@@ -253,8 +328,9 @@ class OpenAIBackend:
 
         self.config = config.resolved()
         self.model = self.config.model
-        self.params = self.config.params
         self.stats = CallStats()
+        self.unreachable: str | None = None
+        self._requested = self.config.params
         self._openai = openai
         # The SDK's aiohttp transport: at concurrency 64 the httpx pool cost 3.5 ms of client CPU per
         # call, which capped the rate below what the server allows; aiohttp costs 2.5 ms (bench/).
@@ -262,32 +338,68 @@ class OpenAIBackend:
                                           timeout=self.config.timeout_s, max_retries=0,
                                           http_client=openai.DefaultAioHttpClient(timeout=self.config.timeout_s))
         self._semaphore = asyncio.Semaphore(self.config.concurrency)
+        self._gate = self.config.request_gate or nullcontext
         self._cache = RequestCache(self.config.cache_path) if self.config.cache_path else None
+        self._connection_failures = 0
+        self._logged: set[str] = set()
+        # Fields this server rejected, remembered with the cache so that a rerun does not ask again.
+        self._unsupported_key = f"unsupported-params {self.config.base_url} {self.model}"
+        self.dropped: list[str] = (self._cache.get(self._unsupported_key) if self._cache is not None else None) or []
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return {k: v for k, v in self._requested.items() if k not in self.dropped}
 
     def request(self, messages: list[dict], **overrides: Any) -> tuple[list[dict], dict[str, Any]]:
-        """The messages and parameters actually sent (family rules applied)."""
-        params = {**self.params, **{k: v for k, v in overrides.items() if v is not None}}
-        return prepare_messages(self.model, messages), params
+        """The messages and parameters actually sent (family rules applied, rejected fields dropped)."""
+        params = {**self._requested, **{k: v for k, v in overrides.items() if v is not None}}
+        return prepare_messages(self.model, messages), {k: v for k, v in params.items() if k not in self.dropped}
+
+    def redact(self, text: str | None) -> str | None:
+        return redact(text, [self.config.api_key])
 
     async def chat(self, messages: list[dict], sample: int = 0, **overrides: Any) -> ChatResult:
-        messages, params = self.request(messages, **overrides)
-        key = request_key(self.model, messages, params, sample)
+        while True:
+            sent, params = self.request(messages, **overrides)
+            key = request_key(self.model, sent, params, sample)
+            if self._cache is not None:
+                body = self._cache.get(key)
+                if body is not None:
+                    self.stats.cache_hits += 1
+                    return replace(parse_body(body), cached=True, params=params)
+            try:
+                body, result = await self._call_with_retries(sent, params)
+            except _UnsupportedParams as exc:
+                self._drop(exc.names, exc.detail)
+                continue
+            if self._cache is not None:
+                self._cache.put(key, body)
+            self.stats.add_usage(result.usage)
+            return replace(result, params=params)
+
+    def _drop(self, names: list[str], detail: str) -> None:
+        new = sorted(n for n in names if n not in self.dropped)
+        if not new:
+            return
+        self.dropped = sorted({*self.dropped, *new})
         if self._cache is not None:
-            body = self._cache.get(key)
-            if body is not None:
-                self.stats.cache_hits += 1
-                return replace(parse_body(body), cached=True)
-        body, result = await self._call_with_retries(messages, params)
-        if self._cache is not None:
-            self._cache.put(key, body)
-        return result
+            self._cache.put(self._unsupported_key, self.dropped)
+        log.warning("the server rejects %s (%s); sending the requests without %s from now on",
+                    ", ".join(new), detail, "it" if len(new) == 1 else "them")
+
+    def _log_once(self, level: int, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            log.log(level, "%s", message)
 
     async def _call_with_retries(self, messages: list[dict], params: dict[str, Any]) -> tuple[dict, ChatResult]:
         attempt = 0
         while True:
             try:
-                async with self._semaphore:
-                    self.stats.calls += 1
+                async with self._semaphore, self._gate():
+                    if self.unreachable:
+                        raise ServerUnreachable(self.unreachable)
+                    self.stats.attempts += 1
                     return await self._call_once(messages, params)
             except _Retryable as exc:
                 attempt += 1
@@ -302,6 +414,9 @@ class OpenAIBackend:
                 log.warning("%s (attempt %d/%d); retrying in %.2fs", exc.reason, attempt,
                             self.config.max_retries + 1, delay)
                 await asyncio.sleep(delay)
+            except ServerUnreachable:
+                self.stats.failures["connection"] = self.stats.failures.get("connection", 0) + 1
+                raise
 
     async def _call_once(self, messages: list[dict], params: dict[str, Any]) -> tuple[dict, ChatResult]:
         openai = self._openai
@@ -313,23 +428,56 @@ class OpenAIBackend:
             # other servers read from the top level (top_k, min_p) go there, as extra_body would put them.
             body = await self._client.post("/chat/completions", cast_to=object,
                                            body={"model": self.model, "messages": messages, "stream": False, **params})
-        except openai.RateLimitError as exc:
-            raise _Retryable("rate_limited", "HTTP 429", _retry_after(exc.response.headers)) from None
-        except openai.APITimeoutError:
-            raise _Retryable("timeout", f"no response within {self.config.timeout_s}s") from None
-        except openai.APIConnectionError as exc:
-            raise _Retryable("connection", type(exc.__cause__ or exc).__name__) from None
         except openai.APIStatusError as exc:
-            if exc.status_code >= 500 or exc.status_code in (408, 409):
-                raise _Retryable("server_error", f"HTTP {exc.status_code}", _retry_after(exc.response.headers)) from None
-            self.stats.failures["client_error"] = self.stats.failures.get("client_error", 0) + 1
-            raise LLMError("client_error", f"HTTP {exc.status_code}: {str(exc.message)[:300]}") from None
+            self._answered()
+            raise self._status_error(exc, params) from None
+        except openai.APIConnectionError as exc:  # APITimeoutError included
+            raise self._unanswered(exc) from None
         except ValueError as exc:  # a body that is not JSON (cut off, HTML from a proxy)
+            self._answered()
             raise _Retryable("malformed_response", type(exc).__name__) from None
+        self._answered()
         try:
             return body, parse_body(body)
         except ValueError as exc:
             raise _Retryable("malformed_response", str(exc)) from None
+
+    def _answered(self) -> None:
+        self.stats.calls += 1
+        self._connection_failures = 0
+
+    def _unanswered(self, exc: Exception) -> Exception:
+        cause = _connection_cause(exc)
+        if cause is None:
+            return _Retryable("timeout", f"no response within {self.config.timeout_s}s")
+        detail = self.redact(f"{type(cause).__name__}: {cause}"[:300])
+        self._connection_failures += 1
+        limit = self.config.max_connection_failures
+        if limit and self._connection_failures >= limit and not self.unreachable:
+            self.unreachable = (f"{self._connection_failures} requests in a row could not connect to "
+                                f"{self.config.base_url or 'the OpenAI API'} (last: {detail})")
+            log.error("%s; stopping", self.unreachable)
+        if self.unreachable:
+            return ServerUnreachable(self.unreachable)
+        return _Retryable("connection", detail)
+
+    def _status_error(self, exc: Exception, params: dict[str, Any]) -> Exception:
+        status = exc.status_code
+        try:
+            text = exc.response.text
+        except Exception:  # a body the transport could not decode: what the SDK parsed is all there is
+            text = json.dumps(exc.body, default=str) if exc.body is not None else ""
+        detail = f"HTTP {status}: {self.redact(' '.join(text.split())[:500]) or '(empty body)'}"
+        names = unsupported_params(status, text, list(params))
+        if names:
+            return _UnsupportedParams(names, detail)
+        if status == 429:
+            return _Retryable("rate_limited", detail, _retry_after(exc.response.headers))
+        self._log_once(logging.WARNING, f"the server answered {detail}")
+        if status >= 500 or status in (408, 409):
+            return _Retryable("server_error", detail, _retry_after(exc.response.headers))
+        self.stats.failures["client_error"] = self.stats.failures.get("client_error", 0) + 1
+        return LLMError("client_error", detail)
 
     async def aclose(self) -> None:
         await self._client.close()
@@ -367,6 +515,8 @@ class VLLMBackend:
         self.model = self.config.model
         self.params = self.config.params
         self.stats = CallStats()
+        self.unreachable: str | None = None
+        self.dropped: list[str] = []
         self._vllm = vllm
         self._engine = vllm.LLM(model=self.model, **engine_kw)
         self._cache = RequestCache(self.config.cache_path) if self.config.cache_path else None
@@ -381,7 +531,7 @@ class VLLMBackend:
         key = request_key(self.model, messages, params, sample)
         if self._cache is not None and (body := self._cache.get(key)) is not None:
             self.stats.cache_hits += 1
-            return replace(parse_body(body), cached=True)
+            return replace(parse_body(body), cached=True, params=params)
         future = asyncio.get_running_loop().create_future()
         self._queue.append((messages, params, future))
         if len(self._queue) >= self._max_batch:
@@ -391,7 +541,12 @@ class VLLMBackend:
         body = await future
         if self._cache is not None:
             self._cache.put(key, body)
-        return parse_body(body)
+        result = parse_body(body)
+        self.stats.add_usage(result.usage)
+        return replace(result, params=params)
+
+    def redact(self, text: str | None) -> str | None:
+        return redact(text, [self.config.api_key])
 
     async def _flush_later(self) -> None:
         await asyncio.sleep(self._window)
@@ -408,7 +563,7 @@ class VLLMBackend:
             bodies = await asyncio.to_thread(self._generate, [(m, p) for m, p, _ in batch])
         except Exception as exc:  # one engine failure fails every request of the batch, with its reason
             for _, _, future in batch:
-                future.set_exception(LLMError("engine_error", f"{type(exc).__name__}: {exc}"[:300]))
+                future.set_exception(LLMError("engine_error", self.redact(f"{type(exc).__name__}: {exc}"[:300])))
             return
         for (_, _, future), body in zip(batch, bodies):
             future.set_result(body)
@@ -417,6 +572,7 @@ class VLLMBackend:
         # LLM.chat takes one SamplingParams per conversation, so mixed parameters batch together.
         sampling = [self._vllm.SamplingParams(**_vllm_sampling(p)) for _, p in requests]
         self.stats.calls += 1
+        self.stats.attempts += 1
         outputs = self._engine.chat([m for m, _ in requests], sampling, use_tqdm=False)
         bodies = []
         for out in outputs:
