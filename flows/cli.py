@@ -154,8 +154,41 @@ def _run_train(args: argparse.Namespace) -> int:
     return train_main([args.trainer, *args.args])
 
 
+def _add_select_steps(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("select-steps", help="flag the critical steps of trajectories with a model, ATLaS (a Prefect flow)")
+    p.add_argument("inputs", help="records to judge: a build folder (data/sft), a synth folder, or a Parquet file")
+    p.add_argument("--out", required=True, help="output folder, same layout as the input (rerunning into it resumes)")
+    p.add_argument("--model", required=True, help="selector model name as the server knows it")
+    p.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint (default: TRAJFORGE_BASE_URL)")
+    p.add_argument("--config", default="sft", help="release config to judge in a build folder")
+    p.add_argument("--env", action="append", default=[], help="judge only records of this env (repeatable)")
+    p.add_argument("--concurrency", type=int, default=64, help="LLM requests in flight")
+    p.add_argument("--batch-size", type=int, default=256, help="records in flight")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--sampling", action="append", type=_sampling_arg, default=[], metavar="KEY=VALUE",
+                   help="override a sampling default; repeatable")
+    p.add_argument("--backend", choices=["openai", "vllm"], default="openai")
+    p.add_argument("--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key")
+    p.set_defaults(func=_run_select_steps)
+
+
+def _run_select_steps(args: argparse.Namespace) -> int:
+    from flows.select_steps import select_steps
+    from pipeline.critical_steps import summary_lines
+
+    if not os.path.exists(args.inputs):
+        raise SourceError(f"select-steps: {args.inputs} does not exist")
+    report = select_steps(inputs=args.inputs, out=args.out, model=args.model, base_url=args.base_url,
+                          config_name=args.config, concurrency=args.concurrency, batch_size=args.batch_size,
+                          max_tokens=args.max_tokens, sampling=dict(args.sampling), backend=args.backend,
+                          api_key_env=args.api_key_env, envs=args.env)
+    print("\n".join(summary_lines(report)))
+    print(f"records: {args.out}  failures: {args.out}/select_failures.parquet  report: {args.out}/report.json")
+    return 0
+
+
 # Each entry adds one subcommand; other capabilities register theirs here.
-COMMANDS = [_add_build, _add_release, _add_synth, _add_train]
+COMMANDS = [_add_build, _add_release, _add_synth, _add_train, _add_select_steps]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -316,6 +316,51 @@ def fixture_policy(os_files: list[Path] = (), db_files: list[Path] = ()) -> Fixt
     return policy
 
 
+# --- the critical-step selector policy ---------------------------------------------------------
+_STEP_HEADER = re.compile(r"^### (Step (\d+)|Observation|Agent \(context, not a step\))$", re.M)
+_ERROR_WORDS = re.compile(r"error|not found|no such|denied|invalid|traceback|syntax", re.I)
+
+
+@dataclass
+class CriticalStepPolicy:
+    """Answers the selector prompt of `pipeline.critical_steps` from the trajectory it is shown.
+
+    Its judgement is a rule a careful annotator would also apply: the first step makes the plan, a
+    step right after an observation that reports an error corrects course, and the last step (the
+    answer or the commit) is the critical action; everything else is routine. `garble(prompt)`
+    says which prompts get a reply that is not JSON (every time they are asked).
+    """
+    garble: Callable[[str], bool] = lambda _prompt: False
+    answered: int = 0
+
+    def __call__(self, messages: list[dict]) -> Reply:
+        prompt = next((m["content"] for m in messages if m["role"] == "user"), "")
+        if self.garble(prompt):
+            return Reply("The trajectory is long.", "I think steps one and three matter most.")
+        blocks = list(_STEP_HEADER.finditer(prompt))
+        chosen: dict[int, tuple[str, str]] = {}
+        previous_observation = ""
+        steps = []
+        for k, block in enumerate(blocks):
+            end = blocks[k + 1].start() if k + 1 < len(blocks) else len(prompt)
+            body = prompt[block.end():end]
+            if block.group(2):
+                number = int(block.group(2))
+                steps.append(number)
+                if steps[:-1] and _ERROR_WORDS.search(previous_observation):
+                    chosen[number] = ("self_correction", "It reacts to the error the environment reported.")
+                previous_observation = ""
+            elif block.group(1) == "Observation":
+                previous_observation = body
+        if steps:
+            chosen.setdefault(steps[0], ("plan_creation", "It decides how to approach the task."))
+            chosen[steps[-1]] = ("critical_action", "It gives the final answer that completes the task.")
+        self.answered += 1
+        answer = {"critical_steps": [{"step": n, "category": c, "reason": r} for n, (c, r) in sorted(chosen.items())]}
+        return Reply(f"The trajectory has {len(steps)} steps; I look for plans, errors and the final action.",
+                     json.dumps(answer))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="loopback OpenAI-compatible test server")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds each call waits before answering")

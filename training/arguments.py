@@ -27,6 +27,10 @@ class DataArguments(ScriptArguments):
 @dataclass
 class SFTTrainConfig(SFTConfig):
     """SFTConfig; `max_length` is applied by our turn-aware truncation before TRL sees the rows."""
+    loss_on: str = field(
+        default="all", metadata={"help": "Assistant turns that carry loss: `all` (every turn whose loss flag is "
+                                         "set) or `critical` (only those `trajforge select-steps` flagged, ATLaS).",
+                                 "choices": ["all", "critical"]})
 
 
 @dataclass
