@@ -187,8 +187,46 @@ def _run_select_steps(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_salvage(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("salvage", help="replay prefixes of failed runs and keep successful continuations, EEF "
+                                       "(a Prefect flow)")
+    p.add_argument("failures", nargs="+", help="failures.parquet of `trajforge synth`, or records with success false")
+    p.add_argument("--tasks", required=True, help="the task file the failures were run on")
+    p.add_argument("--out", required=True, help="output folder (rerunning into it resumes)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint (default: TRAJFORGE_BASE_URL)")
+    p.add_argument("--max-prefixes", type=int, default=3, help="prefixes tried per failure, longest first")
+    p.add_argument("--max-calls", type=int, default=200, help="LLM call budget for the run (cache hits are free)")
+    p.add_argument("--concurrency", type=int, default=64, help="LLM requests in flight")
+    p.add_argument("--episodes", type=int, default=8, help="environments alive at once")
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--sampling", action="append", type=_sampling_arg, default=[], metavar="KEY=VALUE")
+    p.add_argument("--backend", choices=["openai", "vllm"], default="openai")
+    p.add_argument("--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key")
+    p.set_defaults(func=_run_salvage)
+
+
+def _run_salvage(args: argparse.Namespace) -> int:
+    from flows.salvage import salvage
+
+    for path in [*args.failures, args.tasks]:
+        if not os.path.isfile(path):
+            raise SourceError(f"salvage: no file {path}")
+    report = salvage(failures=args.failures, tasks=args.tasks, out=args.out, model=args.model, base_url=args.base_url,
+                     max_prefixes=args.max_prefixes, max_calls=args.max_calls, concurrency=args.concurrency,
+                     episode_concurrency=args.episodes, max_turns=args.max_turns, max_tokens=args.max_tokens,
+                     sampling=dict(args.sampling), backend=args.backend, api_key_env=args.api_key_env)
+    outcomes = ", ".join(f"{k}={v}" for k, v in report["outcomes"].items()) or "-"
+    print(f"{report['failures']} failures ({outcomes}); {report['records']} records with {report['beneficial_steps']} "
+          f"beneficial steps; {report['llm']['calls']} LLM calls (budget {args.max_calls}), "
+          f"{report['llm']['cache_hits']} cache hits")
+    print(f"records: {args.out}/data/synthetic  outcomes: {args.out}/salvage.parquet")
+    return 0
+
+
 # Each entry adds one subcommand; other capabilities register theirs here.
-COMMANDS = [_add_build, _add_release, _add_synth, _add_train, _add_select_steps]
+COMMANDS = [_add_build, _add_release, _add_synth, _add_train, _add_select_steps, _add_salvage]
 
 
 def parser() -> argparse.ArgumentParser:

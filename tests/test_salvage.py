@@ -176,3 +176,17 @@ def test_os_salvage_in_the_real_sandbox(tmp_path):
         assert not any("detour" in (t["action"] or "") for t in record["conversations"])
     assert {r["outcome"] for r in rows.values()} <= {"salvaged", "no_prefix_succeeded", "no_prefix",
                                                      "not_a_task_failure"}
+
+
+def test_salvage_cli_runs_the_flow(db_failures, tmp_path, capsys):
+    from flows.cli import main
+
+    out = tmp_path / "cli"
+    with Server(fixture_policy(db_files=[DB_FILE])) as server:
+        assert main(["salvage", str(db_failures), "--tasks", str(DB_FILE), "--out", str(out), "--model", MODEL,
+                     "--base-url", server.base_url, "--max-prefixes", "2", "--max-calls", "5"]) == 0
+        assert server.calls <= 5
+    report = json.loads((out / "report.json").read_text())
+    printed = capsys.readouterr().out
+    assert report["budget"]["spent"] == report["llm"]["calls"] == server.calls
+    assert f"{report['llm']['calls']} LLM calls (budget 5)" in printed and "budget_exhausted=" in printed
