@@ -2,11 +2,11 @@
 (pipeline/salvage.py does the work). The API key is read from the environment, never a parameter."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 
+from flows.synth import use_api_key_env
 from pipeline.agent import AgentConfig
 from pipeline.llm import LLMConfig
 from pipeline.salvage import SalvageConfig
@@ -15,11 +15,7 @@ from pipeline.salvage import salvage as run_salvage
 
 @task(name="salvage-failures")
 def salvage_failures(config: SalvageConfig, api_key_env: str | None) -> dict:
-    if api_key_env:
-        key = os.environ.get(api_key_env)
-        if not key:
-            raise ValueError(f"environment variable {api_key_env} is not set")
-        config.llm.api_key = key
+    use_api_key_env(config.llm, api_key_env)
     return run_salvage(config)
 
 

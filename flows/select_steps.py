@@ -5,11 +5,11 @@ it is read from the environment inside the task.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 
+from flows.synth import use_api_key_env
 from pipeline.critical_steps import SelectConfig, summary_lines
 from pipeline.critical_steps import select_steps as run_selection
 from pipeline.llm import LLMConfig
@@ -17,11 +17,7 @@ from pipeline.llm import LLMConfig
 
 @task(name="select-critical-steps")
 def select_critical_steps(config: SelectConfig, api_key_env: str | None) -> dict:
-    if api_key_env:
-        key = os.environ.get(api_key_env)
-        if not key:
-            raise ValueError(f"environment variable {api_key_env} is not set")
-        config.llm.api_key = key
+    use_api_key_env(config.llm, api_key_env)
     return run_selection(config)
 
 
