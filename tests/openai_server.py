@@ -64,13 +64,14 @@ class Server:
     """The app plus its counters. Use as a context manager to run it on a background thread."""
 
     def __init__(self, policy: Policy = echo_policy, latency_s: float = 0.0, fault: Fault | None = None,
-                 shapes: tuple[str, ...] = SHAPES, slow_s: float = 5.0, retry_after: str = "1"):
+                 shapes: tuple[str, ...] = SHAPES, slow_s: float = 5.0, retry_after: str = "1", port: int = 0):
         self.policy = policy
         self.latency_s = latency_s
         self.fault = fault
         self.shapes = shapes
         self.slow_s = slow_s
         self.retry_after = retry_after
+        self.port = port
         self.calls = 0
         self.faults: dict[str, int] = {}
         self.requests: list[dict] = []
@@ -187,7 +188,7 @@ class Server:
             asyncio.set_event_loop(self._loop)
             self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
             self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0, backlog=1024)
+            site = web.TCPSite(self._runner, "127.0.0.1", self.port, backlog=1024)
             self._loop.run_until_complete(site.start())
             port = site._server.sockets[0].getsockname()[1]
             self.base_url = f"http://127.0.0.1:{port}/v1"
@@ -364,8 +365,12 @@ class CriticalStepPolicy:
 def main() -> None:
     parser = argparse.ArgumentParser(description="loopback OpenAI-compatible test server")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds each call waits before answering")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free one)")
+    parser.add_argument("--db-tasks", action="append", default=[], help="DBBench task file: answer with the fixture policy")
+    parser.add_argument("--os-tasks", action="append", default=[], help="AgentBench OS task file: the same")
     args = parser.parse_args()
-    with Server(latency_s=args.latency) as server:
+    policy = fixture_policy(args.os_tasks, args.db_tasks) if args.db_tasks or args.os_tasks else echo_policy
+    with Server(policy, latency_s=args.latency, port=args.port) as server:
         print(server.base_url, flush=True)
         threading.Event().wait()
 
