@@ -225,8 +225,49 @@ def _run_salvage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_rft(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("rft", help="rejection-sampling fine-tuning rounds: build, SFT, serve, synthesize, keep "
+                                   "successes (a Prefect flow; extra `train`)")
+    p.add_argument("--source", action="append", type=_source_arg, default=[], metavar="NAME[=PATH_OR_REPO]",
+                   help="a source of the build (repeatable), as for `trajforge build`")
+    p.add_argument("--tasks", required=True, help="held-out task file the served checkpoint is sampled on")
+    p.add_argument("--env", required=True, help="environment of the tasks: os, db, agentgym")
+    p.add_argument("--base-model", required=True, help="model every round fine-tunes (folder or Hub id)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--sft-config", required=True, help="SFT YAML config (training/configs/sft_*.yaml)")
+    p.add_argument("--serve", default="transformers",
+                   help="server for the checkpoint: transformers (CPU), vllm (GPU), or a command with {model} "
+                        "and {port} placeholders")
+    p.add_argument("--n", type=int, default=4, help="samples per held-out task")
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.set_defaults(func=_run_rft)
+
+
+def _run_rft(args: argparse.Namespace) -> int:
+    import shlex
+
+    from flows.rft import rft
+    from pipeline.rft import SERVE_COMMANDS
+
+    for path in (args.tasks, args.sft_config):
+        if not os.path.isfile(path):
+            raise SourceError(f"rft: no file {path}")
+    serve = args.serve if args.serve in SERVE_COMMANDS else shlex.split(args.serve)
+    report = rft(sources=dict(args.source) or {"agentinstruct": None}, tasks=args.tasks, env=args.env,
+                 base_model=args.base_model, out=args.out, rounds=args.rounds, sft_args=["--config", args.sft_config],
+                 serve=serve, n=args.n, max_turns=args.max_turns, max_tokens=args.max_tokens)
+    for r in report["rounds"]:
+        print(f"round {r['round']}: {r['tasks_solved']}/{r['tasks']} held-out tasks solved ({r['success_rate']}), "
+              f"{r['records_kept']} records kept, train loss {r['train_loss']}")
+    print(f"final build: {args.out}/final ({report['final_build']['records']} records, "
+          f"{report['final_build']['synthetic_records']} from the rounds); report: {args.out}/report.json")
+    return 0
+
+
 # Each entry adds one subcommand; other capabilities register theirs here.
-COMMANDS = [_add_build, _add_release, _add_synth, _add_train, _add_select_steps, _add_salvage]
+COMMANDS = [_add_build, _add_release, _add_synth, _add_train, _add_select_steps, _add_salvage, _add_rft]
 
 
 def parser() -> argparse.ArgumentParser:

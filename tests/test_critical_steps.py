@@ -200,3 +200,14 @@ def test_label_mask_with_loss_on_critical_is_exactly_the_critical_turns(selected
     assert (stats.kept, stats.dropped_no_loss) == (report["judged"], report["failed"])
     with pytest.raises(ValueError, match="loss_on"):
         prepare_sft(Dataset.from_list(records[:2]), tok, None, loss_on="critical_only")
+
+
+def test_loss_on_is_a_launcher_option():
+    pytest.importorskip("trl")
+    from training.arguments import SFTTrainConfig, parse
+
+    base = ["--model_name_or_path", "m", "--dataset_name", "d", "--use_cpu", "true"]
+    assert parse(SFTTrainConfig, base)[1].loss_on == "all"
+    assert parse(SFTTrainConfig, [*base, "--loss_on", "critical"])[1].loss_on == "critical"
+    with pytest.raises(SystemExit):
+        parse(SFTTrainConfig, [*base, "--loss_on", "critical_only"])
