@@ -42,7 +42,7 @@ def serve_and_synthesize(model_dir: str, serve_command: list[str], config: Synth
         return synthesize(config)
 
 
-@flow(name="rft", log_prints=True)
+@flow(name="rft")
 def rft(sources: dict[str, str | None], tasks: str, env: str, base_model: str, out: str, rounds: int = 2,
         sft_args: list[str] | None = None, serve: str | list[str] = "transformers", n: int = 4,
         max_turns: int = 8, max_tokens: int | None = None, concurrency: int = 16, startup_timeout_s: float = 600.0,
