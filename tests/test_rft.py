@@ -10,30 +10,17 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 pytest.importorskip("trl")
 
 from tests.conftest import FIXTURES, RAW  # noqa: E402
-from tiny_model import build_tiny_model  # noqa: E402
+from tests.test_training_trainers import one_thread, tiny  # noqa: E402,F401  (the same fixtures)
 
 DB_FILE = FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl"
 SFT_TINY = Path(__file__).resolve().parents[1] / "training" / "configs" / "sft_tiny.yaml"
 SFT_ARGS = ["--config", str(SFT_TINY), "--max_steps", "2", "--max_length", "512", "--eval_fraction", "0",
             "--save_strategy", "no"]
 SOURCES = {"agentinstruct": str(RAW / "agentinstruct")}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny(fixtures_build, tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), fixtures_build)
 
 
 @pytest.fixture(scope="module")
