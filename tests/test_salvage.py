@@ -190,3 +190,30 @@ def test_salvage_cli_runs_the_flow(db_failures, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert report["budget"]["spent"] == report["llm"]["calls"] == server.calls
     assert f"{report['llm']['calls']} LLM calls (budget 5)" in printed and "budget_exhausted=" in printed
+
+
+def test_unsuccessful_records_are_salvaged_through_their_task_text(db_failures, db_solvable, tmp_path):
+    """Records that end without success (no synthesis task id) find their task by its description."""
+    import pyarrow as pa
+
+    from pipeline.tasks import load_tasks
+    from schemas import arrow_schema
+
+    tasks = {t.id: t for t in load_tasks(DB_FILE)}
+    failures = [f for f in read_failures(db_failures) if f.task_id in db_solvable and len(f.actions) == 3]
+    assert failures
+    records = [{"id": f"agentinstruct/db_failed_{i}", "schema_version": "1.1.0", "source": "agentinstruct",
+                "source_id": f"db_failed_{i}", "source_file": "db", "license": "other", "domain": "db", "env": "db",
+                "kind": "positive", "negative_type": None, "parent_id": None, "rendering": "native",
+                "loss_flags": "inferred", "demo_turns": 0, "task": tasks[f.task_id].description, "answer": None,
+                "reward": 0.0, "success": False, "conversations": f.turns, "meta": "{}"}
+               for i, f in enumerate(failures)]
+    path = tmp_path / "records.parquet"
+    pq.write_table(pa.Table.from_pylist(records, schema=arrow_schema("trajectory")), path)
+    with Server(fixture_policy(db_files=[DB_FILE])) as server:
+        report = salvage(SalvageConfig(failures=[str(path)], tasks=str(DB_FILE), out=str(tmp_path / "out"),
+                                       llm=_llm(server), max_prefixes=2))
+    salvaged, rows = _check_outcomes(tmp_path / "out", path)
+    assert report["outcomes"] == {"salvaged": len(records)}
+    assert sorted(json.loads(r["meta"])["salvaged_from"] for r in salvaged) == sorted(r["id"] for r in records)
+    assert all(r["id"].startswith("synthetic/agentinstruct_db_failed_") and validate_record(r) is None for r in salvaged)
