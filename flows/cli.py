@@ -249,8 +249,120 @@ def _run_train(args: argparse.Namespace) -> int:
     return train_main(args.args)
 
 
+def _add_select_steps(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("select-steps", help="flag the critical steps of trajectories with a model, ATLaS (a Prefect flow)")
+    p.add_argument("inputs", help="records to judge: a build folder (data/sft), a synth folder, or a Parquet file")
+    p.add_argument("--out", required=True, help="output folder, same layout as the input (rerunning into it resumes)")
+    p.add_argument("--model", required=True, help="selector model name as the server knows it")
+    p.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint (default: TRAJFORGE_BASE_URL)")
+    p.add_argument("--config", default="sft", help="release config to judge in a build folder")
+    p.add_argument("--env", action="append", default=[], help="judge only records of this env (repeatable)")
+    p.add_argument("--concurrency", type=int, default=64, help="LLM requests in flight")
+    p.add_argument("--batch-size", type=int, default=256, help="records in flight")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--sampling", action="append", type=_sampling_arg, default=[], metavar="KEY=VALUE",
+                   help="override a sampling default; repeatable")
+    p.add_argument("--backend", choices=["openai", "vllm"], default="openai")
+    p.add_argument("--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key")
+    p.set_defaults(func=_run_select_steps)
+
+
+def _run_select_steps(args: argparse.Namespace) -> int:
+    from trajforge.flows.select_steps import select_steps
+    from trajforge.pipeline.quality.critical_steps import summary_lines
+
+    if not os.path.exists(args.inputs):
+        raise SourceError(f"select-steps: {args.inputs} does not exist")
+    report = select_steps(inputs=args.inputs, out=args.out, model=args.model, base_url=args.base_url,
+                          config_name=args.config, concurrency=args.concurrency, batch_size=args.batch_size,
+                          max_tokens=args.max_tokens, sampling=dict(args.sampling), backend=args.backend,
+                          api_key_env=args.api_key_env, envs=args.env)
+    print("\n".join(summary_lines(report)))
+    print(f"records: {args.out}  failures: {args.out}/select_failures.parquet  report: {args.out}/report.json")
+    return 0
+
+
+def _add_salvage(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("salvage", help="replay prefixes of failed runs and keep successful continuations, EEF "
+                                       "(a Prefect flow)")
+    p.add_argument("failures", nargs="+", help="failures.parquet of `trajforge synth`, or records with success false")
+    p.add_argument("--tasks", required=True, help="the task file the failures were run on")
+    p.add_argument("--out", required=True, help="output folder (rerunning into it resumes)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint (default: TRAJFORGE_BASE_URL)")
+    p.add_argument("--max-prefixes", type=int, default=3, help="prefixes tried per failure, longest first")
+    p.add_argument("--max-calls", type=int, default=200, help="LLM call budget for the run (cache hits are free)")
+    p.add_argument("--concurrency", type=int, default=64, help="LLM requests in flight")
+    p.add_argument("--episodes", type=int, default=8, help="environments alive at once")
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--sampling", action="append", type=_sampling_arg, default=[], metavar="KEY=VALUE")
+    p.add_argument("--backend", choices=["openai", "vllm"], default="openai")
+    p.add_argument("--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key")
+    p.set_defaults(func=_run_salvage)
+
+
+def _run_salvage(args: argparse.Namespace) -> int:
+    from trajforge.flows.salvage import salvage
+
+    for path in [*args.failures, args.tasks]:
+        if not os.path.isfile(path):
+            raise SourceError(f"salvage: no file {path}")
+    report = salvage(failures=args.failures, tasks=args.tasks, out=args.out, model=args.model, base_url=args.base_url,
+                     max_prefixes=args.max_prefixes, max_calls=args.max_calls, concurrency=args.concurrency,
+                     episode_concurrency=args.episodes, max_turns=args.max_turns, max_tokens=args.max_tokens,
+                     sampling=dict(args.sampling), backend=args.backend, api_key_env=args.api_key_env)
+    outcomes = ", ".join(f"{k}={v}" for k, v in report["outcomes"].items()) or "-"
+    print(f"{report['failures']} failures ({outcomes}); {report['records']} records with {report['beneficial_steps']} "
+          f"beneficial steps; {report['llm']['calls']} LLM calls (budget {args.max_calls}), "
+          f"{report['llm']['cache_hits']} cache hits")
+    print(f"records: {args.out}/data/synthetic  outcomes: {args.out}/salvage.parquet")
+    return 0
+
+
+def _add_rft(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("rft", help="rejection-sampling fine-tuning rounds: build, SFT, serve, synthesize, keep "
+                                   "successes (a Prefect flow; extra `train`)")
+    p.add_argument("--source", action="append", type=_source_arg, default=[], metavar="NAME[=PATH_OR_REPO]",
+                   help="a source of the build (repeatable), as for `trajforge build`")
+    p.add_argument("--tasks", required=True, help="held-out task file the served checkpoint is sampled on")
+    p.add_argument("--env", required=True, help="environment of the tasks: os, db, agentgym")
+    p.add_argument("--base-model", required=True, help="model every round fine-tunes (folder or Hub id)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--sft-config", required=True, help="SFT YAML config (training/configs/sft_*.yaml)")
+    p.add_argument("--serve", default="transformers",
+                   help="server for the checkpoint: transformers (CPU), vllm (GPU), or a command with {model} "
+                        "and {port} placeholders")
+    p.add_argument("--n", type=int, default=4, help="samples per held-out task")
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.set_defaults(func=_run_rft)
+
+
+def _run_rft(args: argparse.Namespace) -> int:
+    import shlex
+
+    from trajforge.flows.rft import rft
+    from trajforge.pipeline.rft import SERVE_COMMANDS
+
+    for path in (args.tasks, args.sft_config):
+        if not os.path.isfile(path):
+            raise SourceError(f"rft: no file {path}")
+    serve = args.serve if args.serve in SERVE_COMMANDS else shlex.split(args.serve)
+    report = rft(sources=dict(args.source) or {"agentinstruct": None}, tasks=args.tasks, env=args.env,
+                 base_model=args.base_model, out=args.out, rounds=args.rounds, sft_args=["--config", args.sft_config],
+                 serve=serve, n=args.n, max_turns=args.max_turns, max_tokens=args.max_tokens)
+    for r in report["rounds"]:
+        print(f"round {r['round']}: {r['tasks_solved']}/{r['tasks']} held-out tasks solved ({r['success_rate']}), "
+              f"{r['records_kept']} records kept, train loss {r['train_loss']}")
+    print(f"final build: {args.out}/final ({report['final_build']['records']} records, "
+          f"{report['final_build']['synthetic_records']} from the rounds); report: {args.out}/report.json")
+    return 0
+
+
 # Each entry adds one subcommand; other capabilities register theirs here.
-COMMANDS = [_add_build, _add_release, _add_synth, _add_train]
+COMMANDS = [_add_build, _add_release, _add_synth, _add_train, _add_select_steps, _add_salvage, _add_rft]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -21,13 +21,18 @@ from trajforge.pipeline.synth.job import SynthConfig
 from trajforge.pipeline.synth.job import synthesize as run_synthesis
 
 
-@task(name="synthesize-episodes")
-def synthesize_episodes(config: SynthConfig, api_key_env: str | None) -> dict:
+def use_api_key_env(llm: LLMConfig, api_key_env: str | None) -> None:
+    """Set the key from `api_key_env` (inside a task, so that it never becomes a flow parameter)."""
     if api_key_env:
         key = os.environ.get(api_key_env)
         if not key:
             raise ValueError(f"environment variable {api_key_env} is not set")
-        config.llm.api_key = key
+        llm.api_key = key
+
+
+@task(name="synthesize-episodes")
+def synthesize_episodes(config: SynthConfig, api_key_env: str | None) -> dict:
+    use_api_key_env(config.llm, api_key_env)
     try:
         return run_synthesis(config, Progress("synth-progress", f"Episodes finished ({config.env})"))
     except ServerUnreachable as exc:

@@ -90,7 +90,8 @@ class Server:
 
     def __init__(self, policy: Policy = echo_policy, latency_s: float = 0.0, fault: Fault | None = None,
                  shapes: tuple[str, ...] = SHAPES, slow_s: float = 5.0, retry_after: str = "1",
-                 echo_request: bool = False, strict: bool = False, sampling: bool = False):
+                 echo_request: bool = False, strict: bool = False, sampling: bool = False,
+                 port: int = 0):
         self.policy = policy
         self.echo_request = echo_request
         self.strict = strict
@@ -101,6 +102,7 @@ class Server:
         self.shapes = shapes
         self.slow_s = slow_s
         self.retry_after = retry_after
+        self.port = port
         self.calls = 0
         self.faults: dict[str, int] = {}
         self.requests: list[dict] = []
@@ -249,7 +251,7 @@ class Server:
             asyncio.set_event_loop(self._loop)
             self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
             self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0, backlog=1024)
+            site = web.TCPSite(self._runner, "127.0.0.1", self.port, backlog=1024)
             self._loop.run_until_complete(site.start())
             port = site._server.sockets[0].getsockname()[1]
             self.base_url = f"http://127.0.0.1:{port}/v1"
@@ -378,11 +380,60 @@ def fixture_policy(os_files: list[Path] = (), db_files: list[Path] = ()) -> Fixt
     return policy
 
 
+# --- the critical-step selector policy ---------------------------------------------------------
+_STEP_HEADER = re.compile(r"^### (Step (\d+)|Observation|Agent \(context, not a step\))$", re.M)
+_ERROR_WORDS = re.compile(r"error|not found|no such|denied|invalid|traceback|syntax", re.I)
+
+
+@dataclass
+class CriticalStepPolicy:
+    """Answers the selector prompt of `pipeline.critical_steps` from the trajectory it is shown.
+
+    Its judgement is a rule a careful annotator would also apply: the first step makes the plan, a
+    step right after an observation that reports an error corrects course, and the last step (the
+    answer or the commit) is the critical action; everything else is routine. `garble(prompt)`
+    says which prompts get a reply that is not JSON (every time they are asked).
+    """
+    garble: Callable[[str], bool] = lambda _prompt: False
+    answered: int = 0
+
+    def __call__(self, messages: list[dict]) -> Reply:
+        prompt = next((m["content"] for m in messages if m["role"] == "user"), "")
+        if self.garble(prompt):
+            return Reply("The trajectory is long.", "I think steps one and three matter most.")
+        blocks = list(_STEP_HEADER.finditer(prompt))
+        chosen: dict[int, tuple[str, str]] = {}
+        previous_observation = ""
+        steps = []
+        for k, block in enumerate(blocks):
+            end = blocks[k + 1].start() if k + 1 < len(blocks) else len(prompt)
+            body = prompt[block.end():end]
+            if block.group(2):
+                number = int(block.group(2))
+                steps.append(number)
+                if steps[:-1] and _ERROR_WORDS.search(previous_observation):
+                    chosen[number] = ("self_correction", "It reacts to the error the environment reported.")
+                previous_observation = ""
+            elif block.group(1) == "Observation":
+                previous_observation = body
+        if steps:
+            chosen.setdefault(steps[0], ("plan_creation", "It decides how to approach the task."))
+            chosen[steps[-1]] = ("critical_action", "It gives the final answer that completes the task.")
+        self.answered += 1
+        answer = {"critical_steps": [{"step": n, "category": c, "reason": r} for n, (c, r) in sorted(chosen.items())]}
+        return Reply(f"The trajectory has {len(steps)} steps; I look for plans, errors and the final action.",
+                     json.dumps(answer))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="loopback OpenAI-compatible test server")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds each call waits before answering")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free one)")
+    parser.add_argument("--db-tasks", action="append", default=[], help="DBBench task file: answer with the fixture policy")
+    parser.add_argument("--os-tasks", action="append", default=[], help="AgentBench OS task file: the same")
     args = parser.parse_args()
-    with Server(latency_s=args.latency) as server:
+    policy = fixture_policy(args.os_tasks, args.db_tasks) if args.db_tasks or args.os_tasks else echo_policy
+    with Server(policy, latency_s=args.latency, port=args.port) as server:
         print(server.base_url, flush=True)
         threading.Event().wait()
 

@@ -33,6 +33,10 @@ class SFTTrainConfig(SFTConfig):
         metadata={"help": "`react`: the trajectories' text as released; `tools`: actions as tool calls and "
                           "observations as tool turns, the format of GRPO in the environments (`environments`).",
                   "choices": ["react", "tools"]})
+    loss_on: str = field(
+        default="all", metadata={"help": "Assistant turns that carry loss: `all` (every turn whose loss flag is "
+                                         "set) or `critical` (only those `trajforge select-steps` flagged, ATLaS).",
+                                 "choices": ["all", "critical"]})
 
 
 @dataclass

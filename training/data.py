@@ -7,6 +7,10 @@ the length of the rendered prefix, so the boundaries are the template's own what
 A token is trained on only when it lies inside an assistant turn whose `loss` flag is true (the
 turn's text and the template's end-of-turn marker, so the model learns to stop); the header
 that opens the turn (`<|im_start|>assistant\\n`) is the generation prompt and stays masked.
+
+`loss_on: critical` (ATLaS) narrows that further to the assistant turns `trajforge select-steps`
+flagged `critical`; a turn never judged (`critical` null) carries no loss then, so a record that
+was not annotated is dropped and counted as `dropped_no_loss`.
 """
 from __future__ import annotations
 
@@ -22,6 +26,16 @@ from datasets import Dataset, DatasetDict, load_dataset
 logger = logging.getLogger(__name__)
 
 IGNORE = -100
+LOSS_ON = ("all", "critical")
+
+
+def carries_loss(turn: dict, loss_on: str = "all") -> bool:
+    """Whether a turn is trained on: an assistant turn with `loss`, and with `loss_on=critical` flagged critical."""
+    if loss_on not in LOSS_ON:
+        raise ValueError(f"loss_on must be one of {LOSS_ON}, not {loss_on!r}")
+    if turn["role"] != "assistant" or not turn.get("loss"):
+        return False
+    return loss_on == "all" or turn.get("critical") is True
 
 
 def load_release(dataset_name: str, config: str, revision: str | None = None) -> DatasetDict:
@@ -119,7 +133,7 @@ _MESSAGE_KEYS = ("role", "content", "tool_calls", "name")
 
 
 def tokenize_trajectory(tokenizer, conversations: list[dict], max_length: int | None,
-                        tools: list[dict] | None = None) -> dict | None:
+                        tools: list[dict] | None = None, loss_on: str = "all") -> dict | None:
     """input_ids and labels for one trajectory, or None when no trained turn fits.
 
     Truncation keeps whole turns only: the sequence ends after the last assistant turn that fits
@@ -130,7 +144,7 @@ def tokenize_trajectory(tokenizer, conversations: list[dict], max_length: int | 
     text, spans = turn_boundaries(tokenizer, messages, tools)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
-    trained = [(s, e) for (s, e), t in zip(spans, conversations) if t["role"] == "assistant" and t.get("loss")]
+    trained = [(s, e) for (s, e), t in zip(spans, conversations) if carries_loss(t, loss_on)]
     labels = [IGNORE] * len(ids)
     # Walk tokens and trained spans together: both are sorted by position.
     k = 0
@@ -161,16 +175,17 @@ def tools_rendering(row: dict) -> dict | None:
     return tool_messages(row, trajectory_prompt(row), tool_schemas(environment_of(row["env"])))
 
 
-def _prepare_row(row: dict, tokenizer, max_length: int | None, action_format: str = "react") -> dict:
+def _prepare_row(row: dict, tokenizer, max_length: int | None, loss_on: str = "all",
+                 action_format: str = "react") -> dict:
     conversations, tools = row["conversations"], None
-    if not any(t["role"] == "assistant" and t["loss"] for t in conversations):
+    if not any(carries_loss(t, loss_on) for t in conversations):
         return {"input_ids": [], "labels": [], "status": "no_loss", "trained": 0}
     if action_format == "tools":
         rendered = tools_rendering(row)
         if rendered is None:
             return {"input_ids": [], "labels": [], "status": "no_tool_call", "trained": 0}
         conversations, tools = rendered["messages"], rendered["tools"]
-    out = tokenize_trajectory(tokenizer, conversations, max_length, tools)
+    out = tokenize_trajectory(tokenizer, conversations, max_length, tools, loss_on)
     if out is None:
         return {"input_ids": [], "labels": [], "status": "too_long", "trained": 0}
     return {"input_ids": out["input_ids"], "labels": out["labels"],
@@ -179,12 +194,14 @@ def _prepare_row(row: dict, tokenizer, max_length: int | None, action_format: st
 
 
 def prepare_sft(dataset: Dataset, tokenizer, max_length: int | None,
-                num_proc: int | None = None, action_format: str = "react") -> tuple[Dataset, SFTStats]:
+                num_proc: int | None = None, loss_on: str = "all", action_format: str = "react") -> tuple[Dataset, SFTStats]:
     """Tokenized rows with per-turn labels, TRL-ready (`input_ids`, `labels`), and the counts.
 
     Rendering every prefix is quadratic in the turns of a trajectory, so rows are prepared with
     `Dataset.map` (cached, and parallel with `num_proc`, TRL's `dataset_num_proc`)."""
-    mapped = dataset.map(_prepare_row, fn_kwargs={"tokenizer": tokenizer, "max_length": max_length,
+    if loss_on not in LOSS_ON:
+        raise ValueError(f"loss_on must be one of {LOSS_ON}, not {loss_on!r}")
+    mapped = dataset.map(_prepare_row, fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "loss_on": loss_on,
                                                   "action_format": action_format},
                          remove_columns=[c for c in dataset.column_names if c != "id"], num_proc=num_proc,
                          desc="Tokenizing trajectories with per-turn labels")

@@ -1,4 +1,5 @@
-"""SFT on the `sft` config: multi-turn, loss only on assistant turns whose `loss` flag is set."""
+"""SFT on the `sft` config: multi-turn, loss only on assistant turns whose `loss` flag is set
+(and, with `loss_on: critical`, that `trajforge select-steps` flagged critical)."""
 from __future__ import annotations
 
 import logging
@@ -16,11 +17,11 @@ def build_trainer(data_args, training_args: SFTTrainConfig, model_args, callback
     tokenizer = load_tokenizer(model_args, training_args)
     train, evaluation = load_splits(data_args, "sft", training_args.seed)
     train, stats = prepare_sft(train, tokenizer, training_args.max_length, training_args.dataset_num_proc,
-                               training_args.action_format)
+                               training_args.loss_on, training_args.action_format)
     logger.info("SFT train rows: %s", stats)
     if evaluation is not None:
         evaluation, eval_stats = prepare_sft(evaluation, tokenizer, training_args.max_length,
-                                             training_args.dataset_num_proc, training_args.action_format)
+                                             training_args.dataset_num_proc, training_args.loss_on, training_args.action_format)
         logger.info("SFT eval rows: %s", eval_stats)
     return SFTTrainer(model=load_model(model_args, training_args), args=training_args, train_dataset=train,
                       eval_dataset=evaluation, processing_class=tokenizer,

@@ -20,7 +20,9 @@ from trajforge.pipeline.ingest.dialects import FREE_TEXT, DIALECTS, ParseError, 
 from trajforge.sources.agent_flan import NEGATIVE_FILES
 from trajforge.sources.base import Source
 
-SCHEMA_VERSION = "1.0.0"
+SCHEMA_VERSION = "1.1.0"
+# Versions a record may carry and still pass through: 1.1.0 only added optional per-turn fields.
+READABLE_VERSIONS = ("1.0.0", SCHEMA_VERSION)
 ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
               "system": "system"}
 TURN_KEYS = {"role", "from", "content", "value", "loss"}
@@ -244,8 +246,8 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
 def _passthrough(row: dict, source: Source) -> dict:
     """A row that already is a record (our own synthesis output) keeps everything it carries:
     per-turn reasoning, generator and sampling in `meta`. Validation still decides."""
-    if row["schema_version"] != SCHEMA_VERSION:
-        raise NormalizeError("schema", f"schema_version {row['schema_version']!r}, expected {SCHEMA_VERSION}")
+    if row["schema_version"] not in READABLE_VERSIONS:
+        raise NormalizeError("schema", f"schema_version {row['schema_version']!r}, expected one of {READABLE_VERSIONS}")
     if row.get("source") != source.name:
         raise NormalizeError("schema", f"a {row.get('source')!r} record read as source {source.name!r}")
     return dict(row)

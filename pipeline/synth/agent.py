@@ -156,8 +156,13 @@ def _check_reply(choice) -> tuple[Any, str | None, Any]:
 
 
 async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: Any, sample: int,
-                      config: AgentConfig = AgentConfig()) -> Episode:
-    """Run one episode of `task` (a pipeline.tasks.Task) as draw number `sample`."""
+                      config: AgentConfig = AgentConfig(), prefix: list[dict] = ()) -> Episode:
+    """Run one episode of `task` (a pipeline.tasks.Task) as draw number `sample`.
+
+    `prefix`: assistant turns (schema turns with `action`) of an earlier trajectory, replayed in the
+    fresh environment before the model takes over (salvage, `pipeline.salvage`). They count towards
+    `max_turns`; their observations are the ones the environment gives now. A prefix whose replay
+    ends the episode fails it as `prefix_ended`."""
     episode = Episode(task.id, sample, task.env, "failure")
     overrides = {"max_tokens": config.max_tokens, "stop": list(config.stop) if config.stop else None,
                  "seed": None if config.seed is None else config.seed + sample}
@@ -178,8 +183,20 @@ async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: A
             return _fail(episode, "env_error", backend.redact(f"reset: {type(exc).__name__}: {exc}"))
         turns = [_turn("system", instructions_for(task.env, config)),
                  _turn("user", backend.redact(observation.strip()) or EMPTY_OBSERVATION)]
+        for turn_no, replayed in enumerate(prefix):
+            turns.append(_turn("assistant", replayed["content"], thought=replayed.get("thought"),
+                               action=replayed["action"], reasoning=replayed.get("reasoning"),
+                               dialect=replayed.get("dialect")))
+            try:
+                step = await on_env_thread(env.step, replayed["action"])
+            except Exception as exc:
+                return _fail(episode, "env_error", backend.redact(f"replaying step {turn_no}: {type(exc).__name__}: {exc}"), turns)
+            episode.steps.append(_step_log(turn_no, step, None, None))
+            if step.done:
+                return _fail(episode, "prefix_ended", f"replaying step {turn_no} ended the episode", turns)
+            turns.append(_turn("user", backend.redact(step.observation.strip()) or EMPTY_OBSERVATION))
         nudges: list[dict] = []  # re-prompts since the last valid reply; sent, never recorded
-        for turn_no in range(config.max_turns):
+        for turn_no in range(len(prefix), config.max_turns):
             retries = 0
             while True:
                 messages = [{"role": t["role"], "content": t["content"]} for t in turns] + nudges
@@ -213,13 +230,7 @@ async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: A
                 step = await on_env_thread(env.step, parsed.action)
             except Exception as exc:
                 return _fail(episode, "env_error", backend.redact(f"step: {type(exc).__name__}: {exc}"), turns)
-            info = step.info or {}
-            valid = info.get("valid", True) is not False
-            # `error`: the action ran but failed (an SQL error, a non-zero exit); still a valid step.
-            problem = None if valid else "invalid_action"
-            if valid and info.get("error"):
-                problem = "action_error"
-            episode.steps.append(StepLog(turn_no, valid, problem, split.issue, choice.finish_reason))
+            episode.steps.append(_step_log(turn_no, step, split.issue, choice.finish_reason))
             if step.done:
                 return _finish(episode, step, turns, backend, task, config)
             turns.append(_turn("user", backend.redact(step.observation.strip()) or EMPTY_OBSERVATION))
@@ -232,6 +243,16 @@ async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: A
                 log.warning("closing env for %s~%d failed: %s", task.id, sample,
                             backend.redact(f"{type(exc).__name__}: {exc}"))
         thread.shutdown(wait=False)
+
+
+def _step_log(turn_no: int, step: Any, reasoning_issue: str | None, finish_reason: str | None) -> StepLog:
+    info = step.info or {}
+    valid = info.get("valid", True) is not False
+    # `error`: the action ran but failed (an SQL error, a non-zero exit); still a valid step.
+    problem = None if valid else "invalid_action"
+    if valid and info.get("error"):
+        problem = "action_error"
+    return StepLog(turn_no, valid, problem, reasoning_issue, finish_reason)
 
 
 def _fail(episode: Episode, reason: str, detail: str, turns: list[dict] | None = None) -> Episode:

@@ -124,7 +124,7 @@ def trajectory_prompt(record: dict) -> list[dict]:
 
 
 # The agent's instructions when its actions are tool calls (the ReAct instructions of
-# pipeline/agent.py describe the same actions as text).
+# pipeline/synth/agent.py describe the same actions as text).
 INSTRUCTIONS = {
     "os": ("You are an assistant working in a Linux (Ubuntu) shell. Solve the problem I give you by running "
            "commands, or answer the question I ask. Think briefly, then call exactly one tool per turn: `bash` "

@@ -1,0 +1,38 @@
+"""The critical-step selection flow (pipeline/quality/critical_steps.py does the work).
+
+As in the synthesis flow, the API key is not a parameter (Prefect stores and shows parameters):
+it is read from the environment inside the task.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+
+from trajforge.flows.synth import use_api_key_env
+from trajforge.pipeline.quality.critical_steps import SelectConfig, summary_lines
+from trajforge.pipeline.quality.critical_steps import select_steps as run_selection
+from trajforge.pipeline.synth.llm import LLMConfig
+
+
+@task(name="select-critical-steps")
+def select_critical_steps(config: SelectConfig, api_key_env: str | None) -> dict:
+    use_api_key_env(config.llm, api_key_env)
+    return run_selection(config)
+
+
+@flow(name="select-steps", log_prints=True)
+def select_steps(inputs: str, out: str, model: str, base_url: str | None = None, config_name: str = "sft",
+                 concurrency: int = 64, batch_size: int = 256, max_tokens: int | None = None,
+                 sampling: dict[str, Any] | None = None, backend: str = "openai", api_key_env: str | None = None,
+                 envs: list[str] | None = None) -> dict:
+    """Flag the critical steps of every record under INPUTS (ATLaS); writes OUT with the same layout."""
+    config = SelectConfig(inputs=inputs, out=out, config_name=config_name, backend=backend, batch_size=batch_size,
+                          max_tokens=max_tokens, envs=list(envs or []),
+                          llm=LLMConfig(model=model, base_url=base_url, sampling=dict(sampling or {}),
+                                        concurrency=concurrency))
+    report = select_critical_steps(config, api_key_env)
+    logger = get_run_logger()
+    for line in summary_lines(report):
+        logger.info(line)
+    return report

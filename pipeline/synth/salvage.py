@@ -1,0 +1,257 @@
+"""Salvage of failed runs (EEF, "Exploring Expert Failures Improves LLM Agent Tuning").
+
+A failed trajectory often starts well: a plan, the right query, the key command, and only a later
+step goes wrong. EEF replays prefixes of failed expert trajectories in a fresh environment and
+lets the agent continue; a prefix after which the continuation succeeds marks its actions as
+beneficial, and (prefix + continuation) becomes training data. The failing remainder never does.
+
+Here the failures come from synthesis (`failures.parquet`: task id, env, the partial conversation)
+or from records that end without success (`success: false`), matched to a task of the task file by
+id or by description. Only envs that can replay an action sequence qualify: `os` (a fresh sandbox)
+and `db` (a fresh SQLite copy).
+
+For a failure with n actions the prefixes of k = n-1, n-2, ..., 1 actions are tried, longest first
+(it keeps the most expert actions), at most `max_prefixes` of them, and the first that leads to a
+success is kept. Every LLM call goes through one budget (`max_calls`, cache hits are free), so a
+salvage run never spends more than it was given. Each failure ends in exactly one row of
+`salvage.parquet` with its outcome:
+
+    salvaged               a prefix of k actions + the continuation succeeded (a record was written)
+    no_prefix_succeeded    every prefix tried failed (tried <= max_prefixes)
+    budget_exhausted       the call budget ran out before a prefix succeeded
+    no_prefix              fewer than two actions: there is no proper prefix to keep
+    env_not_replayable     the env cannot replay a trajectory (only os and db can)
+    no_task                the task is not in the task file
+    not_a_task_failure     the run failed outside the model and task (llm_error, env_error, skipped)
+    transient              a continuation hit an LLM or env error; the next run tries again
+
+Outputs: `OUT/data/synthetic/<env>.parquet` (the salvaged records, `source: synthetic`, readable by
+the `synthetic` build source), `OUT/salvage.parquet`, `OUT/report.json`; state in `OUT/.salvage/`
+(request cache, episode journal) so a rerun makes no call it already made.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from trajforge.pipeline.synth.agent import AgentConfig, Episode, run_episode
+from trajforge.pipeline.build import write_parquet
+from trajforge.pipeline.synth.llm import ChatBackend, ChatResult, LLMConfig, LLMError, make_backend
+from trajforge.pipeline.synth.job import EpisodeJournal, episode_key
+from trajforge.schemas import arrow_schema
+
+log = logging.getLogger("trajforge.salvage")
+
+REPLAYABLE_ENVS = ("os", "db")
+# Synthesis failures that say nothing about the task's solvability from a prefix.
+NOT_TASK_FAILURES = ("llm_error", "env_error", "skipped")
+
+OUTCOME_SCHEMA = pa.schema([
+    ("id", pa.string()), ("task_id", pa.string()), ("env", pa.string()), ("failure_reason", pa.string()),
+    ("outcome", pa.string()), ("detail", pa.string()), ("steps", pa.int64()), ("prefixes_tried", pa.int64()),
+    ("prefix_steps", pa.int64()), ("record_id", pa.string()),
+])
+
+
+class CallBudget:
+    """A ChatBackend that forwards at most `max_calls` uncached calls, then raises LLMError("budget_exhausted").
+
+    A call reserves its slot before it is sent (so concurrent calls cannot overshoot) and gives it
+    back when the answer came from the cache.
+    """
+
+    def __init__(self, backend: ChatBackend, max_calls: int | None):
+        self.backend = backend
+        self.max_calls = max_calls
+        self.spent = 0
+        self.refused = 0
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything but the budgeted call is the wrapped backend's (model, params, stats, redact, ...).
+        return getattr(self.backend, name)
+
+    async def chat(self, messages: list[dict], sample: int = 0, **overrides: Any) -> ChatResult:
+        if self.max_calls is not None and self.spent >= self.max_calls:
+            self.refused += 1
+            raise LLMError("budget_exhausted", f"the salvage budget of {self.max_calls} calls is spent")
+        self.spent += 1  # a call that fails was still sent: it stays spent
+        result = await self.backend.chat(messages, sample=sample, **overrides)
+        if result.cached:
+            self.spent -= 1
+        return result
+
+    async def aclose(self) -> None:
+        await self.backend.aclose()
+
+
+@dataclass
+class Failure:
+    """One failed trajectory to salvage."""
+    id: str
+    task_id: str
+    env: str
+    reason: str
+    turns: list[dict]
+
+    @property
+    def actions(self) -> list[dict]:
+        return [t for t in self.turns if t["role"] == "assistant" and t.get("action")]
+
+
+def _space(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def read_failures(path: str | Path) -> list[Failure]:
+    """Failures from a synthesis `failures.parquet`, or the unsuccessful records of a records Parquet file."""
+    table = pq.read_table(path)
+    if "reason" in table.column_names:
+        return [Failure(row["id"], row["task_id"], row["env"], row["reason"] or "",
+                        json.loads(row["conversations"] or "[]")) for row in table.to_pylist()]
+    # Records: the task is known by its description; upstream ids carry no task id.
+    return [Failure(row["id"], json.loads(row["meta"] or "{}").get("task_id") or row["task"], row["env"],
+                    "unsuccessful_record", row["conversations"])
+            for row in table.to_pylist() if row.get("success") is False]
+
+
+@dataclass
+class SalvageConfig:
+    failures: list[str]                # failures.parquet files, or record files (rows with success false)
+    tasks: str                         # the task file the failures were run on
+    out: str
+    llm: LLMConfig
+    max_prefixes: int = 3              # prefixes tried per failure, longest first
+    max_calls: int | None = 200        # uncached LLM calls for the whole run
+    episode_concurrency: int = 8
+    backend: str = "openai"
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    env_kw: dict[str, dict] = field(default_factory=dict)   # per env name
+
+    def __post_init__(self):
+        if self.max_prefixes < 1:
+            raise ValueError("max_prefixes must be at least 1")
+
+
+def salvaged_record(episode: Episode, failure: Failure, prefix_steps: int) -> dict:
+    """The successful episode as a salvage record: its own id, and where its first actions came from."""
+    record = dict(episode.record)
+    meta = json.loads(record["meta"])
+    meta.update(salvaged_from=failure.id, failure_reason=failure.reason, prefix_steps=prefix_steps,
+                beneficial_steps=list(range(prefix_steps)), failed_steps=len(failure.actions))
+    record.update(id=f"{failure.id}~p{prefix_steps}" if failure.id.startswith("synthetic/")
+                  else f"synthetic/{failure.id.replace('/', '_')}~p{prefix_steps}",
+                  source_id=f"{failure.id}~p{prefix_steps}", meta=json.dumps(meta, sort_keys=True, ensure_ascii=False))
+    return record
+
+
+async def salvage_async(config: SalvageConfig) -> dict:
+    from trajforge.pipeline.synth.envs import make_env
+    from trajforge.pipeline.synth.tasks import load_tasks
+
+    out = Path(config.out)
+    state = out / ".salvage"
+    tasks = load_tasks(config.tasks)
+    by_id = {t.id: t for t in tasks}
+    by_description = {_space(t.description): t for t in tasks}
+    failures = [f for path in config.failures for f in read_failures(path)]
+    llm = LLMConfig(**{**asdict(config.llm), "cache_path": str(state / "requests.sqlite")})
+    inner = make_backend(config.backend, llm)
+    budget = CallBudget(inner, config.max_calls)
+    journal = EpisodeJournal(state / "episodes.sqlite")
+    gate = asyncio.Semaphore(config.episode_concurrency)
+    counts: Counter[str] = Counter()
+
+    async def attempt(failure: Failure, task: Any, k: int) -> Episode:
+        # The prefix is part of the key: the same continuation of a different prefix is another episode.
+        prefix = failure.actions[:k]
+        key = episode_key(task, 0, budget.model, {**budget.params, "salvage_prefix": prefix}, config.agent)
+        done = journal.get(key)
+        if done is not None:
+            counts["episodes_resumed"] += 1
+            return done
+        async with gate:
+            episode = await run_episode(budget, lambda: make_env(task.env, **config.env_kw.get(task.env, {})),
+                                        task, 0, config.agent, prefix=prefix)
+        counts["episodes_run"] += 1
+        if not episode.transient:
+            journal.put(key, episode)
+        return episode
+
+    async def salvage_one(failure: Failure) -> tuple[dict, dict | None]:
+        row = {"id": failure.id, "task_id": failure.task_id, "env": failure.env, "failure_reason": failure.reason,
+               "outcome": "", "detail": "", "steps": len(failure.actions), "prefixes_tried": 0,
+               "prefix_steps": None, "record_id": None}
+        task = by_id.get(failure.task_id) or by_description.get(_space(failure.task_id))
+        if failure.env not in REPLAYABLE_ENVS:
+            return {**row, "outcome": "env_not_replayable", "detail": f"env {failure.env}"}, None
+        if failure.reason.startswith(NOT_TASK_FAILURES):
+            return {**row, "outcome": "not_a_task_failure", "detail": failure.reason}, None
+        if task is None:
+            return {**row, "outcome": "no_task", "detail": f"{failure.task_id[:200]} is not in {config.tasks}"}, None
+        if len(failure.actions) < 2:
+            return {**row, "outcome": "no_prefix", "detail": f"{len(failure.actions)} action(s)"}, None
+        last_failure = ""
+        for k in range(len(failure.actions) - 1, 0, -1)[:config.max_prefixes]:
+            episode = await attempt(failure, task, k)
+            row["prefixes_tried"] += 1
+            if episode.status == "success":
+                record = salvaged_record(episode, failure, k)
+                return {**row, "outcome": "salvaged", "prefix_steps": k, "record_id": record["id"]}, record
+            if episode.reason == "llm_error:budget_exhausted":
+                return {**row, "outcome": "budget_exhausted", "detail": f"at the prefix of {k} actions"}, None
+            if episode.transient:
+                return {**row, "outcome": "transient", "detail": f"{episode.reason}: {episode.detail}"[:1000]}, None
+            last_failure = f"k={k}: {episode.reason}"
+        return {**row, "outcome": "no_prefix_succeeded", "detail": last_failure}, None
+
+    try:
+        results = await asyncio.gather(*(salvage_one(f) for f in failures))
+    finally:
+        stats = inner.stats
+        await budget.aclose()
+        journal.close()
+
+    rows = [row for row, _ in results]
+    records_by_env: dict[str, list[dict]] = {}
+    for _, record in results:
+        if record is not None:
+            records_by_env.setdefault(record["env"], []).append(record)
+    for env in REPLAYABLE_ENVS:
+        path = out / "data" / "synthetic" / f"{env}.parquet"
+        if env in records_by_env or path.exists():
+            write_parquet(records_by_env.get(env, []), arrow_schema("trajectory"), path)
+    tmp = out / ".salvage.parquet.tmp"
+    pq.write_table(pa.Table.from_pylist(rows, schema=OUTCOME_SCHEMA), tmp, compression="zstd")
+    tmp.replace(out / "salvage.parquet")
+    salvaged = [r for r in rows if r["outcome"] == "salvaged"]
+    report = {
+        "failures": len(rows), "outcomes": dict(sorted(Counter(r["outcome"] for r in rows).items())),
+        "records": sum(len(v) for v in records_by_env.values()),
+        "records_per_env": {env: len(v) for env, v in sorted(records_by_env.items())},
+        "beneficial_steps": sum(r["prefix_steps"] for r in salvaged),
+        "steps_in_salvaged_failures": sum(r["steps"] for r in salvaged),
+        "prefixes_tried": sum(r["prefixes_tried"] for r in rows),
+        "episodes_run": counts["episodes_run"], "episodes_resumed": counts["episodes_resumed"],
+        "budget": {"max_calls": config.max_calls, "spent": budget.spent, "refused": budget.refused,
+                   "max_prefixes": config.max_prefixes},
+        "llm": {"model": inner.model, "sampling": inner.params, "calls": stats.calls, "cache_hits": stats.cache_hits,
+                "retries": stats.retries, "failures": stats.failures},
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    log.info("salvage: %d failures %s; %d records; %d calls (budget %s), %d cache hits", len(rows),
+             report["outcomes"], report["records"], stats.calls, config.max_calls, stats.cache_hits)
+    return report
+
+
+def salvage(config: SalvageConfig) -> dict:
+    """Salvage every failure (blocking); see the module docstring for the outputs."""
+    return asyncio.run(salvage_async(config))
