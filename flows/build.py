@@ -27,18 +27,24 @@ from trajforge.pipeline.publish.manifest import code_version
 from trajforge.pipeline.publish.shards import ShardConfig, read_marker, unit_fingerprint, unit_marker, write_marker
 from trajforge.sources import DEFAULT_SOURCES, SourceError, SourceFile, get_source
 
-RUNNERS = ("threads", "dask", "ray")
+RUNNERS = ("processes", "threads", "dask", "ray")
 
 
 def make_task_runner(runner: str = "threads", address: str | None = None, workers: int = 4,
                      api_url: str | None = None):
-    """The task runner for the units: threads here, or a Dask / Ray cluster (local when no address).
+    """The task runner for the units: processes or threads here, or a Dask / Ray cluster (local when no address).
 
     Workers of a local cluster are told the Prefect API of this run (`api_url`): without it each
     worker process of an embedded-mode run starts its own temporary server (a minute each on a
     small machine). Workers of a remote cluster need PREFECT_API_URL in their own environment.
     """
     env = {"PREFECT_API_URL": api_url} if api_url else {}
+    if runner == "processes":
+        # Units are CPU-bound Python (parsing, normalizing, MinHash): processes use every core, threads
+        # only one (the GIL).
+        from prefect.task_runners import ProcessPoolTaskRunner
+
+        return ProcessPoolTaskRunner(max_workers=workers)
     if runner == "threads":
         return ThreadPoolTaskRunner(max_workers=workers)
     if runner == "dask":
@@ -84,7 +90,8 @@ def process_unit_task(name: str, file: SourceFile, staging: str, config: BuildCo
     fingerprint = unit_fingerprint(name, file.path, file.split, asdict(config))
     marker = unit_marker(staging_dir, unit_key(name, file))
     done = read_marker(marker, fingerprint)
-    if done and Path(done["records_path"]).exists() and Path(done["quarantine_path"]).exists():
+    if done and all(Path(done.get(k) or "/nonexistent").exists()
+                    for k in ("records_path", "quarantine_path", "keys_path")):
         get_run_logger().info("%s/%s: done in an earlier run, skipped", name, file.path.name)
         return UnitResult(**done)
     result = process_unit(name, file, staging_dir, config)

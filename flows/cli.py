@@ -46,8 +46,8 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
                    help="build into an --out folder that holds other files (they may be replaced)")
     p.add_argument("--rendering", choices=["native", "react"], default="native",
                    help="assistant turn text: upstream wording (native) or Think/Act (react)")
-    p.add_argument("--runner", choices=["threads", "dask", "ray"], default="threads",
-                   help="where the per-file units run: local threads, or a Dask / Ray cluster (extras dask, ray)")
+    p.add_argument("--runner", choices=["processes", "threads", "dask", "ray"], default="processes",
+                   help="where the per-file units run: local processes or threads, or a Dask / Ray cluster (extras dask, ray)")
     p.add_argument("--address", default=None,
                    help="cluster address for --runner dask (tcp://host:8786) or ray (ray://host:10001); "
                         "default: start a local cluster")

@@ -16,18 +16,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trajforge.pipeline.assemble import KeysWriter, fill_pools, global_duplicates, iter_records, key_table
 from trajforge.pipeline.publish.card import hub_revision, write_card
-from trajforge.pipeline.quality.dedup import Contamination, DedupConfig, decontaminate, deduplicate, read_eval_tasks
-from trajforge.pipeline.quality.derived import grpo_env_rows, grpo_prompts, preference_pairs
+from trajforge.pipeline.quality.dedup import DedupConfig
+from trajforge.pipeline.quality.derived import grpo_env_row, grpo_prompt, preference_pair, record_task, reference_answer
 from trajforge.pipeline.publish.manifest import (GENERATOR, build_id, code_version, file_sha256,
                                                 remove_earlier_files, set_manifest_aside, write_manifest)
-from trajforge.pipeline.quality.negatives import NegativesConfig, make_negatives
+from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
 from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
-from trajforge.pipeline.publish.shards import ShardConfig, write_config
+from trajforge.pipeline.publish.shards import ShardConfig, write_config_from_file
 from trajforge.pipeline.synth.tasks import load_tasks
 from trajforge.pipeline.ingest.validate import ValidateConfig, merge_env_figures, tally_env, validate_record
 from trajforge.schemas import arrow_schema
@@ -83,6 +85,8 @@ class UnitResult:
     envs: dict[str, dict] = field(default_factory=dict)
     # Something about the file itself worth a line in the report (an empty file).
     note: str | None = None
+    # The unit's key table (pipeline/assemble.py), staged next to its records.
+    keys_path: str = ""
 
 
 def unit_key(source: str, file: SourceFile) -> str:
@@ -165,10 +169,13 @@ class StreamingParquet:
     (the unit quarantines it), and the rest of the batch is kept.
     """
 
-    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000, on_refused=None):
+    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000, on_refused=None, on_written=None):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.schema, self.batch_rows = path, schema, batch_rows
         self.on_refused = on_refused
+        # Called with the rows of every batch written, after the refused ones are left out.
+        self.on_written = on_written
+        self.nbytes = 0  # Arrow size of what was written (shards are planned by it)
         self.tmp = temp_name(path)
         self.writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
         self.pending: list[dict] = []
@@ -182,13 +189,18 @@ class StreamingParquet:
     def _flush(self) -> None:
         if not self.pending:
             return
+        rows = self.pending
         try:
-            table = pa.Table.from_pylist(self.pending, schema=self.schema)
+            table = pa.Table.from_pylist(rows, schema=self.schema)
         except Exception:
             if self.on_refused is None:
                 raise
-            table = pa.Table.from_pylist(self._convertible(self.pending), schema=self.schema)
+            rows = self._convertible(rows)
+            table = pa.Table.from_pylist(rows, schema=self.schema)
         self.writer.write_table(table)
+        self.nbytes += table.nbytes
+        if self.on_written is not None:
+            self.on_written(rows)
         self.count += table.num_rows
         self.pending = []
 
@@ -261,7 +273,9 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
         reject(index, record["source_id"], "internal_error",
                _internal_error(f"{source_name}/{name} row {index} (writing)", exc), shown(record))
 
-    records = StreamingParquet(staging / f"{key}.records.parquet", arrow_schema("trajectory"), on_refused=refused)
+    keys = KeysWriter(staging / f"{key}.keys.parquet", config)
+    records = StreamingParquet(staging / f"{key}.records.parquet", arrow_schema("trajectory"), on_refused=refused,
+                               on_written=keys.extend)
     rows = iter_rows(file.path, name)
     next_index = 0
     while True:
@@ -290,7 +304,8 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
             log.info("%s/%s: %d records so far", source_name, name, counts["staged"])
     records.close()
     quarantine.close()
-    result = UnitResult(source_name, name, str(records.path), str(quarantine.path),
+    keys.close()
+    result = UnitResult(source_name, name, str(records.path), str(quarantine.path), keys_path=str(keys.path),
                         read=counts["read"], written=records.count, quarantined=counts["quarantined"],
                         reasons=dict(reasons), envs=envs, input_sha256=file_sha256(file.path), revision=hub_revision(file.path),
                         note="empty file: no records" if file.path.stat().st_size == 0 else None)
@@ -338,62 +353,123 @@ def merge_counts(units: list[UnitResult]) -> dict:
 def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConfig()) -> dict:
     """Merge staged units (in the given order) into the dataset, quarantine and report.
 
+    Global stages run on the units' key tables, the outputs are written by streaming the staged
+    records (pipeline/assemble.py): memory stays one batch of records plus the key tables.
+
     The manifest of an earlier build in `out` is set aside first and the new one written last, so
     a folder with a manifest always holds the files of the build it names. Files of the earlier
     build that this one does not write are removed; nothing else in `out` is touched.
     """
     remove_stale_temp_files(out)
     earlier = set_manifest_aside(out)
-    records: list[dict] = []
-    quarantine: list[dict] = []
+    keys = key_table(units, config)
+    offsets = [0]
     for unit in units:
-        records.extend(pq.read_table(unit.records_path).to_pylist())
-        quarantine.extend(pq.read_table(unit.quarantine_path).to_pylist())
-    records = unique_ids(records)
-    # Decontamination, dedup and the derived datasets (pipeline/quality/dedup.py, negatives.py, derived.py).
+        offsets.append(offsets[-1] + unit.written)
+    duplicates = global_duplicates(keys, units, config)
+    contaminated_orders = set(keys.filter(pl.col("contaminated").is_not_null())["order"].to_list())
+    dropped = {d["order"] for d in duplicates} | contaminated_orders
+    kept_keys = keys.filter(~pl.col("order").is_in(list(dropped)))
+    kept = set(kept_keys["order"].to_list())
+    pools = fill_pools(units, kept, offsets)
+    repeats = dict(keys.filter(pl.col("repeat") > 1).select("order", "repeat").iter_rows())
+    details = dict(keys.filter(pl.col("contaminated").is_not_null()).select("order", "contaminated").iter_rows())
+
+    staged = out / ".staging" / "outputs"
+    writers = {name: StreamingParquet(staged / f"{name}.parquet", arrow_schema(schema))
+               for name, schema in [("sft", "trajectory"), ("negatives", "trajectory"), ("preference", "preference"),
+                                    ("grpo", "grpo"), ("grpo_env", "grpo_env"), ("grpo_env_records", "grpo_env")]}
+    # grpo_env: the task files' runnable tasks first, then each kept positive's resettable task
+    # (derived.grpo_env_rows), the latter streamed; a task file's task takes the first answer of a
+    # synthetic trajectory of it.
+    tasks = [t for path in config.rl_tasks for t in load_tasks(path)]
+    runnable = [t for t in tasks if not t.skip_reason]
+    env_task_ids = {t.id for t in runnable}
+    synthetic_answers: dict[str, str] = {}
     contaminated: list[dict] = []
-    if config.decontaminate:
-        index = Contamination(read_eval_tasks(Path(config.decontaminate)), config.decontaminate_ngram)
-        records, removed = decontaminate(records, index)
-        contaminated = [quarantine_entry(r["source"], r["source_file"], json.loads(r["meta"]).get("source_index", -1),
-                                         r["source_id"], "contaminated", detail, shown(r))
-                        for r, detail in removed]
-        quarantine.extend(contaminated)
-    records, duplicates = deduplicate(records, config.dedup)
-    negatives = make_negatives(records, config.negatives)
-    pairs, unpaired = preference_pairs(negatives, records)
-    grpo = grpo_prompts(records)
-    grpo_env, unrunnable_tasks = grpo_env_rows([t for path in config.rl_tasks for t in load_tasks(path)], records)
-    derived = {name: write_config(out, name, {"train": pa.Table.from_pylist(rows, schema=arrow_schema(schema))},
-                                  config.shards)
-               for name, rows, schema in [("negatives", negatives, "trajectory"), ("preference", pairs, "preference"),
-                                          ("grpo", grpo, "grpo"), ("grpo_env", grpo_env, "grpo_env")]}
+    negatives_by_type: Counter[str] = Counter()
+    unpaired = 0
+    for u, row, batch in iter_records(units):
+        for i, record in enumerate(batch.to_pylist()):
+            order = offsets[u] + row + i
+            if order in repeats:
+                meta = json.loads(record["meta"])
+                meta["id_repeat"] = repeats[order]
+                record = {**record, "id": f"{record['id']}~{repeats[order]}", "meta": json.dumps(meta, sort_keys=True)}
+            if order in details:
+                contaminated.append(quarantine_entry(
+                    record["source"], record["source_file"], json.loads(record["meta"]).get("source_index", -1),
+                    record["source_id"], "contaminated", details[order], shown(record)))
+            if order not in kept:
+                continue
+            writers["sft"].append(record)
+            for negative in negatives_of(record, pools, config.negatives):
+                writers["negatives"].append(negative)
+                negatives_by_type[negative["negative_type"]] += 1
+                pair = preference_pair(negative, record)
+                if pair is None:
+                    unpaired += 1
+                else:
+                    writers["preference"].append(pair)
+            if record["kind"] != "positive":
+                continue
+            prompt = grpo_prompt(record)
+            if prompt is not None:
+                writers["grpo"].append(prompt)
+            task_id = json.loads(record["meta"]).get("task_id") if record["source"] == "synthetic" else None
+            if task_id is not None and record["answer"] is not None:
+                synthetic_answers.setdefault(task_id, record["answer"])
+            task = record_task(record)
+            if task is not None and task.id not in env_task_ids:
+                env_task_ids.add(task.id)
+                writers["grpo_env_records"].append(grpo_env_row(task, record["source"], row_id=task.id,
+                                                                env=record["env"], answer=record["answer"]))
+    for t in runnable:
+        writers["grpo_env"].append(grpo_env_row(t, "tasks", answer=reference_answer(t) or synthetic_answers.get(t.id)))
+    files = {}
+    for writer in writers.values():
+        writer.close()
+    for name in ("sft", "negatives", "preference", "grpo", "grpo_env"):
+        parts = [writers[name]] + ([writers["grpo_env_records"]] if name == "grpo_env" else [])
+        files[name] = write_config_from_file(out, name, "train", [w.path for w in parts], writers[name].schema,
+                                             sum(w.nbytes for w in parts), config.shards)
+    for writer in writers.values():
+        writer.path.unlink()
+
+    duplicates = [{k: v for k, v in d.items() if k not in ("order", "kept_order")} for d in duplicates]
     duplicates_path = out / "duplicates.parquet"
     write_parquet(duplicates, arrow_schema("duplicates"), duplicates_path)
-    sft = write_config(out, "sft", {"train": pa.Table.from_pylist(records, schema=arrow_schema("trajectory"))},
-                       config.shards)
     quarantine_path = out / "quarantine" / "quarantine.parquet"
-    write_parquet(quarantine, arrow_schema("quarantine"), quarantine_path)
+    quarantine = StreamingParquet(quarantine_path, arrow_schema("quarantine"))
+    for unit in units:
+        for batch in pq.ParquetFile(unit.quarantine_path).iter_batches(batch_size=1000):
+            for entry in batch.to_pylist():
+                quarantine.append(entry)
+    for entry in contaminated:
+        quarantine.append(entry)
+    quarantine.close()
+
     report = merge_counts(units)
     report["generator"] = GENERATOR
     report["config"] = asdict(config)
-    report["outputs"] = {"sft": sft["train"],
+    report["outputs"] = {"sft": files["sft"].get("train", []),
                          "quarantine": [str(quarantine_path.relative_to(out))]}
-    report["renderings"] = dict(Counter(r["rendering"] for r in records))
-    report["domains"] = dict(sorted(Counter(r["domain"] for r in records).items()))
-    report["envs"] = dict(sorted(Counter(r["env"] for r in records).items()))
-    report["kinds"] = dict(Counter(r["kind"] for r in records))
+    for column, name in [("rendering", "renderings"), ("domain", "domains"), ("env", "envs"), ("kind", "kinds")]:
+        report[name] = dict(sorted(Counter(kept_keys[column].to_list()).items()))
     report["validation_by_env"] = merge_env_figures([u.envs for u in units])
     stage_counts(report, contaminated, duplicates)
-    report["outputs"].update({name: files.get("train", []) for name, files in derived.items()},
+    report["outputs"].update({name: files[name].get("train", []) for name in ("negatives", "preference", "grpo", "grpo_env")},
                              duplicates=[str(duplicates_path.relative_to(out))])
-    report_extras(report, records, duplicates, negatives, len(pairs), unpaired, len(grpo))
-    report["grpo_env"] = {"rows": len(grpo_env), "unrunnable_tasks": unrunnable_tasks}
-    if not records:
+    turns, chars = kept_keys["turns"].to_list(), kept_keys["chars"].to_list()
+    report_extras(report, duplicates, negatives_by_type, writers["preference"].count, unpaired,
+                  writers["grpo"].count, turns, chars)
+    report["grpo_env"] = {"rows": writers["grpo_env"].count + writers["grpo_env_records"].count,
+                          "unrunnable_tasks": len(tasks) - len(runnable)}
+    if not kept:
         report["warnings"] = ["no record made it into data/sft: every input record was quarantined or a duplicate"]
     for warning in report.get("warnings", []):
         log.warning(warning)
-    html_files = write_html(out, report, records, duplicates)
+    html_files = write_html(out, report, duplicates, turns, chars)
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     owned = [path for paths in report["outputs"].values() for path in paths]
     owned += [p.relative_to(out).as_posix() for p in html_files] + ["report.json"]

@@ -88,12 +88,12 @@ def test_count_axes_have_whole_number_ticks(tmp_path, monkeypatch):
     monkeypatch.setattr(report_module, "_save", keep)
     small = {"sources": {"a": {"read": 2, "written": 1, "quarantined": 1, "duplicates": 0}},
              "total": {"reasons": {"malformed_json": 1, "too_long": 2}}, "negatives": {"by_type": {"x": 1}}}
-    records = [{"domain": "os", "env": "os", "conversations": [{"content": "hi"}] * n} for n in (2, 3)]
+    mix = {"domains": {"os": 2}, "envs": {"os": 2}}
     report_module.plot_stages(small, tmp_path)
     report_module.plot_quarantine(small, tmp_path)
     report_module.plot_negatives(small, tmp_path)
-    report_module.plot_mix(records, tmp_path)
-    report_module.plot_lengths(records, tmp_path)
+    report_module.plot_mix(mix, tmp_path)
+    report_module.plot_lengths([2, 3], [4, 6], tmp_path)
     count_axes = [figures[name].axes[0].get_xticks() for name in ("stages.png", "quarantine.png", "negatives.png")]
     count_axes += [ax.get_xticks() for ax in figures["mix.png"].axes]
     turns, chars = figures["lengths.png"].axes

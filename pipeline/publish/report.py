@@ -45,13 +45,13 @@ def stage_counts(report: dict, contaminated: list[dict], duplicates: list[dict])
         move(d["source"], d["source_file"], "duplicates", None)
 
 
-def _clusters(duplicates: list[dict], kept_sources: dict[str, str]) -> list[dict]:
+def _clusters(duplicates: list[dict]) -> list[dict]:
     members: dict[str, list[dict]] = defaultdict(list)
     for d in duplicates:
         members[d["kept_id"]].append(d)
     out = []
     for kept_id, dups in sorted(members.items()):
-        sources = sorted({kept_sources.get(kept_id, dups[0]["kept_source"]), *(d["source"] for d in dups)})
+        sources = sorted({dups[0]["kept_source"], *(d["source"] for d in dups)})
         out.append({"kept_id": kept_id, "size": len(dups) + 1, "sources": sources,
                     "dropped": sorted(d["id"] for d in dups), "match": sorted({d["match"] for d in dups})})
     return out
@@ -63,10 +63,11 @@ def _summary(values: list[int]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def report_extras(report: dict, records: list[dict], duplicates: list[dict], negatives: list[dict],
-                  pairs: int, unpaired: int, grpo: int) -> None:
-    """Dedup, negatives and data-shape sections of report.json (in place)."""
-    clusters = _clusters(duplicates, {r["id"]: r["source"] for r in records})
+def report_extras(report: dict, duplicates: list[dict], negatives_by_type: dict[str, int],
+                  pairs: int, unpaired: int, grpo: int, turns: list[int], chars: list[int]) -> None:
+    """Dedup, negatives and data-shape sections of report.json (in place). `turns` and `chars` are
+    per written trajectory: its number of turns and of characters."""
+    clusters = _clusters(duplicates)
     cross = Counter(f"{d['source']} -> {d['kept_source']}" for d in duplicates if d["source"] != d["kept_source"])
     report["duplicates"] = {
         "total": len(duplicates),
@@ -76,12 +77,11 @@ def report_extras(report: dict, records: list[dict], duplicates: list[dict], neg
         "clusters": len(clusters),
         "cross_source_clusters": [c for c in clusters if len(c["sources"]) > 1],
     }
-    report["negatives"] = {"total": len(negatives),
-                           "by_type": dict(sorted(Counter(n["negative_type"] for n in negatives).items())),
+    report["negatives"] = {"total": sum(negatives_by_type.values()),
+                           "by_type": dict(sorted(negatives_by_type.items())),
                            "preference_pairs": pairs, "without_pair": unpaired}
     report["grpo_prompts"] = grpo
-    report["shape"] = {"turns": _summary([len(r["conversations"]) for r in records]),
-                       "chars": _summary([sum(len(t["content"]) for t in r["conversations"]) for r in records])}
+    report["shape"] = {"turns": _summary(turns), "chars": _summary(chars)}
 
 
 VALIDATION_HEADER = ["env", "grammar", "records", "actions checked", "valid by grammar", "quarantined by rule"]
@@ -178,18 +178,18 @@ def plot_duplicates(duplicates: list[dict], out: Path) -> str:
     return _save(fig, out, "duplicates.png")
 
 
-def plot_mix(records: list[dict], out: Path) -> str:
+def plot_mix(report: dict, out: Path) -> str:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 5))
-    _barh(a, dict(Counter(r["domain"] for r in records)), "Domains", "#55a868")
-    _barh(b, dict(Counter(r["env"] for r in records)), "Environments", "#64b5cd")
+    _barh(a, report["domains"], "Domains", "#55a868")
+    _barh(b, report["envs"], "Environments", "#64b5cd")
     return _save(fig, out, "mix.png")
 
 
-def plot_lengths(records: list[dict], out: Path) -> str:
+def plot_lengths(turns: list[int], chars: list[int], out: Path) -> str:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    if records:
-        a.hist([len(r["conversations"]) for r in records], bins=30, color="#4c72b0")
-        b.hist([sum(len(t["content"]) for t in r["conversations"]) for r in records], bins=30, color="#8172b3")
+    if turns:
+        a.hist(turns, bins=30, color="#4c72b0")
+        b.hist(chars, bins=30, color="#8172b3")
     a.set_title("Turns per trajectory")
     a.set_xlabel("turns")
     b.set_title("Characters per trajectory")
@@ -221,13 +221,13 @@ td:first-child,th:first-child{text-align:left}img{max-width:100%;border:1px soli
 .ok{color:#2a7a2a}.bad{color:#b22}"""
 
 
-def write_html(out: Path, report: dict, records: list[dict], duplicates: list[dict]) -> list[Path]:
-    """report.html and its PNGs under `out`; returns the files written."""
+def write_html(out: Path, report: dict, duplicates: list[dict], turns: list[int], chars: list[int]) -> list[Path]:
+    """report.html and its PNGs under `out`; returns the files written (`turns`, `chars`: as in report_extras)."""
     plots = {"Counts per source and stage": plot_stages(report, out),
              "Quarantine reasons": plot_quarantine(report, out),
              "Duplicate clusters across sources": plot_duplicates(duplicates, out),
-             "Domain and environment mix": plot_mix(records, out),
-             "Turns and length": plot_lengths(records, out),
+             "Domain and environment mix": plot_mix(report, out),
+             "Turns and length": plot_lengths(turns, chars, out),
              "Negatives per type": plot_negatives(report, out)}
     total = report["total"]
     balanced = all(e["read"] == e["written"] + e["quarantined"] + e.get("duplicates", 0)

@@ -154,3 +154,49 @@ def unit_fingerprint(source: str, path: Path, split: str, config: dict) -> str:
 
 def unit_marker(staging: Path, key: str) -> Path:
     return staging / "markers" / "units" / f"{key}.done"
+
+
+# -- shards from a stream ----------------------------------------------------------------------
+
+def write_config_from_file(out: Path, config_name: str, split: str, staged: list[Path], schema: pa.Schema,
+                           nbytes: int, config: ShardConfig = ShardConfig()) -> dict[str, list[str]]:
+    """`write_config` for a split staged as Parquet files (their rows in order), one row group of a shard in memory at
+    a time. `nbytes` is the split's Arrow size (what `plan_shards` divides by); shards hold the
+    same rows and row groups as `write_config` of the whole table would write. `schema` is the
+    split's Arrow schema (a Parquet round trip renames list items, which would change the bytes)."""
+    folder = out / "data" / config_name
+    sources = [pq.ParquetFile(path) for path in staged]
+    n = sum(source.metadata.num_rows for source in sources)
+    per_shard = (max(1, config.max_rows) if config.max_rows is not None
+                 else max(1, int(config.max_bytes // max(1, nbytes / n)))) if n else 0
+    plan = [(offset, min(per_shard, n - offset)) for offset in range(0, n, per_shard)] if n else []
+    batches = (batch for source in sources for batch in source.iter_batches(batch_size=config.row_group_rows))
+    pending: list[pa.RecordBatch] = []
+    buffered = 0
+    names = []
+    for index, (_, length) in enumerate(plan):
+        name = shard_name(split, index, len(plan))
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with pq.ParquetWriter(tmp, schema, compression="zstd",
+                              compression_level=config.compression_level) as writer:
+            left = length
+            while left:
+                while buffered < min(left, config.row_group_rows):
+                    batch = next(batches)
+                    pending.append(batch)
+                    buffered += batch.num_rows
+                table = pa.Table.from_batches(pending)
+                take = min(left, config.row_group_rows)
+                writer.write_table(table.slice(0, take).cast(schema), row_group_size=config.row_group_rows)
+                rest = table.slice(take)
+                pending, buffered = rest.to_batches(), rest.num_rows
+                left -= take
+        os.replace(tmp, path)
+        names.append(name)
+    if folder.exists():
+        for stale in folder.iterdir():
+            if SHARD_RE.match(stale.name) and stale.name not in names:
+                stale.unlink()
+    return {split: [(folder / name).relative_to(out).as_posix() for name in names]} if names else {}

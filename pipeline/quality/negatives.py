@@ -28,6 +28,7 @@ from trajforge.pipeline.ingest.dialects import FREE_TEXT, parse_turn, render_tur
 from trajforge.pipeline.ingest.grammars import action_name, break_action, grammar_for
 from trajforge.pipeline.ingest.normalize import extract_answer
 from trajforge.pipeline.ingest.validate import LOOP_REPEATS, action_contexts, grammar_breaches
+from trajforge.pipeline.quality.pools import EnvPools
 
 NEGATIVE_TYPES = ("invalid_action", "invented_tool", "irrelevant_tools", "hallucinated_observation",
                   "wrong_answer", "premature_answer", "broken_format", "action_loop")
@@ -129,7 +130,7 @@ def _renamed_action(record: dict, names: tuple[str, ...]) -> list[dict] | None:
     return None
 
 
-def make_invalid_action(record: dict, pool: list[dict], seed: int) -> dict | None:
+def make_invalid_action(record: dict, pool: EnvPools, seed: int) -> dict | None:
     """A real trained action edited to break one rule of its env's grammar (pipeline/ingest/grammars.py):
     the first action that some edit breaks, the rule picked by the seed among those it can break.
     A tool the prompt does not offer is `invented_tool`'s, not this type's."""
@@ -152,7 +153,7 @@ def make_invalid_action(record: dict, pool: list[dict], seed: int) -> dict | Non
     return None
 
 
-def make_invented_tool(record: dict, pool: list[dict], seed: int) -> dict | None:
+def make_invented_tool(record: dict, pool: EnvPools, seed: int) -> dict | None:
     """A tool-use agent calls a tool it was never offered."""
     if record["domain"] != "tool":
         return None
@@ -160,7 +161,7 @@ def make_invented_tool(record: dict, pool: list[dict], seed: int) -> dict | None
     return _negative(record, "invented_tool", made) if made else None
 
 
-def make_irrelevant_tools(record: dict, pool: list[dict], seed: int) -> dict | None:
+def make_irrelevant_tools(record: dict, pool: EnvPools, seed: int) -> dict | None:
     """Agent-FLAN style: the offered tools (another tool env's) do not fit the request, and the
     agent calls its usual tool anyway instead of saying that it cannot help. The right reply is
     kept in meta `chosen` for the preference pair."""
@@ -168,13 +169,11 @@ def make_irrelevant_tools(record: dict, pool: list[dict], seed: int) -> dict | N
     actions = _action_turns(record)
     if record["domain"] != "tool" or not actions or turns[0]["role"] != "user":
         return None
-    donors = sorted({r["env"]: r for r in pool if r["domain"] == "tool" and r["env"] != record["env"]
-                     and r["conversations"][0]["role"] == "user"
-                     and r["conversations"][0]["content"] != turns[0]["content"]}.items())
+    donors = pool.tool_prompts_of_other_envs(record["env"], turns[0]["content"])
     if not donors:
         return None
-    donor_env, donor = donors[_pick(seed, record["id"], len(donors))]
-    swapped = {**turns[0], "content": donor["conversations"][0]["content"]}
+    donor_env, donor_prompt = donors[_pick(seed, record["id"], len(donors))]
+    swapped = {**turns[0], "content": donor_prompt}
     first = actions[0]
     conversations = [swapped] + turns[1:first + 1]
     probe = {**record, "conversations": conversations}
@@ -194,7 +193,7 @@ def make_irrelevant_tools(record: dict, pool: list[dict], seed: int) -> dict | N
                      extra={"tools_from_env": donor_env, "chosen": chosen})
 
 
-def make_hallucinated_observation(record: dict, pool: list[dict], seed: int) -> dict | None:
+def make_hallucinated_observation(record: dict, pool: EnvPools, seed: int) -> dict | None:
     """The agent writes the environment's reply itself instead of waiting for it."""
     turns = record["conversations"]
     for i in _action_turns(record):
@@ -207,9 +206,8 @@ def make_hallucinated_observation(record: dict, pool: list[dict], seed: int) -> 
     return None
 
 
-def _wrong_answer(record: dict, pool: list[dict], seed: int) -> str | None:
-    others = sorted({r["answer"] for r in pool if r["env"] == record["env"] and r["answer"]
-                     and r["answer"] != record["answer"]})
+def _wrong_answer(record: dict, pool: EnvPools, seed: int) -> str | None:
+    others = pool.wrong_answers(record["env"], record["answer"])
     if others:
         return others[_pick(seed, record["id"], len(others))]
     number = re.fullmatch(r"-?\d+(?:\.\d+)?", record["answer"] or "")
@@ -247,7 +245,7 @@ def _breaks_grammar(record: dict, conversations: list[dict]) -> bool:
     return bool(grammar_breaches({**record, "conversations": conversations})[1])
 
 
-def make_wrong_answer(record: dict, pool: list[dict], seed: int) -> dict | None:
+def make_wrong_answer(record: dict, pool: EnvPools, seed: int) -> dict | None:
     """The trajectory ends with a wrong final answer (another task's answer of the same env)."""
     final = _final_answer(record)
     wrong = _wrong_answer(record, pool, seed) if final else None
@@ -258,7 +256,7 @@ def make_wrong_answer(record: dict, pool: list[dict], seed: int) -> dict | None:
     return _negative(record, "wrong_answer", conversations)
 
 
-def make_premature_answer(record: dict, pool: list[dict], seed: int) -> dict | None:
+def make_premature_answer(record: dict, pool: EnvPools, seed: int) -> dict | None:
     """The agent answers at its first step, before looking at anything, and gets it wrong."""
     final = _final_answer(record)
     actions = _action_turns(record)
@@ -273,7 +271,7 @@ def make_premature_answer(record: dict, pool: list[dict], seed: int) -> dict | N
     return _negative(record, "premature_answer", conversations)
 
 
-def make_broken_format(record: dict, pool: list[dict], seed: int) -> dict | None:
+def make_broken_format(record: dict, pool: EnvPools, seed: int) -> dict | None:
     """A turn that drops the Thought/Action markers its prompt asks for (prose, unparseable)."""
     turns = record["conversations"]
     last = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
@@ -289,7 +287,7 @@ def make_broken_format(record: dict, pool: list[dict], seed: int) -> dict | None
     return None
 
 
-def make_action_loop(record: dict, pool: list[dict], seed: int) -> dict | None:
+def make_action_loop(record: dict, pool: EnvPools, seed: int) -> dict | None:
     """The agent repeats an action although the environment keeps giving the same reply."""
     turns = record["conversations"]
     for i in _action_turns(record):
@@ -312,14 +310,23 @@ MAKERS: dict[str, Callable[[dict, list[dict], int], dict | None]] = {
 }
 
 
-def make_negatives(records: list[dict], config: NegativesConfig = NegativesConfig()) -> list[dict]:
-    """Negatives from the valid positives among `records`, in record order then type order."""
-    positives = [r for r in records if r["kind"] == "positive"]
+def negatives_of(record: dict, pools: EnvPools, config: NegativesConfig = NegativesConfig()) -> list[dict]:
+    """The negatives of one record (none unless it is a positive), in type order."""
+    if record["kind"] != "positive":
+        return []
     out = []
-    for record in positives:
-        for kind, maker in MAKERS.items():
-            if _chosen(config.seed, kind, record["id"], config.rates.get(kind, 0.0)):
-                negative = maker(record, positives, config.seed)
-                if negative is not None:
-                    out.append(negative)
+    for kind, maker in MAKERS.items():
+        if _chosen(config.seed, kind, record["id"], config.rates.get(kind, 0.0)):
+            negative = maker(record, pools, config.seed)
+            if negative is not None:
+                out.append(negative)
     return out
+
+
+def make_negatives(records: list[dict], config: NegativesConfig = NegativesConfig(),
+                   pools: EnvPools | None = None) -> list[dict]:
+    """Negatives from the valid positives among `records`, in record order then type order.
+
+    `pools` (pools.py) default to the pools of `records` themselves."""
+    pools = EnvPools.of(records) if pools is None else pools
+    return [negative for record in records for negative in negatives_of(record, pools, config)]

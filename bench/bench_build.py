@@ -1,0 +1,337 @@
+"""The whole `trajforge build` at scale, against the I/O floor of the same files, in one run.
+
+Usage: python bench/bench_build.py N [--fixtures DIR] [--work DIR] [--keep] [--runner threads] [--timeout S]
+
+The corpus is N trajectories scaled from the real fixture rows, in the upstream layouts: AgentInstruct
+rows as Parquet files `db-NNNNN.parquet` ({conversations[{from, loss, value}], id}) and AgentTraj-L rows as
+one JSON array per env (`<env>_train.json`). Every original gets 30 % of the lower-case words of its
+free text (task, thoughts, observations; not the shared instructions, nor lines with an action, code or
+an answer) replaced by words of the fixtures' vocabulary, so originals are distinct from one another and
+the dedup has real work. Then 8 % of N are planted exact copies of an original (a new id) and 4 % near
+copies (1 word in 150 of the free text changed, planted only on originals with >= 150 such words, so the
+true shingle Jaccard stays near 0.93).
+
+Measured in the same run:
+- the I/O floor: pyarrow reads the same upstream files (Parquet, and the JSON arrays through `json` into
+  Arrow) and writes the same rows as zstd Parquet;
+- `trajforge build` as a subprocess of the real CLI (`--source NAME=PATH`), its wall time and the peak
+  RSS of its process tree (sampled every 0.2 s);
+- from the build's outputs: rows/s, recall of the planted copies (the share of planted copies found in
+  the duplicates map pointing into their own family) and false merges (map rows linking two families).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_FIXTURES = Path(os.environ.get("TRAJFORGE_FIXTURES", REPO / "tests" / "fixtures")) / "raw"
+
+EXACT_SHARE, NEAR_SHARE = 0.08, 0.04
+MUTATE_SHARE = 1.0
+NEAR_EDIT_EVERY, NEAR_MIN_WORDS = 150, 100
+ROWS_PER_PARQUET = 50_000
+# The family of a generated row is in its upstream id (kept in the record id and the duplicates map).
+FAMILY = re.compile(r"-g(\d+)c(\d+)")
+_WORD = re.compile(r"\b[a-z]{3,}\b")
+_FROZEN_LINE = re.compile(r"Action|Final Answer|```|\[|\]|\(|\)|=|\{|\}")
+
+
+def base_rows(raw: Path) -> dict[str, list[dict]]:
+    """Real rows by upstream file kind: 'agentinstruct:db' -> rows, 'agenttraj_l:webshop' -> rows."""
+    rows: dict[str, list[dict]] = {}
+    for f in sorted((raw / "agentinstruct").glob("*.parquet")):
+        split = f.name.split(".")[0].split("-")[0]
+        rows.setdefault(f"agentinstruct:{split}", []).extend(pq.read_table(f).to_pylist())
+    for f in sorted((raw / "agenttraj_l").glob("*_train.json")):
+        rows.setdefault(f"agenttraj_l:{f.name.removesuffix('_train.json')}", []).extend(json.loads(f.read_text()))
+    return rows
+
+
+def _action_words(row: dict) -> set[str]:
+    """Words of every action of the row (the text after `Action` in an assistant turn): an observation
+    that lists the action space keeps them, so the edited actions stay valid."""
+    words: set[str] = set()
+    for turn in row["conversations"]:
+        if turn["from"] == "gpt" and "Action" in turn["value"]:
+            words.update(_WORD.findall(turn["value"][turn["value"].index("Action"):]))
+    return words
+
+
+def template(row: dict) -> list[tuple[int, list[str]]]:
+    """Per turn after the instructions and acknowledgement: its text cut into fixed pieces (even
+    positions) and editable words (odd positions). Editable: lower-case words of a thought (before
+    `Action`) or of an observation line without code, brackets or an answer, that no action uses."""
+    frozen = _action_words(row)
+    out = []
+    for k, turn in enumerate(row["conversations"][2:], 2):
+        text = turn["value"]
+        cut = text.index("Action") if turn["from"] == "gpt" and "Action" in text else len(text)
+        pieces, pos, offset = [], 0, 0
+        for line in text[:cut].split("\n"):
+            if not _FROZEN_LINE.search(line):
+                for w in _WORD.finditer(line):
+                    if w.group() not in frozen:
+                        pieces += [text[pos:offset + w.start()], w.group()]
+                        pos = offset + w.end()
+            offset += len(line) + 1
+        pieces.append(text[pos:])
+        out.append((k, pieces))
+    return out
+
+
+def _vary(row: dict, tpl: list[tuple[int, list[str]]], rng, vocab, share: float = MUTATE_SHARE,
+          edits: int = 0) -> dict:
+    """The row with `share` of its editable words (or exactly `edits` of them) replaced."""
+    turns = [dict(t) for t in row["conversations"]]
+    slots = [(k, j) for k, pieces in tpl for j in range(1, len(pieces), 2)]
+    if edits:
+        chosen = rng.choice(len(slots), size=min(edits, len(slots)), replace=False) if slots else []
+    else:
+        chosen = np.flatnonzero(rng.random(len(slots)) < share)
+    new = dict(zip(chosen.tolist() if hasattr(chosen, "tolist") else chosen,
+                   vocab[rng.integers(len(vocab), size=len(chosen))].tolist()))
+    i = 0
+    for k, pieces in tpl:
+        pieces = list(pieces)
+        for j in range(1, len(pieces), 2):
+            if i in new:
+                pieces[j] = new[i]
+            i += 1
+        turns[k]["value"] = "".join(pieces)
+    return {**row, "conversations": turns}
+
+
+def _editable(tpl) -> int:
+    return sum(len(pieces) // 2 for _, pieces in tpl)
+
+
+def _with_id(row: dict, kind: str, family: int, copy: int) -> dict:
+    key = "id" if kind == "agentinstruct" else "item_id"
+    return {**row, key: f"{row[key]}-g{family}c{copy}"}
+
+
+def generate(raw: Path, n: int, out: Path, seed: int = 0) -> dict:
+    """Write the corpus under out/<source>/; returns counts of what was planted."""
+    rng = np.random.default_rng(seed)
+    bases = base_rows(raw)
+    vocab = np.array(sorted({w for rows in bases.values() for r in rows for t in r["conversations"]
+                             for w in _WORD.findall(t["value"])}))
+    kinds = sorted(bases)
+    n_exact, n_near = int(n * EXACT_SHARE), int(n * NEAR_SHARE)
+    n_orig = n - n_exact - n_near
+    files: dict[str, list[dict]] = {k: [] for k in kinds}
+    writers: dict[str, object] = {}
+    counts = {"originals": 0, "exact": 0, "near": 0}
+    parquet_part: dict[str, int] = {}
+
+    def flush(kind: str, final: bool = False) -> None:
+        source, split = kind.split(":")
+        rows = files[kind]
+        if source == "agentinstruct":
+            while len(rows) >= ROWS_PER_PARQUET or (final and rows):
+                part = parquet_part.get(kind, 0)
+                path = out / source / f"{split}-{part:05d}.parquet"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                pq.write_table(pa.Table.from_pylist(rows[:ROWS_PER_PARQUET]), path, compression="zstd")
+                parquet_part[kind] = part + 1
+                del rows[:ROWS_PER_PARQUET]
+        else:
+            fh = writers.get(kind)
+            if fh is None:
+                path = out / source / f"{split}_train.json"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fh = writers[kind] = open(path, "w")
+                fh.write("[")
+                fh.first = True  # type: ignore[attr-defined]
+            for r in rows:
+                fh.write(("" if fh.first else ",") + json.dumps(r, ensure_ascii=False))
+                fh.first = False
+            rows.clear()
+            if final:
+                fh.write("]")
+                fh.close()
+
+    originals: list[tuple[str, dict]] = []
+    # Copies are drawn from a sliding window of recent originals so the generator's memory stays flat.
+    window = 5000
+    plan = np.array([0] * n_orig + [1] * n_exact + [2] * n_near)
+    rng.shuffle(plan)
+    templates = {kind: [template(r) for r in rows] for kind, rows in bases.items()}
+    # Half the originals are AgentInstruct rows, the other half spread over the AgentTraj-L envs.
+    instruct = [k for k in kinds if k.startswith("agentinstruct:")]
+    traj = [k for k in kinds if not k.startswith("agentinstruct:")]
+    family = 0
+    for what in plan:
+        if what == 0 or not originals:
+            group = instruct if family % 2 == 0 or not traj else traj
+            kind = group[(family // 2) % len(group)]
+            b = int(rng.integers(len(bases[kind])))
+            row = _with_id(_vary(bases[kind][b], templates[kind][b], rng, vocab), kind.split(":")[0], family, 0)
+            originals.append((kind, row))
+            if len(originals) > window:
+                originals.pop(0)
+            files[kind].append(row)
+            family += 1
+            counts["originals"] += 1
+        else:
+            kind, orig = originals[int(rng.integers(len(originals)))]
+            source = kind.split(":")[0]
+            key = "id" if source == "agentinstruct" else "item_id"
+            fam = int(FAMILY.search(orig[key]).group(1))
+            copy_no = counts["exact"] + counts["near"] + 1
+            tpl = template(orig) if what == 2 else []
+            if what == 2 and _editable(tpl) < NEAR_MIN_WORDS:
+                what = 1
+            row = orig if what == 1 else _vary(orig, tpl, rng, vocab,
+                                               edits=max(1, _editable(tpl) // NEAR_EDIT_EVERY))
+            base_id = orig[key].rsplit("-g", 1)[0]
+            files[kind].append({**row, key: f"{base_id}-g{fam}c{copy_no}"})
+            counts["exact" if what == 1 else "near"] += 1
+        if len(files[kind]) >= 2000:
+            flush(kind)
+    for kind in kinds:
+        flush(kind, final=True)
+    return counts
+
+
+def io_floor(corpus: Path, scratch: Path) -> tuple[float, int]:
+    """Seconds to read every upstream file with pyarrow and write its rows as zstd Parquet; rows."""
+    start, rows = time.perf_counter(), 0
+    scratch.mkdir(parents=True, exist_ok=True)
+    for f in sorted(corpus.rglob("*")):
+        if f.suffix == ".parquet":
+            table = pq.read_table(f)
+        elif f.suffix == ".json":
+            table = pa.Table.from_pylist(json.loads(f.read_text()))
+        else:
+            continue
+        rows += table.num_rows
+        pq.write_table(table, scratch / f"{f.parent.name}-{f.stem}.parquet", compression="zstd")
+        del table
+    return time.perf_counter() - start, rows
+
+
+def tree_rss(proc: psutil.Process) -> int:
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[float, float, int, int]:
+    """(wall seconds, CPU seconds, peak RSS of the process tree in bytes, return code) of `trajforge build`.
+
+    CPU seconds count the build and the processes it waited for; on a shared machine they say more
+    than the wall time."""
+    cmd = [str(Path(sys.executable).parent / "trajforge"), "build", "--out", str(out), "--runner", runner,
+           *[a for d in sorted(corpus.iterdir()) for a in ("--source", f"{d.name}={d}")]]
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
+    start, cpu0 = time.perf_counter(), os.times()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ps = psutil.Process(proc.pid)
+    peak = [0]
+    tail: list[str] = []
+
+    def drain() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            tail.append(line)
+            del tail[:-40]
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        peak[0] = max(peak[0], tree_rss(ps))
+        if time.perf_counter() - start > timeout:
+            for p in [*ps.children(recursive=True), ps]:
+                p.kill()
+            break
+        time.sleep(0.2)
+    proc.wait()
+    reader.join(timeout=5)
+    wall, cpu1 = time.perf_counter() - start, os.times()
+    if proc.returncode != 0:
+        sys.stderr.write("".join(tail))
+    cpu = (cpu1.children_user - cpu0.children_user) + (cpu1.children_system - cpu0.children_system)
+    return wall, cpu, peak[0], proc.returncode
+
+
+def quality(out: Path, counts: dict) -> dict:
+    """Recall of the planted copies and false merges, from the duplicates map."""
+    dups = pq.read_table(out / "duplicates.parquet", columns=["id", "kept_id", "match"]).to_pylist()
+    found, false = 0, 0
+    for d in dups:
+        a, b = FAMILY.search(d["id"]), FAMILY.search(d["kept_id"])
+        if a is None or b is None or a.group(1) != b.group(1):
+            false += 1
+        else:
+            found += 1
+    # A copy of an original that fails validation is quarantined with it: not a duplicate to find.
+    quarantined = sum(1 for sid in pq.read_table(out / "quarantine" / "quarantine.parquet", columns=["source_id"])
+                      .column("source_id").to_pylist() if sid and (m := FAMILY.search(sid)) and m.group(2) != "0")
+    planted = counts["exact"] + counts["near"] - quarantined
+    return {"planted": planted, "found": found, "recall": found / max(1, planted), "false_merges": false,
+            "duplicates": len(dups)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("n", type=int, help="trajectories in the corpus")
+    p.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
+    p.add_argument("--work", type=Path, default=None, help="folder for the corpus and the build (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the work folder")
+    p.add_argument("--runner", default="processes")
+    p.add_argument("--timeout", type=float, default=3600)
+    args = p.parse_args()
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench_build_"))
+    try:
+        corpus = work / "corpus"
+        if (work / "planted.json").exists():
+            counts = json.loads((work / "planted.json").read_text())
+        else:
+            t0 = time.perf_counter()
+            counts = generate(args.fixtures, args.n, corpus)
+            (work / "planted.json").write_text(json.dumps(counts))
+            print(f"corpus: {args.n} trajectories in {time.perf_counter() - t0:.0f} s, {counts}")
+        size = sum(f.stat().st_size for f in corpus.rglob("*") if f.is_file())
+        floor_s, rows = io_floor(corpus, work / "floor")
+        shutil.rmtree(work / "floor")
+        print(f"I/O floor: {rows} rows, {size / 1e6:.0f} MB upstream, {floor_s:.1f} s; load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        out = work / "build"
+        shutil.rmtree(out, ignore_errors=True)
+        wall, cpu, peak, rc = run_build(corpus, out, args.runner, args.timeout)
+        line = (f"build ({args.runner}): rc {rc}, wall {wall:.1f} s = {wall / floor_s:.1f}x the floor, CPU {cpu:.0f} s, "
+                f"peak RSS {peak / 2**30:.2f} GiB, {rows / wall:.0f} rows/s")
+        if rc == 0:
+            report = json.loads((out / "report.json").read_text())
+            q = quality(out, counts)
+            line += (f"; read {report['total']['read']}, written {report['total']['written']}, quarantined "
+                     f"{report['total']['quarantined']}; duplicates {q['duplicates']}, recall {q['recall']:.4f} "
+                     f"({q['found']}/{q['planted']}), false merges {q['false_merges']}")
+        print(line)
+    finally:
+        if not args.keep and args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

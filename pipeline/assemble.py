@@ -1,0 +1,174 @@
+"""The second half of a build, in bounded memory: global stages over key tables, streaming writers.
+
+Each unit stages, next to its records, a key table (`KeysWriter`, built where the records are read):
+per record the dedup keys (dedup_table.record_keys), the contamination verdict, and the fields the
+report counts. `assemble` then
+
+1. concatenates the key tables in build order and makes ids unique (a group-by count on `id`);
+2. runs the global stages on that table only: exact and near dedup (dedup_table), and the
+   contaminated records out;
+3. fills the bounded per-env pools of the negative makers from the kept positives (pools.py; an
+   Arrow scan of four columns);
+4. streams the staged records once more in build order, in batches, skipping the dropped ones:
+   each kept record goes to the `sft` writer, its negatives, their preference pairs (the parent
+   is the record at hand) and its GRPO prompt to theirs. Shards are cut from those streams
+   (shards.write_config_from_file); the report, the card and the manifest come from the key
+   table and the counts already in memory.
+
+Peak memory is one batch of records plus the key tables (~250 bytes a record) and the
+duplicates map. The outputs are those of the in-memory build: same records, same order, same
+duplicates map, negatives, pairs and prompts.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from trajforge.pipeline.quality.dedup import Contamination, dedup_tokens, read_eval_tasks, shingles
+from trajforge.pipeline.quality.dedup_table import duplicates_table, record_keys
+from trajforge.pipeline.quality.derived import grpo_prompt, preference_pair
+from trajforge.pipeline.quality.negatives import negatives_of
+from trajforge.pipeline.quality.pools import EnvPools
+
+BATCH_ROWS = 1024
+
+
+def _contamination_detail(task: str, index: Contamination) -> str | None:
+    hit = index.match(task)
+    if hit is None:
+        return None
+    return f"task shares {len(hit[1].split())} words with evaluation task #{hit[0]}: {hit[1]!r}"[:500]
+
+
+def contamination(units, config) -> pl.Series:
+    """Per record in build order: why its task overlaps an evaluation task, or null. Reads the
+    `task` column only; done here, not per unit, because the eval file is a setting of this step."""
+    details: list[str | None] = []
+    index = (Contamination(read_eval_tasks(Path(config.decontaminate)), config.decontaminate_ngram)
+             if config.decontaminate else None)
+    for unit in units:
+        if index is None:
+            details.extend([None] * pq.ParquetFile(unit.records_path).metadata.num_rows)
+            continue
+        for batch in pq.ParquetFile(unit.records_path).iter_batches(batch_size=BATCH_ROWS, columns=["task"]):
+            details.extend(_contamination_detail(t, index) for t in batch.column("task").to_pylist())
+    return pl.Series("contaminated", details, dtype=pl.String)
+
+
+def stage_keys(records: list[dict], start: int, config) -> pl.DataFrame:
+    """The key table rows of a batch of one unit's records (`start`: the batch's row in the unit)."""
+    keys = record_keys(records, start, config.dedup)
+    return keys.with_columns(
+        pl.Series("kind", [r["kind"] for r in records], dtype=pl.String),
+        pl.Series("rendering", [r["rendering"] for r in records], dtype=pl.String),
+        pl.Series("domain", [r["domain"] for r in records], dtype=pl.String),
+        pl.Series("env", [r["env"] for r in records], dtype=pl.String),
+        pl.Series("turns", [len(r["conversations"]) for r in records], dtype=pl.Int32),
+        pl.Series("chars", [sum(len(t["content"]) for t in r["conversations"]) for r in records], dtype=pl.Int64),
+    )
+
+
+class KeysWriter:
+    """Collects a unit's records and stages their key table, one batch at a time."""
+
+    def __init__(self, path: Path, config, batch_rows: int = BATCH_ROWS):
+        self.path, self.config, self.batch_rows = path, config, batch_rows
+        self.pending: list[dict] = []
+        self.frames: list[pl.DataFrame] = []
+        self.count = 0
+
+    def extend(self, records: list[dict]) -> None:
+        """Records as their unit writes them (StreamingParquet's `on_written`): the key table
+        stays row for row in step with the staged records."""
+        self.pending.extend(records)
+        if len(self.pending) >= self.batch_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.pending:
+            self.frames.append(stage_keys(self.pending, self.count, self.config))
+            self.count += len(self.pending)
+            self.pending = []
+
+    def close(self) -> None:
+        self._flush()
+        table = pl.concat(self.frames) if self.frames else stage_keys([], 0, self.config)
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        table.write_parquet(tmp, compression="zstd")
+        os.replace(tmp, self.path)
+
+
+def key_table(units, config) -> pl.DataFrame:
+    """Every unit's key table in build order, with the global `order`, the `unit` and its `row`, the
+    contamination verdict, and ids made unique as `build.unique_ids` does (`repeat` > 1 gets `~repeat`)."""
+    frames, offset = [], 0
+    for u, unit in enumerate(units):
+        frame = pl.read_parquet(unit.keys_path)
+        frames.append(frame.with_columns(pl.col("order").alias("row"), (pl.col("order") + offset).alias("order"),
+                                         pl.lit(u, dtype=pl.Int32).alias("unit")))
+        offset += frame.height
+    keys = pl.concat(frames).with_columns(contamination(units, config))
+    repeat = pl.col("id").cum_count().over("id")
+    return keys.with_columns(repeat.cast(pl.Int32).alias("repeat")).with_columns(
+        pl.when(pl.col("repeat") > 1).then(pl.col("id") + "~" + pl.col("repeat").cast(pl.String))
+        .otherwise(pl.col("id")).alias("id"))
+
+
+def iter_records(units, columns: list[str] | None = None, batch_rows: int = BATCH_ROWS):
+    """(unit index, row in unit, batch of staged records as an Arrow RecordBatch) in build order."""
+    for u, unit in enumerate(units):
+        row = 0
+        for batch in pq.ParquetFile(unit.records_path).iter_batches(batch_size=batch_rows, columns=columns):
+            yield u, row, batch
+            row += batch.num_rows
+
+
+def read_rows(units, wanted: dict[int, list[int]]) -> dict[tuple[int, int], dict]:
+    """The staged records at {unit: [rows]}, by (unit, row)."""
+    out = {}
+    for u, rows in wanted.items():
+        rows = sorted(rows)
+        start = 0
+        for batch in pq.ParquetFile(units[u].records_path).iter_batches(batch_size=BATCH_ROWS):
+            end = start + batch.num_rows
+            inside = [r for r in rows if start <= r < end]
+            if inside:
+                taken = batch.take(pa.array([r - start for r in inside])).to_pylist()
+                out.update({(u, r): rec for r, rec in zip(inside, taken)})
+            start = end
+    return out
+
+
+def global_duplicates(keys: pl.DataFrame, units, config) -> list[dict]:
+    """The duplicates map of the clean records; the shingle sets of candidate pairs only are re-read."""
+    clean = keys.filter(pl.col("contaminated").is_null())
+    where = dict(zip(keys["order"].to_list(), zip(keys["unit"].to_list(), keys["row"].to_list())))
+
+    def shingles_of(orders: list[int]) -> dict[int, set[str]]:
+        wanted: dict[int, list[int]] = {}
+        for o in orders:
+            u, r = where[o]
+            wanted.setdefault(u, []).append(r)
+        rows = read_rows(units, wanted)
+        return {o: shingles(dedup_tokens(rows[where[o]]), config.dedup.shingle_size) for o in orders}
+
+    return duplicates_table(clean, shingles_of, config.dedup)
+
+
+def fill_pools(units, kept: set[int], offsets: list[int]) -> EnvPools:
+    """Pools from the kept positives in build order; reads four small columns and the first turn."""
+    pools = EnvPools()
+    for u, row, batch in iter_records(units, columns=["kind", "env", "domain", "answer", "conversations"]):
+        first = pc.list_slice(batch.column("conversations"), 0, 1)
+        small = pa.RecordBatch.from_arrays([batch.column("kind"), batch.column("env"), batch.column("domain"),
+                                            batch.column("answer"), first],
+                                           names=["kind", "env", "domain", "answer", "conversations"])
+        for i, record in enumerate(small.to_pylist()):
+            if offsets[u] + row + i in kept:
+                pools.add(record)
+    return pools

@@ -1,0 +1,64 @@
+"""Bounded, deterministic per-env pools for the negative makers that need other records.
+
+`wrong_answer` / `premature_answer` take another task's answer of the same env, and
+`irrelevant_tools` the offered tools (the first user turn) of another tool env. Scanning every
+positive for each record is quadratic and needs all records in memory; the pools keep, per env,
+only what those makers can pick from:
+
+- answers: the first `max_answers` distinct answers of the env's positives, in build order (all of
+  them while an env has fewer);
+- tool prompts: the last first-user-turn of the env's positives and the last one that differs from
+  it. A maker excludes the record's own prompt, so these two always hold the pick the full scan
+  would make (the last qualifying record of each env).
+
+Pools are filled in build order from the records that are kept, so the same inputs give the same
+pools whatever the batching.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_ANSWERS = 1024
+
+
+@dataclass
+class EnvPools:
+    max_answers: int = MAX_ANSWERS
+    answers: dict[str, dict[str, None]] = field(default_factory=dict)
+    # env -> [last tool prompt, last tool prompt that differs from it]
+    tool_prompts: dict[str, list[str | None]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, records, max_answers: int = MAX_ANSWERS) -> "EnvPools":
+        pools = cls(max_answers)
+        for record in records:
+            pools.add(record)
+        return pools
+
+    def add(self, record: dict) -> None:
+        if record["kind"] != "positive":
+            return
+        env = record["env"]
+        if record["answer"]:
+            seen = self.answers.setdefault(env, {})
+            if len(seen) < self.max_answers:
+                seen.setdefault(record["answer"], None)
+        first = record["conversations"][0] if record["conversations"] else None
+        if record["domain"] == "tool" and first is not None and first["role"] == "user":
+            last = self.tool_prompts.setdefault(env, [None, None])
+            if last[0] is not None and last[0] != first["content"]:
+                last[1] = last[0]
+            last[0] = first["content"]
+
+    def wrong_answers(self, env: str, own: str | None) -> list[str]:
+        """Distinct answers of `env` other than `own`, sorted."""
+        return sorted(a for a in self.answers.get(env, ()) if a != own)
+
+    def tool_prompts_of_other_envs(self, env: str, own_prompt: str) -> list[tuple[str, str]]:
+        """(env, first user turn) of every other tool env, sorted by env; never `own_prompt`."""
+        out = []
+        for other, (last, before) in sorted(self.tool_prompts.items()):
+            pick = last if last != own_prompt else before
+            if other != env and pick is not None:
+                out.append((other, pick))
+        return out
