@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -41,10 +42,10 @@ def make_task_runner(runner: str = "threads", address: str | None = None, worker
     env = {"PREFECT_API_URL": api_url} if api_url else {}
     if runner == "processes":
         # Units are CPU-bound Python (parsing, normalizing, MinHash): processes use every core, threads
-        # only one (the GIL).
+        # only one (the GIL). More processes than cores only add memory (an interpreter and a batch each).
         from prefect.task_runners import ProcessPoolTaskRunner
 
-        return ProcessPoolTaskRunner(max_workers=workers)
+        return ProcessPoolTaskRunner(max_workers=max(1, min(workers, os.cpu_count() or 1)))
     if runner == "threads":
         return ThreadPoolTaskRunner(max_workers=workers)
     if runner == "dask":

@@ -31,8 +31,6 @@ import pyarrow.parquet as pq
 
 from trajforge.pipeline.quality.dedup import Contamination, dedup_tokens, read_eval_tasks, shingles
 from trajforge.pipeline.quality.dedup_table import duplicates_table, record_keys
-from trajforge.pipeline.quality.derived import grpo_prompt, preference_pair
-from trajforge.pipeline.quality.negatives import negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
 
 BATCH_ROWS = 1024

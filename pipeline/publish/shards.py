@@ -169,7 +169,8 @@ def write_config_from_file(out: Path, config_name: str, split: str, staged: list
     n = sum(source.metadata.num_rows for source in sources)
     per_shard = (max(1, config.max_rows) if config.max_rows is not None
                  else max(1, int(config.max_bytes // max(1, nbytes / n)))) if n else 0
-    plan = [(offset, min(per_shard, n - offset)) for offset in range(0, n, per_shard)] if n else []
+    # An empty split is one shard without rows, as in write_config: every config loads.
+    plan = [(offset, min(per_shard, n - offset)) for offset in range(0, n, per_shard)] if n else [(0, 0)]
     batches = (batch for source in sources for batch in source.iter_batches(batch_size=config.row_group_rows))
     pending: list[pa.RecordBatch] = []
     buffered = 0
