@@ -21,7 +21,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from trajforge.flows.artifacts import Progress, build_artifacts
 from trajforge.flows.names import build_run_name
-from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_unit, remove_stale_temp_files, unit_key
+from trajforge.pipeline.atomic import remove_stale_temp_files
+from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_unit, unit_key
 from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.publish.manifest import code_version
 from trajforge.pipeline.publish.shards import ShardConfig, read_marker, unit_fingerprint, unit_marker, write_marker
