@@ -9,7 +9,10 @@ import importlib
 import sys
 from pathlib import Path
 
-TRAINERS = {"sft": "trajforge.training.sft", "grpo": "trajforge.training.grpo", "dpo": "trajforge.training.dpo"}
+from trajforge.pipeline.registry import Registry
+
+TRAINERS: Registry[str] = Registry("trainer", {"sft": "trajforge.training.sft", "grpo": "trajforge.training.grpo",
+                                              "dpo": "trajforge.training.dpo"})
 DESCRIPTIONS = {
     "sft": "SFT on the `sft` config: multi-turn, loss only on assistant turns whose `loss` flag is set",
     "grpo": "GRPO on the `grpo` config: agent prompts up to the first action, scored by the reward registry",
