@@ -5,6 +5,7 @@ import json
 import pytest
 
 from tests.conftest import FIXTURES
+from trajforge.flows.build import make_task_runner
 from trajforge.pipeline.ingest.dialects import DIALECTS
 from trajforge.pipeline.ingest.grammars import GRAMMARS
 from trajforge.pipeline.quality.dedup import DedupConfig
@@ -49,6 +50,7 @@ def test_registry_lists_known_names_and_is_a_key_and_value_error():
     (lambda: DIALECTS["nope"], "unknown dialect 'nope'; known: "),
     (lambda: GRAMMARS["nope"], "unknown grammar 'nope'; known: "),
     (lambda: FAMILIES["nope"], "unknown model family 'nope'; known: deepseek-r1, default, qwq"),
+    (lambda: make_task_runner("nope"), "unknown runner 'nope'; known: dask, ray, threads"),
 ])
 def test_every_registry_raises_the_one_error(lookup, message):
     with pytest.raises(UnknownName) as caught:
