@@ -22,13 +22,49 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from trajforge.flows.artifacts import Progress, build_artifacts
 from trajforge.flows.names import build_run_name
-from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_unit, remove_stale_temp_files, unit_key
+from trajforge.pipeline.atomic import remove_stale_temp_files
+from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_unit, unit_key
 from trajforge.pipeline.quality.dedup import DedupConfig
+from trajforge.pipeline.registry import Registry
 from trajforge.pipeline.publish.manifest import code_version
 from trajforge.pipeline.publish.shards import ShardConfig, read_marker, unit_fingerprint, unit_marker, write_marker
 from trajforge.sources import DEFAULT_SOURCES, SourceError, SourceFile, get_source
 
-RUNNERS = ("processes", "threads", "dask", "ray")
+RUNNERS = Registry("runner")
+
+
+@RUNNERS.register("processes")
+def _processes(address: str | None, workers: int, env: dict[str, str]):
+    # Units are CPU-bound Python (parsing, normalizing, MinHash): processes use every core, threads
+    # only one (the GIL). More processes than cores only add memory (an interpreter and a batch each).
+    from prefect.task_runners import ProcessPoolTaskRunner
+
+    return ProcessPoolTaskRunner(max_workers=max(1, min(workers, os.cpu_count() or 1)))
+
+
+@RUNNERS.register("threads")
+def _threads(address: str | None, workers: int, env: dict[str, str]):
+    return ThreadPoolTaskRunner(max_workers=workers)
+
+
+@RUNNERS.register("dask")
+def _dask(address: str | None, workers: int, env: dict[str, str]):
+    from prefect_dask import DaskTaskRunner
+
+    if address:
+        return DaskTaskRunner(address=address)
+    return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1,
+                                          "dashboard_address": None, "env": env})
+
+
+@RUNNERS.register("ray")
+def _ray(address: str | None, workers: int, env: dict[str, str]):
+    from prefect_ray import RayTaskRunner
+
+    if address:
+        return RayTaskRunner(address=address)
+    return RayTaskRunner(init_kwargs={"num_cpus": workers, "include_dashboard": False,
+                                      "runtime_env": {"env_vars": env}})
 
 
 def make_task_runner(runner: str = "threads", address: str | None = None, workers: int = 4,
@@ -39,30 +75,7 @@ def make_task_runner(runner: str = "threads", address: str | None = None, worker
     worker process of an embedded-mode run starts its own temporary server (a minute each on a
     small machine). Workers of a remote cluster need PREFECT_API_URL in their own environment.
     """
-    env = {"PREFECT_API_URL": api_url} if api_url else {}
-    if runner == "processes":
-        # Units are CPU-bound Python (parsing, normalizing, MinHash): processes use every core, threads
-        # only one (the GIL). More processes than cores only add memory (an interpreter and a batch each).
-        from prefect.task_runners import ProcessPoolTaskRunner
-
-        return ProcessPoolTaskRunner(max_workers=max(1, min(workers, os.cpu_count() or 1)))
-    if runner == "threads":
-        return ThreadPoolTaskRunner(max_workers=workers)
-    if runner == "dask":
-        from prefect_dask import DaskTaskRunner
-
-        if address:
-            return DaskTaskRunner(address=address)
-        return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1,
-                                              "dashboard_address": None, "env": env})
-    if runner == "ray":
-        from prefect_ray import RayTaskRunner
-
-        if address:
-            return RayTaskRunner(address=address)
-        return RayTaskRunner(init_kwargs={"num_cpus": workers, "include_dashboard": False,
-                                          "runtime_env": {"env_vars": env}})
-    raise ValueError(f"unknown runner {runner!r}; one of {', '.join(RUNNERS)}")
+    return RUNNERS[runner](address, workers, {"PREFECT_API_URL": api_url} if api_url else {})
 
 
 def _worth_retrying(task, task_run, state) -> bool:

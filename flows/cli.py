@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from trajforge.sources import DEFAULT_SOURCES, REGISTRY, SourceError
+from trajforge.sources import DEFAULT_SOURCES, REGISTRY, SourceError, UnknownSource, get_source
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -95,8 +95,10 @@ def _check_build_args(args: argparse.Namespace) -> dict[str, str | None]:
 
     sources: dict[str, str | None] = {}
     for name, location in args.source:
-        if name not in REGISTRY:
-            raise SourceError(f"--source {name}: unknown source; use one of {', '.join(sorted(REGISTRY))}")
+        try:
+            get_source(name)
+        except UnknownSource as exc:
+            raise SourceError(f"--source {name}: {exc}") from None
         if name in sources:
             raise SourceError(f"--source {name}: given twice; keep one")
         sources[name] = location

@@ -12,13 +12,13 @@ OUT/final (the last build), OUT/report.json.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
 from trajforge.flows.build import build_dataset
 from trajforge.flows.synth import use_api_key_env
+from trajforge.pipeline.atomic import write_json
 from trajforge.pipeline.synth.agent import AgentConfig
 from trajforge.pipeline.synth.llm import LLMConfig
 from trajforge.pipeline.rft import SERVE_COMMANDS, keep_successes, round_summary, serving
@@ -79,5 +79,5 @@ def rft(sources: dict[str, str | None], tasks: str, env: str, base_model: str, o
     report["final_build"] = {"records": final["total"]["written"],
                              "synthetic_records": final["sources"].get("synthetic", {}).get("written", 0)}
     report["records_kept"] = sum(r["records_kept"] for r in report["rounds"])
-    (root / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    write_json(root / "report.json", report)
     return report

@@ -21,7 +21,6 @@ duplicates map, negatives, pairs and prompts.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import polars as pl
@@ -29,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from trajforge.pipeline.atomic import atomic_path
 from trajforge.pipeline.quality.dedup import Contamination, dedup_tokens, read_eval_tasks, shingles
 from trajforge.pipeline.quality.dedup_table import duplicates_table, record_keys
 from trajforge.pipeline.quality.pools import EnvPools
@@ -96,9 +96,8 @@ class KeysWriter:
     def close(self) -> None:
         self._flush()
         table = pl.concat(self.frames) if self.frames else stage_keys([], 0, self.config)
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        table.write_parquet(tmp, compression="zstd")
-        os.replace(tmp, self.path)
+        with atomic_path(self.path) as tmp:
+            table.write_parquet(tmp, compression="zstd")
 
 
 def key_table(units, config) -> pl.DataFrame:

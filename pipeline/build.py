@@ -10,17 +10,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
 import polars as pl
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.assemble import KeysWriter, fill_pools, global_duplicates, iter_records, key_table
+from trajforge.pipeline.atomic import StreamingParquet, remove_stale_temp_files, write_json, write_parquet
 from trajforge.pipeline.publish.card import hub_revision, write_card
 from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.quality.derived import grpo_env_row, grpo_prompt, preference_pair, record_task, reference_answer
@@ -135,90 +134,6 @@ def quarantine_entry(source: str, source_file: str, index: int, source_id: str |
         raw = raw[:MAX_QUARANTINE_RAW] + "...[cut]"
     return {"source": source, "source_file": source_file, "index": index, "source_id": _storable(source_id),
             "reason": reason, "detail": _storable(detail), "raw": _storable(raw)}
-
-
-def temp_name(path: Path) -> Path:
-    """Where `path` is written before its rename: hidden, and named by the writing process."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def remove_stale_temp_files(out: Path) -> list[Path]:
-    """Delete the temp files a killed earlier run left under `out` (ours are renamed or gone)."""
-    mine = f".tmp-{os.getpid()}"
-    stale = [p for p in out.rglob(".*.tmp-*") if p.is_file() and not p.name.endswith(mine)] if out.exists() else []
-    for path in stale:
-        path.unlink(missing_ok=True)
-    if stale:
-        log.info("removed %d temp files of an earlier, interrupted run", len(stale))
-    return stale
-
-
-def write_parquet(rows: list[dict], schema: pa.Schema, path: Path) -> None:
-    """Write atomically: a temp name, then rename, so a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(path)
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp, compression="zstd")
-    os.replace(tmp, path)
-
-
-class StreamingParquet:
-    """Append rows in batches to a Parquet file written under a temp name, renamed on close.
-
-    A unit's memory stays one batch deep however large the upstream file is. A batch that Arrow
-    refuses is written row by row: each row it still refuses goes to `on_refused(row, exc)`
-    (the unit quarantines it), and the rest of the batch is kept.
-    """
-
-    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000, on_refused=None, on_written=None):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path, self.schema, self.batch_rows = path, schema, batch_rows
-        self.on_refused = on_refused
-        # Called with the rows of every batch written, after the refused ones are left out.
-        self.on_written = on_written
-        self.nbytes = 0  # Arrow size of what was written (shards are planned by it)
-        self.tmp = temp_name(path)
-        self.writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
-        self.pending: list[dict] = []
-        self.count = 0
-
-    def append(self, row: dict) -> None:
-        self.pending.append(row)
-        if len(self.pending) >= self.batch_rows:
-            self._flush()
-
-    def _flush(self) -> None:
-        if not self.pending:
-            return
-        rows = self.pending
-        try:
-            table = pa.Table.from_pylist(rows, schema=self.schema)
-        except Exception:
-            if self.on_refused is None:
-                raise
-            rows = self._convertible(rows)
-            table = pa.Table.from_pylist(rows, schema=self.schema)
-        self.writer.write_table(table)
-        self.nbytes += table.nbytes
-        if self.on_written is not None:
-            self.on_written(rows)
-        self.count += table.num_rows
-        self.pending = []
-
-    def _convertible(self, rows: list[dict]) -> list[dict]:
-        kept = []
-        for row in rows:
-            try:
-                pa.Table.from_pylist([row], schema=self.schema)
-            except Exception as exc:
-                self.on_refused(row, exc)
-                continue
-            kept.append(row)
-        return kept
-
-    def close(self) -> None:
-        self._flush()
-        self.writer.close()
-        os.replace(self.tmp, self.path)
 
 
 def _record_or_rejection(raw: RawRow, source, file: SourceFile, config: BuildConfig,
@@ -470,7 +385,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     for warning in report.get("warnings", []):
         log.warning(warning)
     html_files = write_html(out, report, duplicates, turns, chars)
-    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    write_json(out / "report.json", report)
     owned = [path for paths in report["outputs"].values() for path in paths]
     owned += [p.relative_to(out).as_posix() for p in html_files] + ["report.json"]
     write_release_files(out, report, units, config, owned)

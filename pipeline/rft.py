@@ -28,7 +28,7 @@ from typing import Iterator
 
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.build import write_parquet
+from trajforge.pipeline.atomic import write_parquet
 from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.rft")

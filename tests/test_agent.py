@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 
 from trajforge.pipeline.synth.agent import AgentConfig, conversation_for, run_episode
-from trajforge.pipeline.synth.envs import make_env
+from trajforge.pipeline.synth.envs import EnvFailure, make_env
+from trajforge.pipeline.synth.envs.db import DbEnv
 from trajforge.pipeline.synth.llm import LLMConfig, OpenAIBackend
 from trajforge.pipeline.synth.tasks import load_tasks
 from trajforge.pipeline.ingest.validate import validate_record
@@ -21,12 +23,12 @@ SELECT = DB_TASKS["how many floors does the capitol square have?"]
 UPDATE = next(t for t in DB_TASKS.values() if t.data["kind"] == "modify" and t.data["type"] == "UPDATE")
 
 
-def _episode(server: Server, task, model="deepseek-ai/DeepSeek-R1", config=AgentConfig(), sample=0, **llm):
+def _episode(server: Server, task, model="deepseek-ai/DeepSeek-R1", config=AgentConfig(), sample=0, env=None, **llm):
     async def go():
         backend = OpenAIBackend(LLMConfig(model=model, base_url=server.base_url, api_key="sk-test",
                                           backoff_base_s=0.01, **llm))
         try:
-            return await run_episode(backend, lambda: make_env(task.env), task, sample, config)
+            return await run_episode(backend, env or (lambda: make_env(task.env)), task, sample, config)
         finally:
             await backend.aclose()
     return asyncio.run(go())
@@ -122,6 +124,33 @@ def test_env_that_cannot_start_fails_with_a_reason():
         episode = _episode(server, os_task.__class__(**{**os_task.as_dict(), "env": "db"}))
     assert (episode.status, episode.reason) == ("failure", "env_error") and "reset" in episode.detail
     assert server.calls == 0
+
+
+class _BuggyDb(DbEnv):
+    """A bug in environment code: an exception no environment declares."""
+
+    def step(self, action):
+        return {}["missing column"]
+
+
+class _DownDb(DbEnv):
+    def step(self, action):
+        raise EnvFailure("the database server is down")
+
+
+def test_env_bug_is_a_transient_env_error_with_its_traceback_logged_once(caplog):
+    with _db_server() as server, caplog.at_level(logging.ERROR, "trajforge.agent"):
+        episodes = [_episode(server, SELECT, sample=n, env=_BuggyDb) for n in range(3)]
+    assert all((e.reason, e.transient) == ("env_error", True) and "KeyError" in e.detail for e in episodes)
+    assert caplog.text.count("Traceback") == 1 and "missing column" in caplog.text
+    assert 'return {}["missing column"]' in caplog.text
+
+
+def test_declared_env_failure_is_an_env_error_without_a_traceback(caplog):
+    with _db_server() as server, caplog.at_level(logging.ERROR, "trajforge.agent"):
+        episode = _episode(server, SELECT, env=_DownDb)
+    assert (episode.reason, episode.transient) == ("env_error", True) and "server is down" in episode.detail
+    assert "Traceback" not in caplog.text
 
 
 def test_conversation_folds_the_system_turn_for_r1_only():

@@ -47,7 +47,8 @@ def test_accelerate_configs(name, kind):
 
 def test_launcher_rejects_unknown_trainers_and_missing_arguments(capsys):
     assert main([]) == 2 and main(["ppo"]) == 2
-    assert "usage" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "usage" in err and "unknown trainer 'ppo'; known: dpo, grpo, sft" in err
     with pytest.raises(SystemExit):
         parse(SFTTrainConfig, ["--config", str(CONFIGS / "sft_tiny.yaml"), "--model_name_or_path", "m"])
 

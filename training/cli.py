@@ -9,7 +9,10 @@ import importlib
 import sys
 from pathlib import Path
 
-TRAINERS = {"sft": "trajforge.training.sft", "grpo": "trajforge.training.grpo", "dpo": "trajforge.training.dpo"}
+from trajforge.pipeline.registry import Registry, UnknownName
+
+TRAINERS: Registry[str] = Registry("trainer", {"sft": "trajforge.training.sft", "grpo": "trajforge.training.grpo",
+                                              "dpo": "trajforge.training.dpo"})
 DESCRIPTIONS = {
     "sft": "SFT on the `sft` config: multi-turn, loss only on assistant turns whose `loss` flag is set",
     "grpo": "GRPO on the `grpo` config: agent prompts up to the first action, scored by the reward registry",
@@ -63,8 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["-h"], ["--help"]):
         print(trainers_page())
         return 0
-    if not argv or argv[0] not in TRAINERS:
+    if not argv:
         print(trainers_page(), file=sys.stderr)
+        return 2
+    try:
+        TRAINERS[argv[0]]
+    except UnknownName as exc:
+        print(f"{trainers_page()}\ntrajforge train: error: {exc}", file=sys.stderr)
         return 2
     trainer, rest = argv[0], argv[1:]
     if "-h" in rest or "--help" in rest:

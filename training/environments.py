@@ -26,6 +26,7 @@ from typing import Any
 from trajforge.pipeline.synth.envs import make_env
 from trajforge.pipeline.synth.envs.tool_calls import TOOLS, action_text
 from trajforge.pipeline.synth.tasks import coerce_task
+from trajforge.pipeline.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +194,8 @@ class AgentGymEnvironment(ToolEnvironment):
         return self._act("act", action=action)
 
 
-ADAPTERS: dict[str, type[ToolEnvironment]] = {"os": OsEnvironment, "db": DbEnvironment, "agentgym": AgentGymEnvironment}
+ADAPTERS: Registry[type[ToolEnvironment]] = Registry("environment", {"os": OsEnvironment, "db": DbEnvironment,
+                                                                     "agentgym": AgentGymEnvironment})
 
 
 def tool_schemas(environment: str) -> list[dict]:
@@ -211,8 +213,7 @@ class EnvironmentFactory:
 
     def __init__(self, environment: str, max_concurrent: int | None = None, max_turns: int | None = None,
                  **config: Any) -> None:
-        if environment not in ADAPTERS:
-            raise KeyError(f"unknown environment {environment!r} (known: {', '.join(sorted(ADAPTERS))})")
+        ADAPTERS.check([environment])
         self.environment = environment
         self.max_concurrent = max_concurrent
         self._slots = threading.BoundedSemaphore(max_concurrent) if max_concurrent else None

@@ -28,6 +28,7 @@ from typing import Callable
 
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, parse_turn
 from trajforge.pipeline.ingest.normalize import extract_answer
+from trajforge.pipeline.registry import Registry, UnknownName
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ def env_reward(completions, **kwargs) -> list[float | None]:
     None for rows without a task or whose env has no registered environment."""
     n = len(completions)
     try:
-        from trajforge.pipeline.synth.envs import make_env
+        from trajforge.pipeline.synth.envs import env_class
         from trajforge.pipeline.synth.tasks import coerce_task
     except ImportError:
         logger.warning("env reward: pipeline.envs is not available; the reward is skipped")
@@ -172,10 +173,11 @@ def env_reward(completions, **kwargs) -> list[float | None]:
             continue
         task = coerce_task(json.loads(task) if isinstance(task, str) else task)
         try:
-            env = make_env(task.env)
-        except KeyError:  # no environment registered under this name
+            environment = env_class(task.env)
+        except UnknownName:  # no environment registered under this name; a bug in one's constructor raises
             rewards.append(None)
             continue
+        env = environment()
         text = completion_text(completion).strip()
         parsed = parse_turn(text) if text else None
         try:
@@ -212,17 +214,14 @@ def tool_call_reward(completions, **kwargs) -> list[float | None]:
     return rewards
 
 
-REWARDS: dict[str, Callable[..., list[float | None]]] = {
+REWARDS: Registry[Callable[..., list[float | None]]] = Registry("reward", {
     "format": format_reward,
     "tag_count": tag_count_reward,
     "accuracy": accuracy_reward,
     "env": env_reward,
     "tool_call": tool_call_reward,
-}
+})
 
 
 def get_rewards(names: list[str]) -> list[Callable]:
-    unknown = [n for n in names if n not in REWARDS]
-    if unknown:
-        raise KeyError(f"unknown reward(s) {unknown}; known: {sorted(REWARDS)}")
     return [REWARDS[n] for n in names]

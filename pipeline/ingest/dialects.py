@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from trajforge.pipeline.registry import Registry
+
 # CSI (ESC [ ... final byte), OSC (ESC ] ... BEL or ESC \), and two-byte escapes; bare BEL and CR.
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]|\x07")
 
@@ -172,12 +174,12 @@ def _render_dict_call(thought: str, action: str | None) -> str:
 
 # Most specific first: a Think/Act turn also contains "Act:", an Action-Input turn is also a
 # Thought/Action turn, and prose_action would swallow anything with "Action:" in it.
-DIALECTS: dict[str, Dialect] = {d.name: d for d in [
+DIALECTS: Registry[Dialect] = Registry("dialect", {d.name: d for d in [
     Dialect("json_tool", _parse_json_tool, _render_json_tool),
     Dialect("dict_tool_call", _parse_dict_call, _render_dict_call),
     *(_marker_dialect(*spec) for spec in _MARKER_DIALECTS),
     Dialect("prose_action", _parse_prose_action, _render_prose_action, (("Action:", "Act:"),)),
-]}
+]})
 
 # Turns with no action: the acknowledgement after the instructions ("Ok.") and a final reply in
 # plain prose (ToolBench CoT). Whether they are allowed where they stand is the validator's call.

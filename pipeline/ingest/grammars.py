@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from trajforge.pipeline.synth.envs.os_sandbox import parse_os_action
+from trajforge.pipeline.registry import Registry
 
 # Verbs no env offers; the first one that is not a verb of the env replaces a real verb.
 INVENTED_VERBS = ("teleport", "levitate", "summon", "conjure")
@@ -529,7 +530,7 @@ def _toolbench_finish(action: str) -> bool:
 
 _AGENTGYM_TOOLS_SOURCE = ("AgentGym tool envs (agentenv-tool): `Action: <name> with Action Input: {...}`, the "
                           "tools the prompt lists as `Name: f(params)`, ending with `finish`")
-GRAMMARS: dict[str, Grammar] = {g.name: g for g in [
+GRAMMARS: Registry[Grammar] = Registry("grammar", {g.name: g for g in [
     command_grammar("alfworld", "ALFWorld admissible commands (TextWorld ALFRED grammar) as AgentInstruct/AgentGym "
                     "prompts use them; AgentGym's AVAILABLE ACTIONS list", ALFWORLD,
                     extra=_alfworld_available, extra_breaks=_alfworld_breaks,
@@ -578,7 +579,7 @@ GRAMMARS: dict[str, Grammar] = {g.name: g for g in [
     _tool_grammar("toolbench", "ToolBench / Agent-FLAN: the functions the prompt lists (and `Finish`), arguments "
                   "that parse; a single-call instruction row may end on its call", _toolbench_finish,
                   "with `Finish` or a final reply in prose", tool_replies=True),
-]}
+]})
 
 
 def grammar_for(env: str) -> Grammar | None:

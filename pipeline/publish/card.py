@@ -11,7 +11,6 @@ upstream cards state them, rather than one license for the whole.
 """
 from __future__ import annotations
 
-import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -23,6 +22,7 @@ from datasets.info import DatasetInfosDict
 from datasets.utils.metadata import MetadataConfigs
 from huggingface_hub import DatasetCardData
 
+from trajforge.pipeline.atomic import write_text
 from trajforge.pipeline.publish.report import VALIDATION_HEADER, validation_rows
 from trajforge.pipeline.publish.shards import layout
 from trajforge.schemas import load_schema
@@ -218,7 +218,5 @@ def render_card(out: Path, report: dict, provenance: list[dict], build: str, cod
 
 def write_card(out: Path, report: dict, provenance: list[dict], build: str, code: str) -> Path:
     path = out / "README.md"
-    tmp = out / f".README.md.tmp-{os.getpid()}"
-    tmp.write_text(render_card(out, report, provenance, build, code))
-    os.replace(tmp, path)
+    write_text(path, render_card(out, report, provenance, build, code))
     return path

@@ -17,6 +17,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterable
 
+from trajforge.pipeline.atomic import write_json
+
 MANIFEST = "manifest.json"
 # Says that a folder is the output of `trajforge build`: the `generator` of its manifest.json and
 # report.json. While a rebuild runs, the earlier manifest waits under .staging (EARLIER_MANIFEST).
@@ -73,9 +75,7 @@ def write_manifest(out: Path, build: str, files: Iterable[str] | None = None) ->
     paths = published_files(out) if files is None else [out / rel for rel in sorted(set(files))]
     listed = {p.relative_to(out).as_posix(): {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in paths}
     manifest = {"generator": GENERATOR, "build_id": build, "files": listed}
-    tmp = out / f".{MANIFEST}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    write_json(out / MANIFEST, manifest)
     return manifest
 
 

@@ -18,6 +18,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from trajforge.pipeline.atomic import atomic_path, write_text  # noqa: E402
+
 PLOT_DIR = "report_files"
 
 
@@ -101,10 +103,9 @@ def validation_rows(figures: dict[str, dict]) -> list[list]:
 # --- plots ----------------------------------------------------------------------------------
 
 def _save(fig, out: Path, name: str) -> str:
-    path = out / PLOT_DIR / name
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_path(out / PLOT_DIR / name) as tmp:
+        fig.savefig(tmp, dpi=100, format=Path(name).suffix[1:])
     plt.close(fig)
     return f"{PLOT_DIR}/{name}"
 
@@ -258,5 +259,5 @@ def write_html(out: Path, report: dict, duplicates: list[dict], turns: list[int]
             parts.append(_table(["kept id", "cluster size", "sources", "match"], clusters))
     parts.append("</body></html>")
     path = out / "report.html"
-    path.write_text("\n".join(parts), encoding="utf-8")
+    write_text(path, "\n".join(parts))
     return [path, *(out / src for src in plots.values())]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trajforge.pipeline.atomic import atomic_path, write_json, write_table
 from trajforge.pipeline.publish.manifest import code_version, file_sha256
 
 SHARD_RE = re.compile(r"^(?P<split>[A-Za-z0-9_]+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.parquet$")
@@ -68,10 +68,7 @@ def read_marker(path: Path, fingerprint: str) -> dict | None:
 
 
 def write_marker(path: Path, fingerprint: str, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"fingerprint": fingerprint, "payload": payload}, sort_keys=True))
-    os.replace(tmp, path)
+    write_json(path, {"fingerprint": fingerprint, "payload": payload}, indent=None)
 
 
 def marker_dir(out: Path) -> Path:
@@ -90,11 +87,7 @@ def _table_fingerprint(table: pa.Table, config: ShardConfig) -> str:
 # -- shards ------------------------------------------------------------------------------------
 
 def write_shard(table: pa.Table, path: Path, config: ShardConfig) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, compression="zstd", compression_level=config.compression_level,
-                   row_group_size=config.row_group_rows)
-    os.replace(tmp, path)
+    write_table(table, path, compression_level=config.compression_level, row_group_size=config.row_group_rows)
 
 
 def write_config(out: Path, config_name: str, splits: dict[str, pa.Table],
@@ -178,10 +171,8 @@ def write_config_from_file(out: Path, config_name: str, split: str, staged: list
     for index, (_, length) in enumerate(plan):
         name = shard_name(split, index, len(plan))
         path = folder / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with pq.ParquetWriter(tmp, schema, compression="zstd",
-                              compression_level=config.compression_level) as writer:
+        with atomic_path(path) as tmp, pq.ParquetWriter(tmp, schema, compression="zstd",
+                                                      compression_level=config.compression_level) as writer:
             left = length
             while left:
                 while buffered < min(left, config.row_group_rows):
@@ -194,7 +185,6 @@ def write_config_from_file(out: Path, config_name: str, split: str, staged: list
                 rest = table.slice(take)
                 pending, buffered = rest.to_batches(), rest.num_rows
                 left -= take
-        os.replace(tmp, path)
         names.append(name)
     if folder.exists():
         for stale in folder.iterdir():

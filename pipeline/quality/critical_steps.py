@@ -39,7 +39,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.build import write_parquet
+from trajforge.pipeline.atomic import write_json, write_parquet
 from trajforge.pipeline.synth.llm import ChatBackend, JsonStore, LLMConfig, LLMError, make_backend
 from trajforge.pipeline.ingest.normalize import SCHEMA_VERSION
 from trajforge.pipeline.synth.reasoning import split_reasoning
@@ -284,9 +284,7 @@ async def select_steps_async(config: SelectConfig) -> dict:
         await backend.aclose()
         journal.close()
 
-    tmp = out / ".select_failures.parquet.tmp"
-    pq.write_table(pa.Table.from_pylist(failures, schema=FAILURE_SCHEMA), tmp, compression="zstd")
-    tmp.replace(out / "select_failures.parquet")
+    write_parquet(failures, FAILURE_SCHEMA, out / "select_failures.parquet")
     envs = {}
     for env, counts in sorted(per_env.items()):
         envs[env] = {**counts, "categories": dict(sorted(counts["categories"].items())),
@@ -302,7 +300,7 @@ async def select_steps_async(config: SelectConfig) -> dict:
         "llm": {"model": backend.model, "sampling": backend.params, "calls": stats.calls,
                 "cache_hits": stats.cache_hits, "retries": stats.retries, "failures": stats.failures},
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    write_json(out / "report.json", report)
     log.info("select-steps: %d records, %d judged, %d failed %s; %d calls, %d cache hits", report["records"],
              report["judged"], report["failed"], report["failure_reasons"], stats.calls, stats.cache_hits)
     return report

@@ -36,6 +36,7 @@ import polars as pl
 from datasketch import LeanMinHash, MinHash, MinHashLSH
 
 from trajforge.pipeline.ingest.dialects import clean_text
+from trajforge.pipeline.registry import Registry
 
 # Lower is preferred. Re-releases drop upstream fields (loss flags, ids), synthetic rows are ours.
 SOURCE_RANK = {"agentinstruct": 0, "agent_flan": 0, "agenttraj_l": 0, "openmanus_rl": 1, "synthetic": 2}
@@ -71,8 +72,7 @@ class DedupConfig:
             raise ValueError("give both bands and rows, or neither")
         if self.bands is not None and self.bands * self.rows > self.num_perm:
             raise ValueError(f"bands x rows = {self.bands * self.rows} exceeds num_perm {self.num_perm}")
-        if self.backend not in SIGNATURE_BACKENDS:
-            raise ValueError(f"backend must be one of {sorted(SIGNATURE_BACKENDS)}")
+        SIGNATURE_BACKENDS.check([self.backend])
 
 
 def fold(text: str) -> list[str]:
@@ -160,7 +160,7 @@ def _numpy_signatures(sets: Sequence[set[str]], num_perm: int, seed: int,
     return out
 
 
-SIGNATURE_BACKENDS = {"numpy": _numpy_signatures, "datasketch": _datasketch_signatures}
+SIGNATURE_BACKENDS = Registry("MinHash backend", {"numpy": _numpy_signatures, "datasketch": _datasketch_signatures})
 
 
 def signatures(sets: Sequence[set[str]], config: DedupConfig) -> np.ndarray:

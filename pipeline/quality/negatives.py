@@ -29,6 +29,7 @@ from trajforge.pipeline.ingest.grammars import action_name, break_action, gramma
 from trajforge.pipeline.ingest.normalize import extract_answer
 from trajforge.pipeline.ingest.validate import LOOP_REPEATS, action_contexts, grammar_breaches
 from trajforge.pipeline.quality.pools import EnvPools
+from trajforge.pipeline.registry import Registry
 
 NEGATIVE_TYPES = ("invalid_action", "invented_tool", "irrelevant_tools", "hallucinated_observation",
                   "wrong_answer", "premature_answer", "broken_format", "action_loop")
@@ -57,9 +58,7 @@ class NegativesConfig:
     rates: dict[str, float] = field(default_factory=lambda: dict.fromkeys(NEGATIVE_TYPES, 0.2))
 
     def __post_init__(self):
-        unknown = set(self.rates) - set(NEGATIVE_TYPES)
-        if unknown:
-            raise ValueError(f"unknown negative types {sorted(unknown)}; known: {NEGATIVE_TYPES}")
+        MAKERS.check(self.rates)
         bad = {k: v for k, v in self.rates.items() if not 0 <= v <= 1}
         if bad:
             raise ValueError(f"rates must be in [0, 1]: {bad}")
@@ -298,7 +297,7 @@ def make_action_loop(record: dict, pool: EnvPools, seed: int) -> dict | None:
     return None
 
 
-MAKERS: dict[str, Callable[[dict, list[dict], int], dict | None]] = {
+MAKERS: Registry[Callable[[dict, list[dict], int], dict | None]] = Registry("negative type", {
     "invalid_action": make_invalid_action,
     "invented_tool": make_invented_tool,
     "irrelevant_tools": make_irrelevant_tools,
@@ -307,7 +306,7 @@ MAKERS: dict[str, Callable[[dict, list[dict], int], dict | None]] = {
     "premature_answer": make_premature_answer,
     "broken_format": make_broken_format,
     "action_loop": make_action_loop,
-}
+})
 
 
 def negatives_of(record: dict, pools: EnvPools, config: NegativesConfig = NegativesConfig()) -> list[dict]:

@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import re
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
@@ -32,6 +33,7 @@ from trajforge.pipeline.synth.llm import ChatBackend, LLMError, family_of, prepa
 from trajforge.pipeline.ingest.normalize import SCHEMA_VERSION, extract_answer
 from trajforge.pipeline.synth.reasoning import split_reasoning
 from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.pipeline.synth.envs.base import EnvFailure
 from trajforge.sources.synthetic import DOMAINS
 
 log = logging.getLogger("trajforge.agent")
@@ -179,8 +181,8 @@ async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: A
         try:
             env = await on_env_thread(make_env)
             observation = await on_env_thread(env.reset, task)
-        except Exception as exc:  # the env's own failure (sandbox missing, server down): a reason, not a crash
-            return _fail(episode, "env_error", backend.redact(f"reset: {type(exc).__name__}: {exc}"))
+        except Exception as exc:  # a reason, not a crash (see `_env_error`)
+            return _env_error(episode, "reset", exc, backend)
         turns = [_turn("system", instructions_for(task.env, config)),
                  _turn("user", backend.redact(observation.strip()) or EMPTY_OBSERVATION)]
         for turn_no, replayed in enumerate(prefix):
@@ -190,7 +192,7 @@ async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: A
             try:
                 step = await on_env_thread(env.step, replayed["action"])
             except Exception as exc:
-                return _fail(episode, "env_error", backend.redact(f"replaying step {turn_no}: {type(exc).__name__}: {exc}"), turns)
+                return _env_error(episode, f"replaying step {turn_no}", exc, backend, turns)
             episode.steps.append(_step_log(turn_no, step, None, None))
             if step.done:
                 return _fail(episode, "prefix_ended", f"replaying step {turn_no} ended the episode", turns)
@@ -229,7 +231,7 @@ async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: A
             try:
                 step = await on_env_thread(env.step, parsed.action)
             except Exception as exc:
-                return _fail(episode, "env_error", backend.redact(f"step: {type(exc).__name__}: {exc}"), turns)
+                return _env_error(episode, "step", exc, backend, turns)
             episode.steps.append(_step_log(turn_no, step, split.issue, choice.finish_reason))
             if step.done:
                 return _finish(episode, step, turns, backend, task, config)
@@ -253,6 +255,27 @@ def _step_log(turn_no: int, step: Any, reasoning_issue: str | None, finish_reaso
     if valid and info.get("error"):
         problem = "action_error"
     return StepLog(turn_no, valid, problem, reasoning_issue, finish_reason)
+
+
+# Environment bugs whose traceback was logged, by (exception type, innermost frame): one a run.
+_LOGGED_ENV_BUGS: set[tuple[str, str]] = set()
+
+
+def _env_error(episode: Episode, where: str, exc: Exception, backend: ChatBackend,
+               turns: list[dict] | None = None) -> Episode:
+    """Fail the episode as `env_error` (transient: a rerun tries it again). A declared `EnvFailure`
+    (sandbox missing, server down) needs no more; any other exception is a bug in environment
+    code, and its traceback is logged the first time that bug shows, so that a bug failing every
+    episode is one traceback in the log, and still an `env_error` in each episode's count."""
+    if not isinstance(exc, EnvFailure):
+        frames = traceback.extract_tb(exc.__traceback__)
+        bug = (type(exc).__name__, f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "")
+        if bug not in _LOGGED_ENV_BUGS:
+            _LOGGED_ENV_BUGS.add(bug)
+            log.error("a bug in the %s environment (%s of %s~%d); its episodes fail as env_error, this "
+                      "traceback is shown once:\n%s", episode.env, where, episode.task_id, episode.sample,
+                      backend.redact("".join(traceback.format_exception(exc))))
+    return _fail(episode, "env_error", backend.redact(f"{where}: {type(exc).__name__}: {exc}"), turns)
 
 
 def _fail(episode: Episode, reason: str, detail: str, turns: list[dict] | None = None) -> Episode:

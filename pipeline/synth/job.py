@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.synth.agent import AgentConfig, Episode, StepLog, record_id, run_episode
-from trajforge.pipeline.build import write_parquet
+from trajforge.pipeline.atomic import write_json, write_parquet
 from trajforge.pipeline.synth.llm import JsonStore, LLMConfig, ServerUnreachable, make_backend, sampling_params
 from trajforge.schemas import arrow_schema
 
@@ -130,10 +130,7 @@ def _failure_row(episode: Episode, model: str) -> dict:
 
 
 def _write_failures(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(pa.Table.from_pylist(rows, schema=FAILURE_SCHEMA), tmp, compression="zstd")
-    tmp.replace(path)
+    write_parquet(rows, FAILURE_SCHEMA, path)
 
 
 async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], None] | None = None) -> dict:
@@ -232,10 +229,8 @@ async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], N
                     "only when the model's generation config sets do_sample)", config.env, identical, len(by_task),
                     backend.params, config.n)
     reports = out / ".synth" / "reports"
-    reports.mkdir(parents=True, exist_ok=True)
-    (reports / f"{config.env}.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    (out / "report.json").write_text(json.dumps(
-        {p.stem: json.loads(p.read_text()) for p in sorted(reports.glob("*.json"))}, indent=2, sort_keys=True) + "\n")
+    write_json(reports / f"{config.env}.json", report)
+    write_json(out / "report.json", {p.stem: json.loads(p.read_text()) for p in sorted(reports.glob("*.json"))})
     log.info("synth %s: %d tasks x %d: %d records, %d failures %s; %d calls answered of %d attempts, %d cache hits",
              config.env, len(tasks), config.n, len(records), len(failures), report["failure_reasons"], stats.calls,
              stats.attempts, stats.cache_hits)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from trajforge.pipeline.redact import redact
+from trajforge.pipeline.registry import Registry
 
 log = logging.getLogger("trajforge.llm")
 
@@ -57,11 +58,11 @@ class Family:
 # DeepSeek-R1 card: temperature 0.5-0.7 (0.6 recommended), top_p 0.95, "avoid adding a system
 # prompt". QwQ-32B card: temperature 0.6, top_p 0.95, top_k 20-40. top_k is not an OpenAI
 # parameter, so it travels in extra_body (vLLM and SGLang read it there).
-FAMILIES: dict[str, Family] = {
+FAMILIES: Registry[Family] = Registry("model family", {
     "deepseek-r1": Family("deepseek-r1", {"temperature": 0.6, "top_p": 0.95}, system_prompt=False),
     "qwq": Family("qwq", {"temperature": 0.6, "top_p": 0.95, "top_k": 40}),
     "default": Family("default", {}),
-}
+})
 
 def family_of(model: str) -> Family:
     """The family of a model name as servers spell it (`deepseek-ai/DeepSeek-R1`, `DeepSeek-R1-Distill-Qwen-7B`,
@@ -605,11 +606,8 @@ def vllm_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-BACKENDS = {"openai": OpenAIBackend, "vllm": VLLMBackend}
+BACKENDS: Registry[type[ChatBackend]] = Registry("LLM backend", {"openai": OpenAIBackend, "vllm": VLLMBackend})
 
 
 def make_backend(name: str, config: LLMConfig, **kw: Any) -> ChatBackend:
-    try:
-        return BACKENDS[name](config, **kw)
-    except KeyError:
-        raise ValueError(f"unknown LLM backend {name!r}; known: {', '.join(BACKENDS)}") from None
+    return BACKENDS[name](config, **kw)

@@ -44,7 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.synth.agent import AgentConfig, Episode, run_episode
-from trajforge.pipeline.build import write_parquet
+from trajforge.pipeline.atomic import write_json, write_parquet
 from trajforge.pipeline.synth.llm import ChatBackend, ChatResult, LLMConfig, LLMError, make_backend
 from trajforge.pipeline.synth.job import EpisodeJournal, episode_key
 from trajforge.schemas import arrow_schema
@@ -229,9 +229,7 @@ async def salvage_async(config: SalvageConfig) -> dict:
         path = out / "data" / "synthetic" / f"{env}.parquet"
         if env in records_by_env or path.exists():
             write_parquet(records_by_env.get(env, []), arrow_schema("trajectory"), path)
-    tmp = out / ".salvage.parquet.tmp"
-    pq.write_table(pa.Table.from_pylist(rows, schema=OUTCOME_SCHEMA), tmp, compression="zstd")
-    tmp.replace(out / "salvage.parquet")
+    write_parquet(rows, OUTCOME_SCHEMA, out / "salvage.parquet")
     salvaged = [r for r in rows if r["outcome"] == "salvaged"]
     report = {
         "failures": len(rows), "outcomes": dict(sorted(Counter(r["outcome"] for r in rows).items())),
@@ -246,7 +244,7 @@ async def salvage_async(config: SalvageConfig) -> dict:
         "llm": {"model": inner.model, "sampling": inner.params, "calls": stats.calls, "cache_hits": stats.cache_hits,
                 "retries": stats.retries, "failures": stats.failures},
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    write_json(out / "report.json", report)
     log.info("salvage: %d failures %s; %d records; %d calls (budget %s), %d cache hits", len(rows),
              report["outcomes"], report["records"], stats.calls, config.max_calls, stats.cache_hits)
     return report

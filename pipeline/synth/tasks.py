@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-ENVS = ("os", "db", "agentgym")
+from trajforge.pipeline.registry import Registry, UnknownName
 
 # Script text that needs a package registry or the internet; the sandbox has no network, so a
 # task whose setup or reference solution needs one cannot pass offline and is marked, not faked.
@@ -111,17 +111,19 @@ def record_to_task(record: Any, source_file: str) -> Task:
         raise TaskFormatError(f"a task record is a JSON object, not {type(record).__name__}")
     env = record.get("env") or _infer_env(record)
     tid = str(record["id"]) if record.get("id") is not None else record_id(record, source_file)
-    if env == "os":
-        return _os_task(record, tid, source_file)
-    if env == "db":
-        return _db_task(record, tid, source_file)
-    if env == "agentgym":
-        if not isinstance(record.get("description", ""), str):
-            raise TaskFormatError("description must be a string")
-        data = dict(record.get("data") or {})
-        data.update({k: v for k, v in record.items() if k not in ("id", "env", "description", "data")})
-        return Task(tid, env, record.get("description", ""), data, source_file)
-    raise TaskFormatError(f"unknown env {env!r} (known: {', '.join(ENVS)})")
+    try:
+        parse = TASK_FORMATS[env]
+    except UnknownName as exc:
+        raise TaskFormatError(str(exc)) from None
+    return parse(record, tid, source_file)
+
+
+def _agentgym_task(record: dict, tid: str, source_file: str) -> Task:
+    if not isinstance(record.get("description", ""), str):
+        raise TaskFormatError("description must be a string")
+    data = dict(record.get("data") or {})
+    data.update({k: v for k, v in record.items() if k not in ("id", "env", "description", "data")})
+    return Task(tid, "agentgym", record.get("description", ""), data, source_file)
 
 
 def _infer_env(record: dict) -> str:
@@ -235,6 +237,10 @@ def _db_task(record: dict, tid: str, source_file: str) -> Task:
     data = {"tables": tables, "label": label, "kind": kind, "type": types[0], "answer_md5": md5,
             "add_description": record.get("add_description", "")}
     return Task(tid, "db", description, data, source_file)
+
+
+# The task formats by env: a record's `env` (or the env its shape shows) picks its parser.
+TASK_FORMATS: Registry = Registry("env", {"os": _os_task, "db": _db_task, "agentgym": _agentgym_task})
 
 
 _THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")

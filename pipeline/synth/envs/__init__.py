@@ -14,20 +14,18 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from trajforge.pipeline.synth.envs.base import Environment, StepResult
+from trajforge.pipeline.registry import Registry
+from trajforge.pipeline.synth.envs.base import EnvFailure, Environment, StepResult
 
-REGISTRY: dict[str, str] = {
+REGISTRY: Registry[str] = Registry("environment", {
     "os": "trajforge.pipeline.synth.envs.os_sandbox:OsSandboxEnv",
     "db": "trajforge.pipeline.synth.envs.db:DbEnv",
     "agentgym": "trajforge.pipeline.synth.envs.agentgym:AgentGymEnv",
-}
+})
 
 
 def env_class(name: str) -> type:
-    try:
-        module, attr = REGISTRY[name].split(":")
-    except KeyError:
-        raise KeyError(f"unknown environment {name!r} (known: {', '.join(sorted(REGISTRY))})") from None
+    module, attr = REGISTRY[name].split(":")
     return getattr(importlib.import_module(module), attr)
 
 
@@ -36,4 +34,4 @@ def make_env(name: str, **config: Any) -> Environment:
     return env_class(name)(**config)
 
 
-__all__ = ["Environment", "StepResult", "REGISTRY", "env_class", "make_env"]
+__all__ = ["EnvFailure", "Environment", "StepResult", "REGISTRY", "env_class", "make_env"]

@@ -23,13 +23,13 @@ from typing import Any, Callable
 
 import httpx
 
-from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
+from trajforge.pipeline.synth.envs.base import ClosingEnvironment, EnvFailure, StepResult
 from trajforge.pipeline.synth.tasks import Task, coerce_task
 
 log = logging.getLogger(__name__)
 
 
-class AgentGymError(RuntimeError):
+class AgentGymError(EnvFailure):
     """The environment server failed, answered garbage, or did not answer in time."""
 
 

@@ -9,6 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 
+class EnvFailure(RuntimeError):
+    """A declared failure of the environment's world, not of its code: the sandbox cannot be built,
+    the server is down, a task's setup failed. The agent loop makes it an `env_error` quietly; any
+    other exception from environment code is a bug, whose traceback it logs."""
+
+
 @dataclass
 class StepResult:
     observation: str

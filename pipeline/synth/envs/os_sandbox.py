@@ -51,7 +51,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from trajforge.pipeline.synth.envs import sandbox_root
-from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
+from trajforge.pipeline.synth.envs.base import ClosingEnvironment, EnvFailure, StepResult
 from trajforge.pipeline.synth.tasks import Task, coerce_task, os_match, task_prompt
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
@@ -64,15 +64,15 @@ _SANDBOX_ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/b
                 "LOGNAME=root", "SHELL=/bin/bash", "TERM=dumb", "LANG=C.UTF-8"]
 _TOOLS = ("bwrap", "unshare", "nsenter", "setpriv", "prlimit", "env", "mount")
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(EnvFailure):
     """The sandbox cannot be built here; nothing was run on the host."""
 
 
-class TaskSetupError(RuntimeError):
+class TaskSetupError(EnvFailure):
     """An init/start script failed (upstream aborts the task as an error)."""
 
 
-class TaskNotRunnable(ValueError):
+class TaskNotRunnable(EnvFailure, ValueError):
     """The task is marked as not runnable here (Task.skip_reason)."""
 
 

@@ -1,0 +1,170 @@
+"""Atomic file writes: every file the pipeline writes goes through here.
+
+A file is written under a hidden temp name beside its target, flushed to disk (fsync), then renamed
+onto the target, and the folder is fsynced so the rename itself survives a crash. A reader sees
+the old file or the new one, never half of one. The temp name carries the process id and a random
+part, so two writers of one path (two synth jobs on one folder, two threads) never share a temp
+file: the last rename wins, and the file is whole either way. A killed writer leaves only its temp
+file, which `remove_stale_temp_files` deletes on the next run.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+log = logging.getLogger("trajforge.atomic")
+
+# Every temp file matches this glob: `.<name>.tmp-<pid>-<random>`.
+TEMP_GLOB = ".*.tmp-*"
+
+
+def temp_name(path: Path) -> Path:
+    """Where `path` is written before its rename: hidden, named by the process and a random part."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path: Path | str) -> Iterator[Path]:
+    """Yield a temp path to write; on success it is fsynced and renamed onto `path`, on error removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(path)
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync(path.parent)
+
+
+def write_bytes(path: Path | str, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_text(path: Path | str, text: str, encoding: str = "utf-8") -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding=encoding)
+
+
+def write_json(path: Path | str, value, *, indent: int | None = 2, sort_keys: bool = True) -> None:
+    """`value` as JSON text; indented (with a final newline) unless `indent` is None (compact)."""
+    text = json.dumps(value, indent=indent, sort_keys=sort_keys)
+    write_text(path, text + "\n" if indent is not None else text)
+
+
+def write_table(table: pa.Table, path: Path | str, **options) -> None:
+    """A Parquet file (zstd unless `options` say otherwise; they go to `pyarrow.parquet.write_table`)."""
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, **{"compression": "zstd", **options})
+
+
+def write_parquet(rows: list[dict], schema: pa.Schema, path: Path | str) -> None:
+    write_table(pa.Table.from_pylist(rows, schema=schema), path)
+
+
+class StreamingParquet:
+    """Append rows in batches to a Parquet file written under a temp name, renamed on close.
+
+    Memory stays one batch deep however many rows go through. A batch that Arrow refuses is
+    written row by row: each row it still refuses goes to `on_refused(row, exc)` (a build unit
+    quarantines it), and the rest of the batch is kept; `on_written(rows)` sees the rows of every
+    batch written. As a context manager, it is renamed into place on a clean exit and its temp
+    file removed on an error.
+    """
+
+    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000, on_refused=None, on_written=None):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.schema, self.batch_rows = path, schema, batch_rows
+        self.on_refused = on_refused
+        self.on_written = on_written
+        self.nbytes = 0  # Arrow size of what was written (shards are planned by it)
+        self.tmp = temp_name(path)
+        self.writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
+        self.pending: list[dict] = []
+        self.count = 0
+
+    def __enter__(self) -> "StreamingParquet":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def append(self, row: dict) -> None:
+        self.pending.append(row)
+        if len(self.pending) >= self.batch_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        rows = self.pending
+        try:
+            table = pa.Table.from_pylist(rows, schema=self.schema)
+        except Exception:
+            if self.on_refused is None:
+                raise
+            rows = self._convertible(rows)
+            table = pa.Table.from_pylist(rows, schema=self.schema)
+        self.writer.write_table(table)
+        self.nbytes += table.nbytes
+        if self.on_written is not None:
+            self.on_written(rows)
+        self.count += table.num_rows
+        self.pending = []
+
+    def _convertible(self, rows: list[dict]) -> list[dict]:
+        kept = []
+        for row in rows:
+            try:
+                pa.Table.from_pylist([row], schema=self.schema)
+            except Exception as exc:
+                self.on_refused(row, exc)
+                continue
+            kept.append(row)
+        return kept
+
+    def close(self) -> None:
+        self._flush()
+        self.writer.close()
+        _fsync(self.tmp)
+        os.replace(self.tmp, self.path)
+        _fsync(self.path.parent)
+
+    def abort(self) -> None:
+        """Drop what was written: close the writer and remove the temp file."""
+        self.writer.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def remove_stale_temp_files(out: Path) -> list[Path]:
+    """Delete the temp files killed earlier writers left under `out` (this process's are kept:
+    they are being written now)."""
+    mine = f".tmp-{os.getpid()}-"
+    stale = [p for p in out.rglob(TEMP_GLOB) if p.is_file() and mine not in p.name] if out.exists() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d temp files of an earlier, interrupted run", len(stale))
+    return stale

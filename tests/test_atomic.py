@@ -1,0 +1,107 @@
+"""The one file writer: concurrent writers of one path never corrupt it; a killed writer leaves only
+a temp file that the next run's cleanup removes."""
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from trajforge.pipeline.atomic import (StreamingParquet, TEMP_GLOB, atomic_path, remove_stale_temp_files, write_json,
+                                       write_parquet, write_text)
+
+SCHEMA = pa.schema([("writer", pa.int64()), ("payload", pa.string())])
+
+
+def _write_many(path: str, writer: int, times: int) -> None:
+    from pathlib import Path
+    for _ in range(times):
+        rows = [{"writer": writer, "payload": str(writer) * 1000} for _ in range(200)]
+        write_parquet(rows, SCHEMA, Path(path))
+
+
+def test_concurrent_processes_writing_one_path_leave_one_whole_file(tmp_path):
+    path = tmp_path / "out" / "data.parquet"
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=_write_many, args=(str(path), n, 15)) for n in range(4)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(60)
+        assert w.exitcode == 0
+    table = pq.read_table(path).to_pylist()
+    # One writer's file, whole: every row from the same writer, all 200 of them.
+    assert len(table) == 200 and len({r["writer"] for r in table}) == 1
+    assert table[0]["payload"] == str(table[0]["writer"]) * 1000
+    assert list(path.parent.glob(TEMP_GLOB)) == []
+
+
+def test_concurrent_threads_writing_one_path_use_distinct_temp_files(tmp_path):
+    path = tmp_path / "report.json"
+    errors = []
+
+    def write(n: int) -> None:
+        try:
+            for i in range(50):
+                write_json(path, {"writer": n, "i": i, "pad": "x" * 10_000})
+        except Exception as exc:  # a shared temp name shows as a missing file on rename
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert json.loads(path.read_text())["pad"] == "x" * 10_000
+    assert list(tmp_path.glob(TEMP_GLOB)) == []
+
+
+def test_killed_writer_leaves_only_a_temp_file_that_cleanup_removes(tmp_path):
+    path = tmp_path / "data" / "card.md"
+    write_text(path, "the earlier, finished file\n")
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from trajforge.pipeline.atomic import atomic_path
+        with atomic_path(Path({str(path)!r})) as tmp:
+            with open(tmp, "w") as f:
+                f.write("half of a new")
+                f.flush()
+                print("writing", flush=True)
+                time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = list(path.parent.glob(TEMP_GLOB))
+    assert len(left) == 1 and left[0].read_text() == "half of a new"
+    assert path.read_text() == "the earlier, finished file\n"
+    assert remove_stale_temp_files(tmp_path) == left
+    assert list(path.parent.iterdir()) == [path]
+
+
+def test_cleanup_keeps_this_process_temp_files(tmp_path):
+    with atomic_path(tmp_path / "a.txt") as tmp:
+        tmp.write_text("in progress")
+        assert remove_stale_temp_files(tmp_path) == [] and tmp.exists()
+    assert (tmp_path / "a.txt").read_text() == "in progress"
+
+
+def test_failed_write_removes_its_temp_file_and_keeps_the_target(tmp_path):
+    path = tmp_path / "x.json"
+    write_json(path, {"v": 1})
+    with pytest.raises(TypeError):
+        write_json(path, {"v": object()})
+    assert json.loads(path.read_text()) == {"v": 1}
+    with pytest.raises(RuntimeError), StreamingParquet(tmp_path / "s.parquet", SCHEMA) as stream:
+        stream.append({"writer": 1, "payload": "p"})
+        raise RuntimeError("stage failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
