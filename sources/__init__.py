@@ -4,7 +4,7 @@ from __future__ import annotations
 from trajforge.sources.agent_flan import AgentFlan
 from trajforge.sources.agentinstruct import AgentInstruct
 from trajforge.sources.agenttraj_l import AgentTrajL
-from trajforge.sources.base import RawRow, Source, SourceError, SourceFile, iter_rows
+from trajforge.sources.base import KeepRank, RawRow, Source, SourceError, SourceFile, iter_rows
 from trajforge.sources.openmanus_rl import OpenManusRL
 from trajforge.sources.synthetic import Synthetic
 
@@ -22,4 +22,9 @@ def get_source(name: str) -> Source:
         raise SourceError(f"unknown source {name!r}; known: {', '.join(sorted(REGISTRY))}") from None
 
 
-__all__ = ["REGISTRY", "DEFAULT_SOURCES", "RawRow", "Source", "SourceError", "SourceFile", "get_source", "iter_rows"]
+def keep_rank(name: str) -> KeepRank:
+    """The dedup keep rank of a source's records."""
+    return get_source(name).keep_rank
+
+
+__all__ = ["REGISTRY", "DEFAULT_SOURCES", "KeepRank", "RawRow", "keep_rank", "Source", "SourceError", "SourceFile", "get_source", "iter_rows"]
