@@ -20,17 +20,15 @@ from prefect.context import FlowRunContext
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from trajforge.flows.artifacts import Progress, build_artifacts
+from trajforge.flows.config import RUNNERS, BuildRun, merge, stage_config
 from trajforge.flows.names import build_run_name
 from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_unit, remove_stale_temp_files, unit_key
-from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.publish.manifest import code_version
-from trajforge.pipeline.publish.shards import ShardConfig, read_marker, unit_fingerprint, unit_marker, write_marker
+from trajforge.pipeline.publish.shards import read_marker, unit_fingerprint, unit_marker, write_marker
 from trajforge.sources import DEFAULT_SOURCES, SourceError, SourceFile, get_source
 
-RUNNERS = ("threads", "dask", "ray")
 
-
-def make_task_runner(runner: str = "threads", address: str | None = None, workers: int = 4,
+def make_task_runner(runner: str = BuildRun.runner, address: str | None = None, workers: int = BuildRun.workers,
                      api_url: str | None = None):
     """The task runner for the units: threads here, or a Dask / Ray cluster (local when no address).
 
@@ -112,13 +110,26 @@ def process_units(files: list[tuple[str, SourceFile]], staging: str, config: Bui
     return units
 
 
+def _given(overrides: dict) -> dict:
+    """The overrides that were given (not None), nested mappings included."""
+    given = {}
+    for key, value in overrides.items():
+        value = _given(value) if isinstance(value, dict) else value
+        if value not in (None, {}):
+            given[key] = value
+    return given
+
+
 @flow(name="build-dataset", log_prints=True, flow_run_name=build_run_name)
-def build_dataset(sources: dict[str, str | None] | None = None, out: str = "build", rendering: str = "native",
-                  runner: str = "threads", address: str | None = None, workers: int = 4,
+def build_dataset(sources: dict[str, str | None] | None = None, out: str = "build", rendering: str | None = None,
+                  runner: str = BuildRun.runner, address: str | None = None, workers: int = BuildRun.workers,
                   shard_rows: int | None = None, decontaminate: str | None = None,
                   dedup_threshold: float | None = None, synthetic: str | None = None,
-                  rl_tasks: list[str] | None = None) -> dict:
+                  rl_tasks: list[str] | None = None, stages: dict | None = None) -> dict:
     """Build the dataset. `sources` maps a source name to a local path or Hub repo id (None: its Hub repo).
+
+    `stages` is the stages' configuration (`pipeline.build.BuildConfig` as a nested mapping, the
+    `stages` section of a `--config` file); the keyword arguments below override it where given.
 
     `synthetic` is the output folder of the synthesis flow, read as one more source (`synthetic`).
 
@@ -131,10 +142,10 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str = "buil
     sources = dict(sources or {name: None for name in DEFAULT_SOURCES})
     if synthetic:
         sources["synthetic"] = synthetic
-    shards = ShardConfig(max_rows=shard_rows) if shard_rows else ShardConfig()
-    dedup = DedupConfig(threshold=dedup_threshold) if dedup_threshold is not None else DedupConfig()
-    config = BuildConfig(rendering=rendering, shards=shards, dedup=dedup, decontaminate=decontaminate,
-                         rl_tasks=tuple(rl_tasks or ()))
+    overrides = {"rendering": rendering, "shards": {"max_rows": shard_rows or None},
+                 "dedup": {"threshold": dedup_threshold}, "decontaminate": decontaminate,
+                 "rl_tasks": list(rl_tasks) if rl_tasks else None}
+    config = stage_config(merge(stages or {}, _given(overrides)), "stages")
     out_dir = Path(out)
     staging = (out_dir / ".staging").resolve()
     staging.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from trajforge.flows.config import RUNNERS, BuildRun, load_build_run, merge, stage_config
 from trajforge.sources import DEFAULT_SOURCES, REGISTRY, SourceError
 
 
@@ -35,31 +36,68 @@ def _source_names() -> str:
 
 
 def _add_build(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("build", help="build the dataset from upstream sources (a Prefect flow)")
-    p.add_argument("--source", action="append", type=_source_arg, default=[], metavar="NAME[=PATH_OR_REPO]",
-                   help=f"a source to read (repeatable): NAME alone reads its Hub repo; NAME=PATH a local folder "
-                        f"or file (a path that exists, whose first folder exists, or that starts with . / ~); "
-                        f"NAME=ORG/REPO another Hub repo. Sources: {_source_names()}. "
+    # Options that --config can set default to SUPPRESS: given, they override the file; the
+    # defaults themselves are BuildRun's (flows/config.py) and the stage configs'.
+    p = sub.add_parser("build", help="build the dataset from upstream sources (a Prefect flow)",
+                       argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML build config (configs/build.yaml shows every key): out, sources, runner, workers "
+                        "and the stages' settings under `stages`; the options below override it")
+    p.add_argument("--source", action="append", type=_source_arg, metavar="NAME[=PATH_OR_REPO]",
+                   help=f"a source to read (repeatable; replaces the config's sources): NAME alone reads its Hub "
+                        f"repo; NAME=PATH a local folder or file (a path that exists, whose first folder exists, or "
+                        f"that starts with . / ~); NAME=ORG/REPO another Hub repo. Sources: {_source_names()}. "
                         f"Default: {', '.join(DEFAULT_SOURCES)} from the Hub")
-    p.add_argument("--out", required=True, help="output folder: new, empty, or an earlier build (rebuilt)")
+    p.add_argument("--out", help="output folder: new, empty, or an earlier build (rebuilt); required here or in "
+                                 "the config")
     p.add_argument("--overwrite", action="store_true",
                    help="build into an --out folder that holds other files (they may be replaced)")
-    p.add_argument("--rendering", choices=["native", "react"], default="native",
-                   help="assistant turn text: upstream wording (native) or Think/Act (react)")
-    p.add_argument("--runner", choices=["threads", "dask", "ray"], default="threads",
-                   help="where the per-file units run: local threads, or a Dask / Ray cluster (extras dask, ray)")
-    p.add_argument("--address", default=None,
+    p.add_argument("--rendering", choices=["native", "react"],
+                   help="assistant turn text: upstream wording (native) or Think/Act (react); default: the normalize stage's")
+    p.add_argument("--runner", choices=RUNNERS,
+                   help=f"where the per-file units run: local threads, or a Dask / Ray cluster (extras dask, ray); "
+                        f"default: {BuildRun.runner}")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help=f"threads, or workers of a local cluster (default: {BuildRun.workers})")
+    p.add_argument("--address",
                    help="cluster address for --runner dask (tcp://host:8786) or ray (ray://host:10001); "
                         "default: start a local cluster")
-    p.add_argument("--decontaminate", metavar="FILE", default=None,
+    p.add_argument("--decontaminate", metavar="FILE",
                    help="evaluation tasks (one per line, or JSON/JSONL strings or {task}); trajectories whose "
-                        "task shares an 8-word n-gram with one go to the quarantine as `contaminated`")
-    p.add_argument("--rl-tasks", action="append", default=[], metavar="FILE",
+                        "task shares a word n-gram (stages.decontaminate_ngram words) with one go to the "
+                        "quarantine as `contaminated`")
+    p.add_argument("--rl-tasks", action="append", metavar="FILE",
                    help="a task file (AgentBench OS/DB, JSONL of {env, description, ...}; repeatable) whose tasks "
                         "join the `grpo_env` config for multi-turn GRPO")
-    p.add_argument("--dedup-threshold", type=float, default=None, metavar="J",
-                   help="shingle Jaccard similarity from which two trajectories are near duplicates (default 0.85)")
+    p.add_argument("--dedup-threshold", type=float, metavar="J",
+                   help="shingle Jaccard similarity from which two trajectories are near duplicates "
+                        "(stages.dedup.threshold; default: the dedup stage's)")
     p.set_defaults(func=_run_build)
+
+
+def _build_run(args: argparse.Namespace) -> BuildRun:
+    """The config file (if any) with the given options laid over it."""
+    run = load_build_run(args.config) if "config" in args else BuildRun()
+    flags = {"out": getattr(args, "out", None), "runner": getattr(args, "runner", None),
+             "workers": getattr(args, "workers", None), "address": getattr(args, "address", None)}
+    for key, value in flags.items():
+        if value is not None:
+            setattr(run, key, value)
+    run.overwrite = run.overwrite or "overwrite" in args
+    if "source" in args:
+        run.sources = {}
+        for name, location in args.source:
+            if name in run.sources:
+                raise SourceError(f"--source {name}: given twice; keep one")
+            run.sources[name] = location
+    if run.out is None:
+        raise SourceError("build: no output folder; give --out DIR (or `out:` in the --config file)")
+    stages = {"rendering": getattr(args, "rendering", None),
+              "dedup": {"threshold": args.dedup_threshold} if "dedup_threshold" in args else {},
+              "decontaminate": getattr(args, "decontaminate", None) and os.path.abspath(args.decontaminate),
+              "rl_tasks": [os.path.abspath(path) for path in args.rl_tasks] if "rl_tasks" in args else None}
+    run.stages = merge(run.stages, {key: value for key, value in stages.items() if value not in (None, {})})
+    return run
 
 
 def _earlier_build(folder: Path) -> bool:
@@ -89,37 +127,33 @@ def _check_out(out: str, overwrite: bool) -> None:
                           f"empty folder, or add --overwrite to build into it anyway")
 
 
-def _check_build_args(args: argparse.Namespace) -> dict[str, str | None]:
-    """The sources to build from, once every argument is known to be usable (SourceError otherwise)."""
+def _check_build_args(run: BuildRun) -> None:
+    """Every argument is usable (SourceError otherwise): the sources, the output folder, the files."""
     from trajforge.sources.locate import check_source
 
-    sources: dict[str, str | None] = {}
-    for name, location in args.source:
+    for name in run.sources:
         if name not in REGISTRY:
             raise SourceError(f"--source {name}: unknown source; use one of {', '.join(sorted(REGISTRY))}")
-        if name in sources:
-            raise SourceError(f"--source {name}: given twice; keep one")
-        sources[name] = location
-    _check_out(args.out, args.overwrite)
-    if args.decontaminate and not os.path.isfile(args.decontaminate):
-        raise SourceError(f"--decontaminate {args.decontaminate}: no such file; give a file of evaluation tasks")
-    for name, location in (sources or dict.fromkeys(DEFAULT_SOURCES)).items():
+    _check_out(run.out, run.overwrite)
+    decontaminate = run.stages.get("decontaminate")
+    if decontaminate and not os.path.isfile(decontaminate):
+        raise SourceError(f"--decontaminate {decontaminate}: no such file; give a file of evaluation tasks")
+    for name, location in (run.sources or dict.fromkeys(DEFAULT_SOURCES)).items():
         check_source(REGISTRY[name], location)
-    return sources
 
 
 def _run_build(args: argparse.Namespace) -> int:
-    sources = _check_build_args(args)
-    # Imported only now: Prefect and the stages take seconds to load.
+    run = _build_run(args)
+    _check_build_args(run)
+    # The stages' settings, checked before Prefect loads (the stages load in a few seconds, Prefect in more).
+    stage_config(run.stages, args.config if "config" in args else "options")
     from trajforge.flows.build import build_dataset
     from trajforge.pipeline.build import summary_lines
 
-    report = build_dataset(sources=sources or None, out=args.out, rendering=args.rendering, runner=args.runner,
-                           address=args.address, decontaminate=args.decontaminate and os.path.abspath(args.decontaminate),
-                           dedup_threshold=args.dedup_threshold,
-                           rl_tasks=[os.path.abspath(path) for path in args.rl_tasks])
+    report = build_dataset(sources=run.sources or None, out=run.out, runner=run.runner, address=run.address,
+                           workers=run.workers, stages=run.stages)
     print("\n".join(summary_lines(report)))
-    print(f"dataset: {args.out}/data  quarantine: {args.out}/quarantine  report: {args.out}/report.json")
+    print(f"dataset: {run.out}/data  quarantine: {run.out}/quarantine  report: {run.out}/report.json")
     return 0
 
 
