@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from trajforge.flows.config import RUNNERS, BuildRun, load_build_run, merge, stage_config
+from trajforge.flows.config import (RUNNERS, SYNTH_PARAMETERS, BuildRun, ConfigError, load_build_run, merge, nested,
+                                     read_config, stage_config, synth_config)
 from trajforge.sources import DEFAULT_SOURCES, REGISTRY, SourceError
 
 
@@ -214,56 +215,85 @@ def _sampling_arg(value: str) -> tuple[str, object]:
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("synth", help="synthesize trajectories with a model against an environment (a Prefect flow)")
-    p.add_argument("--tasks", required=True, help="task file: AgentBench OS JSON, DBBench JSONL, or plain JSONL")
-    p.add_argument("--env", required=True, help="environment name: os, db, agentgym")
-    p.add_argument("--model", required=True, help="model name as the server knows it (family defaults follow it)")
-    p.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 "
-                                                    "(default: TRAJFORGE_BASE_URL or the OpenAI API)")
-    p.add_argument("--n", type=int, default=4, help="samples per task (best-of-N)")
-    p.add_argument("--out", required=True, help="output folder (rerunning into it resumes)")
-    p.add_argument("--keep", choices=["best", "all"], default="best", help="records per task: the best success or all")
-    p.add_argument("--concurrency", type=int, default=64, help="LLM requests in flight")
-    p.add_argument("--episodes", type=int, default=16, help="environments alive at once")
-    p.add_argument("--max-turns", type=int, default=8, help="model turns per episode before it ends as max_turns")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="completion tokens per request (default: the model family's)")
-    p.add_argument("--seed", type=int, default=None, help="sample k uses seed+k")
-    p.add_argument("--sampling", action="append", type=_sampling_arg, default=[], metavar="KEY=VALUE",
+    from trajforge.pipeline.synth.config import AgentConfig, SynthConfig
+    from trajforge.pipeline.synth.llm import LLMConfig
+
+    # Options default to SUPPRESS: given, they override the --config file; the defaults shown are
+    # the dataclasses' (pipeline/synth/config.py), which hold them.
+    p = sub.add_parser("synth", help="synthesize trajectories with a model against an environment (a Prefect flow)",
+                       argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML synth config in the shape of SynthConfig (configs/synth.yaml shows every key: "
+                        "llm: and agent: sections, and api_key_env); the options below override it")
+    p.add_argument("--tasks", help="task file: AgentBench OS JSON, DBBench JSONL, or plain JSONL (required here or "
+                                   "in the config)")
+    p.add_argument("--env", help="environment name: os, db, agentgym (required here or in the config)")
+    p.add_argument("--model", help="model name as the server knows it (family defaults follow it; required here or "
+                                   "in the config)")
+    p.add_argument("--base-url", help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 "
+                                      "(default: TRAJFORGE_BASE_URL or the OpenAI API)")
+    p.add_argument("--n", type=int, help=f"samples per task (best-of-N) (default: {SynthConfig.n})")
+    p.add_argument("--out", help="output folder (rerunning into it resumes; required here or in the config)")
+    p.add_argument("--keep", choices=["best", "all"],
+                   help=f"records per task: the best success or all (default: {SynthConfig.keep})")
+    p.add_argument("--concurrency", type=int, help=f"LLM requests in flight (default: {LLMConfig.concurrency})")
+    p.add_argument("--episodes", type=int, dest="episode_concurrency",
+                   help=f"environments alive at once (default: {SynthConfig.episode_concurrency})")
+    p.add_argument("--max-turns", type=int, help=f"model turns per episode before it ends as max_turns "
+                                                 f"(default: {AgentConfig.max_turns})")
+    p.add_argument("--max-tokens", type=int, help="completion tokens per request (default: the model family's)")
+    p.add_argument("--seed", type=int, help="sample k uses seed+k")
+    p.add_argument("--sampling", action="append", type=_sampling_arg, metavar="KEY=VALUE",
                    help="override a sampling default (temperature=0.7, top_k=null removes it); repeatable")
-    p.add_argument("--backend", choices=["openai", "vllm"], default="openai",
-                   help="openai: any OpenAI-compatible server at --base-url; vllm: in-process vLLM (GPU)")
-    p.add_argument("--api-key-env", default=None, metavar="VAR",
+    p.add_argument("--backend", choices=["openai", "vllm"],
+                   help=f"openai: any OpenAI-compatible server at --base-url; vllm: in-process vLLM (GPU) "
+                        f"(default: {SynthConfig.backend})")
+    p.add_argument("--api-key-env", metavar="VAR",
                    help="environment variable holding the API key (default: TRAJFORGE_API_KEY, OPENAI_API_KEY); "
                         "the key itself is never an argument")
-    p.add_argument("--license", default="other", help="license of the task source, stamped on the records")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per request (default 600)")
-    p.add_argument("--max-retries", type=int, default=8, metavar="N",
-                   help="retries of a request that failed for a transient reason (default 8)")
-    p.add_argument("--max-connection-failures", type=int, default=10, metavar="N",
-                   help="stop the job after N requests in a row could not connect (default 10; 0: never)")
+    p.add_argument("--license", help=f"license of the task source, stamped on the records "
+                                     f"(default: {AgentConfig.license})")
+    p.add_argument("--timeout", type=float, dest="timeout_s", metavar="SECONDS",
+                   help=f"per request (default: {LLMConfig.timeout_s:g})")
+    p.add_argument("--max-retries", type=int, metavar="N",
+                   help=f"retries of a request that failed for a transient reason (default: {LLMConfig.max_retries})")
+    p.add_argument("--max-connection-failures", type=int, metavar="N",
+                   help=f"stop the job after N requests in a row could not connect (0: never) "
+                        f"(default: {LLMConfig.max_connection_failures})")
     p.set_defaults(func=_run_synth)
 
 
+def _synth_run(args: argparse.Namespace) -> tuple[dict, str | None, dict]:
+    """(the config file's mapping, the API key variable, the given options), checked as one config."""
+    where = args.config if "config" in args else "options"
+    config = read_config(args.config) if "config" in args else {}
+    api_key_env = config.pop("api_key_env", None)
+    if api_key_env is not None and not isinstance(api_key_env, str):
+        raise ConfigError(f"{where}: api_key_env must be the name of an environment variable")
+    api_key_env = getattr(args, "api_key_env", api_key_env)
+    given = {key: getattr(args, key) for key in SYNTH_PARAMETERS if key in args}
+    if "sampling" in given:
+        given["sampling"] = dict(given["sampling"])
+    synth_config(merge(config, nested(given)), where)
+    return config, api_key_env, given
+
+
 def _run_synth(args: argparse.Namespace) -> int:
+    config, api_key_env, given = _synth_run(args)
     from trajforge.flows.synth import synthesize
     from trajforge.pipeline.synth.llm import ServerUnreachable
 
     try:
-        report = synthesize(tasks=args.tasks, env=args.env, model=args.model, out=args.out, base_url=args.base_url,
-                            n=args.n, keep=args.keep, concurrency=args.concurrency,
-                            episode_concurrency=args.episodes, max_turns=args.max_turns, max_tokens=args.max_tokens,
-                            seed=args.seed, sampling=dict(args.sampling), backend=args.backend,
-                            api_key_env=args.api_key_env, license=args.license, timeout_s=args.timeout,
-                            max_retries=args.max_retries, max_connection_failures=args.max_connection_failures)
+        report = synthesize(config=config, api_key_env=api_key_env, **given)
     except ServerUnreachable as exc:
         print(f"trajforge: synth stopped: {exc.detail}", file=sys.stderr)
         return 1
+    env, out = given.get("env", config.get("env")), given.get("out", config.get("out"))
     reasons = ", ".join(f"{k}={v}" for k, v in report["failure_reasons"].items()) or "-"
-    print(f"{args.env}: {report['tasks_with_record']}/{report['tasks']} tasks with a record, {report['records']} "
+    print(f"{env}: {report['tasks_with_record']}/{report['tasks']} tasks with a record, {report['records']} "
           f"records, {report['failures']} failures ({reasons}); {report['llm']['calls']} LLM calls answered of "
           f"{report['llm']['attempts']} attempts, {report['llm']['cache_hits']} cache hits")
-    print(f"records: {args.out}/data/synthetic/{args.env}.parquet  failures: {args.out}/failures.parquet")
+    print(f"records: {out}/data/synthetic/{env}.parquet  failures: {out}/failures.parquet")
     return 0
 
 

@@ -132,3 +132,48 @@ def stage_config(stages: dict, where: str):
     from trajforge.pipeline.build import BuildConfig
 
     return from_dict(BuildConfig, stages, where, "stages.")
+
+
+# The synth flow's flat parameters (and the CLI's options) -> their place in a synth config file,
+# which has the shape of `pipeline.synth.config.SynthConfig`.
+SYNTH_PARAMETERS = {
+    "tasks": "tasks", "env": "env", "out": "out", "n": "n", "keep": "keep",
+    "episode_concurrency": "episode_concurrency", "backend": "backend", "env_kw": "env_kw",
+    "model": "llm.model", "base_url": "llm.base_url", "sampling": "llm.sampling", "concurrency": "llm.concurrency",
+    "timeout_s": "llm.timeout_s", "max_retries": "llm.max_retries",
+    "max_connection_failures": "llm.max_connection_failures",
+    "max_turns": "agent.max_turns", "max_tokens": "agent.max_tokens", "seed": "agent.seed", "license": "agent.license",
+}
+# Set by the run, never by a file: the key is read from the environment, the gate is Prefect's.
+NOT_IN_FILES = {"llm.api_key": "name the environment variable that holds it with api_key_env",
+                "llm.request_gate": "use the flow's api_limit / api_rate_limit"}
+
+
+def nested(values: dict, paths: dict[str, str] = SYNTH_PARAMETERS) -> dict:
+    """Flat values that were given (not None) as a nested mapping, placed by `paths`."""
+    out: dict = {}
+    for key, value in values.items():
+        if value is None:
+            continue
+        *parents, leaf = paths[key].split(".")
+        node = out
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return out
+
+
+def synth_config(data: dict, where: str):
+    """`SynthConfig` from a synth config mapping (tasks, env, out and llm.model are required)."""
+    from trajforge.pipeline.synth.config import SynthConfig
+
+    llm = data.get("llm")
+    for path, instead in NOT_IN_FILES.items():
+        if isinstance(llm, dict) and path.split(".")[1] in llm:
+            raise ConfigError(f"{where}: {path} cannot be set here; {instead}")
+    for flat in ("tasks", "env", "out", "model"):
+        *parents, leaf = SYNTH_PARAMETERS[flat].split(".")
+        node = data.get(parents[0], {}) if parents else data
+        if not isinstance(node, dict) or node.get(leaf) is None:
+            raise ConfigError(f"synth: no {flat}; give --{flat} (or `{SYNTH_PARAMETERS[flat]}` in the --config file)")
+    return from_dict(SynthConfig, data, where)

@@ -239,14 +239,25 @@ def test_build_config_file_missing_or_with_an_unknown_key(tmp_path):
 
 
 def test_build_config_unknown_stage_key_exits_2_before_prefect(tmp_path):
-    """Stage settings are checked against the stage configs (which load in seconds), before Prefect."""
+    """Stage settings are checked against the stage configs (which load in seconds, so this case has
+    no time bound), before Prefect starts or the output folder is made."""
     config = tmp_path / "build.yaml"
     config.write_text(f"out: {tmp_path / 'out'}\nstages:\n  dedup:\n    treshold: 0.9\n")
-    proc, wall, _ = trajforge("build", "--config", str(config), "--source", f"agentinstruct={RAW / 'agentinstruct'}")
-    assert proc.returncode == 2 and wall < WALL_BOUND_S
+    proc, _, _ = trajforge("build", "--config", str(config), "--source", f"agentinstruct={RAW / 'agentinstruct'}")
+    assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
     assert "unknown key stages.dedup.treshold" in line and not (tmp_path / "out").exists()
 
 
 def test_build_needs_an_output_folder():
     assert "--out" in refused("build", "--source", "agentinstruct")
+
+
+def test_synth_config_file_checks(tmp_path):
+    config = tmp_path / "synth.yaml"
+    config.write_text("tasks: t.jsonl\nenv: db\nout: o\nllm:\n  model: m\n  api_key: sk-secret\n")
+    line = refused("synth", "--config", str(config))
+    assert "llm.api_key cannot be set" in line and "sk-secret" not in line
+    config.write_text("tasks: t.jsonl\nenv: db\nout: o\nllm: {model: m}\nagent: {max_turn: 3}\n")
+    assert "unknown key agent.max_turn" in refused("synth", "--config", str(config))
+    assert "no model" in refused("synth", "--tasks", "t.jsonl", "--env", "db", "--out", str(tmp_path / "o"))

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, ParseError, clean_text, extract_answer, parse_turn
+from trajforge.pipeline.synth.config import AgentConfig
 from trajforge.pipeline.synth.llm import ChatBackend, LLMError, family_of, prepare_messages
 from trajforge.pipeline.synth.reasoning import split_reasoning
 from trajforge.pipeline.ingest.validate import validate_record
@@ -68,18 +69,6 @@ REPROMPTS = {
 }
 
 EMPTY_OBSERVATION = "(no output)"
-
-@dataclass(frozen=True)
-class AgentConfig:
-    max_turns: int = 8                # AgentBench's round limit
-    max_format_retries: int = 2       # re-prompts in a row for one step before the episode fails
-    success_threshold: float = 1.0    # env score at or above this is a success
-    max_tokens: int | None = None
-    stop: tuple[str, ...] | None = None
-    seed: int | None = None           # sample k is drawn with seed + k, so reruns are reproducible
-    license: str = "other"            # license of the task source, for the records
-    instructions: dict[str, str] = field(default_factory=dict)  # per env name; overrides INSTRUCTIONS
-
 
 @dataclass
 class StepLog:
