@@ -20,7 +20,6 @@ backend's `redact` (the configured API key, HF tokens, bearer tokens) before the
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 from concurrent.futures import ThreadPoolExecutor

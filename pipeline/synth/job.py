@@ -26,7 +26,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
