@@ -21,19 +21,20 @@ from prefect.context import FlowRunContext
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from trajforge.flows.artifacts import Progress, build_artifacts
+from trajforge.flows.config import BuildRun, merge, stage_config
 from trajforge.flows.names import build_run_name
 from trajforge.pipeline.atomic import remove_stale_temp_files
 from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_unit, unit_key
-from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.registry import Registry
 from trajforge.pipeline.publish.manifest import code_version
-from trajforge.pipeline.publish.shards import ShardConfig, read_marker, unit_fingerprint, unit_marker, write_marker
+from trajforge.pipeline.publish.shards import read_marker, unit_fingerprint, unit_marker, write_marker
 from trajforge.sources import DEFAULT_SOURCES, SourceError, SourceFile, get_source
 
-RUNNERS = Registry("runner")
+# The CLI offers the names of flows.config.RUNNERS without loading Prefect; the two must agree (tested).
+TASK_RUNNERS = Registry("runner")
 
 
-@RUNNERS.register("processes")
+@TASK_RUNNERS.register("processes")
 def _processes(address: str | None, workers: int, env: dict[str, str]):
     # Units are CPU-bound Python (parsing, normalizing, MinHash): processes use every core, threads
     # only one (the GIL). More processes than cores only add memory (an interpreter and a batch each).
@@ -42,12 +43,12 @@ def _processes(address: str | None, workers: int, env: dict[str, str]):
     return ProcessPoolTaskRunner(max_workers=max(1, min(workers, os.cpu_count() or 1)))
 
 
-@RUNNERS.register("threads")
+@TASK_RUNNERS.register("threads")
 def _threads(address: str | None, workers: int, env: dict[str, str]):
     return ThreadPoolTaskRunner(max_workers=workers)
 
 
-@RUNNERS.register("dask")
+@TASK_RUNNERS.register("dask")
 def _dask(address: str | None, workers: int, env: dict[str, str]):
     from prefect_dask import DaskTaskRunner
 
@@ -57,7 +58,7 @@ def _dask(address: str | None, workers: int, env: dict[str, str]):
                                           "dashboard_address": None, "env": env})
 
 
-@RUNNERS.register("ray")
+@TASK_RUNNERS.register("ray")
 def _ray(address: str | None, workers: int, env: dict[str, str]):
     from prefect_ray import RayTaskRunner
 
@@ -66,8 +67,7 @@ def _ray(address: str | None, workers: int, env: dict[str, str]):
     return RayTaskRunner(init_kwargs={"num_cpus": workers, "include_dashboard": False,
                                       "runtime_env": {"env_vars": env}})
 
-
-def make_task_runner(runner: str = "threads", address: str | None = None, workers: int = 4,
+def make_task_runner(runner: str = BuildRun.runner, address: str | None = None, workers: int = BuildRun.workers,
                      api_url: str | None = None):
     """The task runner for the units: processes or threads here, or a Dask / Ray cluster (local when no address).
 
@@ -75,7 +75,7 @@ def make_task_runner(runner: str = "threads", address: str | None = None, worker
     worker process of an embedded-mode run starts its own temporary server (a minute each on a
     small machine). Workers of a remote cluster need PREFECT_API_URL in their own environment.
     """
-    return RUNNERS[runner](address, workers, {"PREFECT_API_URL": api_url} if api_url else {})
+    return TASK_RUNNERS[runner](address, workers, {"PREFECT_API_URL": api_url} if api_url else {})
 
 
 def _worth_retrying(task, task_run, state) -> bool:
@@ -133,13 +133,26 @@ def process_units(files: list[tuple[str, SourceFile]], staging: str, config: Bui
     return units
 
 
+def _given(overrides: dict) -> dict:
+    """The overrides that were given (not None), nested mappings included."""
+    given = {}
+    for key, value in overrides.items():
+        value = _given(value) if isinstance(value, dict) else value
+        if value not in (None, {}):
+            given[key] = value
+    return given
+
+
 @flow(name="build-dataset", log_prints=True, flow_run_name=build_run_name)
-def build_dataset(sources: dict[str, str | None] | None = None, out: str = "build", rendering: str = "native",
-                  runner: str = "threads", address: str | None = None, workers: int = 4,
+def build_dataset(sources: dict[str, str | None] | None = None, out: str = "build", rendering: str | None = None,
+                  runner: str = BuildRun.runner, address: str | None = None, workers: int = BuildRun.workers,
                   shard_rows: int | None = None, decontaminate: str | None = None,
                   dedup_threshold: float | None = None, synthetic: str | None = None,
-                  rl_tasks: list[str] | None = None) -> dict:
+                  rl_tasks: list[str] | None = None, stages: dict | None = None) -> dict:
     """Build the dataset. `sources` maps a source name to a local path or Hub repo id (None: its Hub repo).
+
+    `stages` is the stages' configuration (`pipeline.build.BuildConfig` as a nested mapping, the
+    `stages` section of a `--config` file); the keyword arguments below override it where given.
 
     `synthetic` is the output folder of the synthesis flow, read as one more source (`synthetic`).
 
@@ -152,10 +165,10 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str = "buil
     sources = dict(sources or {name: None for name in DEFAULT_SOURCES})
     if synthetic:
         sources["synthetic"] = synthetic
-    shards = ShardConfig(max_rows=shard_rows) if shard_rows else ShardConfig()
-    dedup = DedupConfig(threshold=dedup_threshold) if dedup_threshold is not None else DedupConfig()
-    config = BuildConfig(rendering=rendering, shards=shards, dedup=dedup, decontaminate=decontaminate,
-                         rl_tasks=tuple(rl_tasks or ()))
+    overrides = {"rendering": rendering, "shards": {"max_rows": shard_rows or None},
+                 "dedup": {"threshold": dedup_threshold}, "decontaminate": decontaminate,
+                 "rl_tasks": list(rl_tasks) if rl_tasks else None}
+    config = stage_config(merge(stages or {}, _given(overrides)), "stages")
     out_dir = Path(out)
     staging = (out_dir / ".staging").resolve()
     staging.mkdir(parents=True, exist_ok=True)

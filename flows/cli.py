@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from trajforge.flows.config import (RUNNERS, SYNTH_PARAMETERS, BuildRun, ConfigError, load_build_run, merge, nested,
+                                     read_config, stage_config, synth_config)
 from trajforge.sources import DEFAULT_SOURCES, REGISTRY, SourceError, UnknownSource, get_source
 
 
@@ -35,31 +37,68 @@ def _source_names() -> str:
 
 
 def _add_build(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("build", help="build the dataset from upstream sources (a Prefect flow)")
-    p.add_argument("--source", action="append", type=_source_arg, default=[], metavar="NAME[=PATH_OR_REPO]",
-                   help=f"a source to read (repeatable): NAME alone reads its Hub repo; NAME=PATH a local folder "
-                        f"or file (a path that exists, whose first folder exists, or that starts with . / ~); "
-                        f"NAME=ORG/REPO another Hub repo. Sources: {_source_names()}. "
+    # Options that --config can set default to SUPPRESS: given, they override the file; the
+    # defaults themselves are BuildRun's (flows/config.py) and the stage configs'.
+    p = sub.add_parser("build", help="build the dataset from upstream sources (a Prefect flow)",
+                       argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML build config (configs/build.yaml shows every key): out, sources, runner, workers "
+                        "and the stages' settings under `stages`; the options below override it")
+    p.add_argument("--source", action="append", type=_source_arg, metavar="NAME[=PATH_OR_REPO]",
+                   help=f"a source to read (repeatable; replaces the config's sources): NAME alone reads its Hub "
+                        f"repo; NAME=PATH a local folder or file (a path that exists, whose first folder exists, or "
+                        f"that starts with . / ~); NAME=ORG/REPO another Hub repo. Sources: {_source_names()}. "
                         f"Default: {', '.join(DEFAULT_SOURCES)} from the Hub")
-    p.add_argument("--out", required=True, help="output folder: new, empty, or an earlier build (rebuilt)")
+    p.add_argument("--out", help="output folder: new, empty, or an earlier build (rebuilt); required here or in "
+                                 "the config")
     p.add_argument("--overwrite", action="store_true",
                    help="build into an --out folder that holds other files (they may be replaced)")
-    p.add_argument("--rendering", choices=["native", "react"], default="native",
-                   help="assistant turn text: upstream wording (native) or Think/Act (react)")
-    p.add_argument("--runner", choices=["processes", "threads", "dask", "ray"], default="processes",
-                   help="where the per-file units run: local processes or threads, or a Dask / Ray cluster (extras dask, ray)")
-    p.add_argument("--address", default=None,
+    p.add_argument("--rendering", choices=["native", "react"],
+                   help="assistant turn text: upstream wording (native) or Think/Act (react); default: the normalize stage's")
+    p.add_argument("--runner", choices=RUNNERS,
+                   help=f"where the per-file units run: local processes or threads, or a Dask / Ray cluster (extras dask, ray); "
+                        f"default: {BuildRun.runner}")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help=f"processes or threads, or workers of a local cluster (default: {BuildRun.workers})")
+    p.add_argument("--address",
                    help="cluster address for --runner dask (tcp://host:8786) or ray (ray://host:10001); "
                         "default: start a local cluster")
-    p.add_argument("--decontaminate", metavar="FILE", default=None,
+    p.add_argument("--decontaminate", metavar="FILE",
                    help="evaluation tasks (one per line, or JSON/JSONL strings or {task}); trajectories whose "
-                        "task shares an 8-word n-gram with one go to the quarantine as `contaminated`")
-    p.add_argument("--rl-tasks", action="append", default=[], metavar="FILE",
+                        "task shares a word n-gram (stages.decontaminate_ngram words) with one go to the "
+                        "quarantine as `contaminated`")
+    p.add_argument("--rl-tasks", action="append", metavar="FILE",
                    help="a task file (AgentBench OS/DB, JSONL of {env, description, ...}; repeatable) whose tasks "
                         "join the `grpo_env` config for multi-turn GRPO")
-    p.add_argument("--dedup-threshold", type=float, default=None, metavar="J",
-                   help="shingle Jaccard similarity from which two trajectories are near duplicates (default 0.85)")
+    p.add_argument("--dedup-threshold", type=float, metavar="J",
+                   help="shingle Jaccard similarity from which two trajectories are near duplicates "
+                        "(stages.dedup.threshold; default: the dedup stage's)")
     p.set_defaults(func=_run_build)
+
+
+def _build_run(args: argparse.Namespace) -> BuildRun:
+    """The config file (if any) with the given options laid over it."""
+    run = load_build_run(args.config) if "config" in args else BuildRun()
+    flags = {"out": getattr(args, "out", None), "runner": getattr(args, "runner", None),
+             "workers": getattr(args, "workers", None), "address": getattr(args, "address", None)}
+    for key, value in flags.items():
+        if value is not None:
+            setattr(run, key, value)
+    run.overwrite = run.overwrite or "overwrite" in args
+    if "source" in args:
+        run.sources = {}
+        for name, location in args.source:
+            if name in run.sources:
+                raise SourceError(f"--source {name}: given twice; keep one")
+            run.sources[name] = location
+    if run.out is None:
+        raise SourceError("build: no output folder; give --out DIR (or `out:` in the --config file)")
+    stages = {"rendering": getattr(args, "rendering", None),
+              "dedup": {"threshold": args.dedup_threshold} if "dedup_threshold" in args else {},
+              "decontaminate": getattr(args, "decontaminate", None) and os.path.abspath(args.decontaminate),
+              "rl_tasks": [os.path.abspath(path) for path in args.rl_tasks] if "rl_tasks" in args else None}
+    run.stages = merge(run.stages, {key: value for key, value in stages.items() if value not in (None, {})})
+    return run
 
 
 def _earlier_build(folder: Path) -> bool:
@@ -89,39 +128,35 @@ def _check_out(out: str, overwrite: bool) -> None:
                           f"empty folder, or add --overwrite to build into it anyway")
 
 
-def _check_build_args(args: argparse.Namespace) -> dict[str, str | None]:
-    """The sources to build from, once every argument is known to be usable (SourceError otherwise)."""
+def _check_build_args(run: BuildRun) -> None:
+    """Every argument is usable (SourceError otherwise): the sources, the output folder, the files."""
     from trajforge.sources.locate import check_source
 
-    sources: dict[str, str | None] = {}
-    for name, location in args.source:
+    for name in run.sources:
         try:
             get_source(name)
         except UnknownSource as exc:
             raise SourceError(f"--source {name}: {exc}") from None
-        if name in sources:
-            raise SourceError(f"--source {name}: given twice; keep one")
-        sources[name] = location
-    _check_out(args.out, args.overwrite)
-    if args.decontaminate and not os.path.isfile(args.decontaminate):
-        raise SourceError(f"--decontaminate {args.decontaminate}: no such file; give a file of evaluation tasks")
-    for name, location in (sources or dict.fromkeys(DEFAULT_SOURCES)).items():
+    _check_out(run.out, run.overwrite)
+    decontaminate = run.stages.get("decontaminate")
+    if decontaminate and not os.path.isfile(decontaminate):
+        raise SourceError(f"--decontaminate {decontaminate}: no such file; give a file of evaluation tasks")
+    for name, location in (run.sources or dict.fromkeys(DEFAULT_SOURCES)).items():
         check_source(REGISTRY[name], location)
-    return sources
 
 
 def _run_build(args: argparse.Namespace) -> int:
-    sources = _check_build_args(args)
-    # Imported only now: Prefect and the stages take seconds to load.
+    run = _build_run(args)
+    _check_build_args(run)
+    # The stages' settings, checked before Prefect loads (the stages load in a few seconds, Prefect in more).
+    stage_config(run.stages, args.config if "config" in args else "options")
     from trajforge.flows.build import build_dataset
     from trajforge.pipeline.build import summary_lines
 
-    report = build_dataset(sources=sources or None, out=args.out, rendering=args.rendering, runner=args.runner,
-                           address=args.address, decontaminate=args.decontaminate and os.path.abspath(args.decontaminate),
-                           dedup_threshold=args.dedup_threshold,
-                           rl_tasks=[os.path.abspath(path) for path in args.rl_tasks])
+    report = build_dataset(sources=run.sources or None, out=run.out, runner=run.runner, address=run.address,
+                           workers=run.workers, stages=run.stages)
     print("\n".join(summary_lines(report)))
-    print(f"dataset: {args.out}/data  quarantine: {args.out}/quarantine  report: {args.out}/report.json")
+    print(f"dataset: {run.out}/data  quarantine: {run.out}/quarantine  report: {run.out}/report.json")
     return 0
 
 
@@ -182,56 +217,85 @@ def _sampling_arg(value: str) -> tuple[str, object]:
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("synth", help="synthesize trajectories with a model against an environment (a Prefect flow)")
-    p.add_argument("--tasks", required=True, help="task file: AgentBench OS JSON, DBBench JSONL, or plain JSONL")
-    p.add_argument("--env", required=True, help="environment name: os, db, agentgym")
-    p.add_argument("--model", required=True, help="model name as the server knows it (family defaults follow it)")
-    p.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 "
-                                                    "(default: TRAJFORGE_BASE_URL or the OpenAI API)")
-    p.add_argument("--n", type=int, default=4, help="samples per task (best-of-N)")
-    p.add_argument("--out", required=True, help="output folder (rerunning into it resumes)")
-    p.add_argument("--keep", choices=["best", "all"], default="best", help="records per task: the best success or all")
-    p.add_argument("--concurrency", type=int, default=64, help="LLM requests in flight")
-    p.add_argument("--episodes", type=int, default=16, help="environments alive at once")
-    p.add_argument("--max-turns", type=int, default=8, help="model turns per episode before it ends as max_turns")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="completion tokens per request (default: the model family's)")
-    p.add_argument("--seed", type=int, default=None, help="sample k uses seed+k")
-    p.add_argument("--sampling", action="append", type=_sampling_arg, default=[], metavar="KEY=VALUE",
+    from trajforge.pipeline.synth.config import AgentConfig, SynthConfig
+    from trajforge.pipeline.synth.llm import LLMConfig
+
+    # Options default to SUPPRESS: given, they override the --config file; the defaults shown are
+    # the dataclasses' (pipeline/synth/config.py), which hold them.
+    p = sub.add_parser("synth", help="synthesize trajectories with a model against an environment (a Prefect flow)",
+                       argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML synth config in the shape of SynthConfig (configs/synth.yaml shows every key: "
+                        "llm: and agent: sections, and api_key_env); the options below override it")
+    p.add_argument("--tasks", help="task file: AgentBench OS JSON, DBBench JSONL, or plain JSONL (required here or "
+                                   "in the config)")
+    p.add_argument("--env", help="environment name: os, db, agentgym (required here or in the config)")
+    p.add_argument("--model", help="model name as the server knows it (family defaults follow it; required here or "
+                                   "in the config)")
+    p.add_argument("--base-url", help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 "
+                                      "(default: TRAJFORGE_BASE_URL or the OpenAI API)")
+    p.add_argument("--n", type=int, help=f"samples per task (best-of-N) (default: {SynthConfig.n})")
+    p.add_argument("--out", help="output folder (rerunning into it resumes; required here or in the config)")
+    p.add_argument("--keep", choices=["best", "all"],
+                   help=f"records per task: the best success or all (default: {SynthConfig.keep})")
+    p.add_argument("--concurrency", type=int, help=f"LLM requests in flight (default: {LLMConfig.concurrency})")
+    p.add_argument("--episodes", type=int, dest="episode_concurrency",
+                   help=f"environments alive at once (default: {SynthConfig.episode_concurrency})")
+    p.add_argument("--max-turns", type=int, help=f"model turns per episode before it ends as max_turns "
+                                                 f"(default: {AgentConfig.max_turns})")
+    p.add_argument("--max-tokens", type=int, help="completion tokens per request (default: the model family's)")
+    p.add_argument("--seed", type=int, help="sample k uses seed+k")
+    p.add_argument("--sampling", action="append", type=_sampling_arg, metavar="KEY=VALUE",
                    help="override a sampling default (temperature=0.7, top_k=null removes it); repeatable")
-    p.add_argument("--backend", choices=["openai", "vllm"], default="openai",
-                   help="openai: any OpenAI-compatible server at --base-url; vllm: in-process vLLM (GPU)")
-    p.add_argument("--api-key-env", default=None, metavar="VAR",
+    p.add_argument("--backend", choices=["openai", "vllm"],
+                   help=f"openai: any OpenAI-compatible server at --base-url; vllm: in-process vLLM (GPU) "
+                        f"(default: {SynthConfig.backend})")
+    p.add_argument("--api-key-env", metavar="VAR",
                    help="environment variable holding the API key (default: TRAJFORGE_API_KEY, OPENAI_API_KEY); "
                         "the key itself is never an argument")
-    p.add_argument("--license", default="other", help="license of the task source, stamped on the records")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per request (default 600)")
-    p.add_argument("--max-retries", type=int, default=8, metavar="N",
-                   help="retries of a request that failed for a transient reason (default 8)")
-    p.add_argument("--max-connection-failures", type=int, default=10, metavar="N",
-                   help="stop the job after N requests in a row could not connect (default 10; 0: never)")
+    p.add_argument("--license", help=f"license of the task source, stamped on the records "
+                                     f"(default: {AgentConfig.license})")
+    p.add_argument("--timeout", type=float, dest="timeout_s", metavar="SECONDS",
+                   help=f"per request (default: {LLMConfig.timeout_s:g})")
+    p.add_argument("--max-retries", type=int, metavar="N",
+                   help=f"retries of a request that failed for a transient reason (default: {LLMConfig.max_retries})")
+    p.add_argument("--max-connection-failures", type=int, metavar="N",
+                   help=f"stop the job after N requests in a row could not connect (0: never) "
+                        f"(default: {LLMConfig.max_connection_failures})")
     p.set_defaults(func=_run_synth)
 
 
+def _synth_run(args: argparse.Namespace) -> tuple[dict, str | None, dict]:
+    """(the config file's mapping, the API key variable, the given options), checked as one config."""
+    where = args.config if "config" in args else "options"
+    config = read_config(args.config) if "config" in args else {}
+    api_key_env = config.pop("api_key_env", None)
+    if api_key_env is not None and not isinstance(api_key_env, str):
+        raise ConfigError(f"{where}: api_key_env must be the name of an environment variable")
+    api_key_env = getattr(args, "api_key_env", api_key_env)
+    given = {key: getattr(args, key) for key in SYNTH_PARAMETERS if key in args}
+    if "sampling" in given:
+        given["sampling"] = dict(given["sampling"])
+    synth_config(merge(config, nested(given)), where)
+    return config, api_key_env, given
+
+
 def _run_synth(args: argparse.Namespace) -> int:
+    config, api_key_env, given = _synth_run(args)
     from trajforge.flows.synth import synthesize
     from trajforge.pipeline.synth.llm import ServerUnreachable
 
     try:
-        report = synthesize(tasks=args.tasks, env=args.env, model=args.model, out=args.out, base_url=args.base_url,
-                            n=args.n, keep=args.keep, concurrency=args.concurrency,
-                            episode_concurrency=args.episodes, max_turns=args.max_turns, max_tokens=args.max_tokens,
-                            seed=args.seed, sampling=dict(args.sampling), backend=args.backend,
-                            api_key_env=args.api_key_env, license=args.license, timeout_s=args.timeout,
-                            max_retries=args.max_retries, max_connection_failures=args.max_connection_failures)
+        report = synthesize(config=config, api_key_env=api_key_env, **given)
     except ServerUnreachable as exc:
         print(f"trajforge: synth stopped: {exc.detail}", file=sys.stderr)
         return 1
+    env, out = given.get("env", config.get("env")), given.get("out", config.get("out"))
     reasons = ", ".join(f"{k}={v}" for k, v in report["failure_reasons"].items()) or "-"
-    print(f"{args.env}: {report['tasks_with_record']}/{report['tasks']} tasks with a record, {report['records']} "
+    print(f"{env}: {report['tasks_with_record']}/{report['tasks']} tasks with a record, {report['records']} "
           f"records, {report['failures']} failures ({reasons}); {report['llm']['calls']} LLM calls answered of "
           f"{report['llm']['attempts']} attempts, {report['llm']['cache_hits']} cache hits")
-    print(f"records: {args.out}/data/synthetic/{args.env}.parquet  failures: {args.out}/failures.parquet")
+    print(f"records: {out}/data/synthetic/{env}.parquet  failures: {out}/failures.parquet")
     return 0
 
 

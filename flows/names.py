@@ -24,7 +24,10 @@ def build_run_name() -> str:
 
 def synth_run_name() -> str:
     params = flow_run.parameters
-    return f"synth {params.get('env')} {params.get('model', '').rsplit('/', 1)[-1]} {_when()}"
+    config = params.get("config") or {}
+    env = params.get("env") or config.get("env")
+    model = params.get("model") or (config.get("llm") or {}).get("model") or ""
+    return f"synth {env} {model.rsplit('/', 1)[-1]} {_when()}"
 
 
 def release_run_name() -> str:

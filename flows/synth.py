@@ -15,9 +15,9 @@ from prefect.states import Failed, State
 from trajforge.flows.artifacts import Progress, synth_artifacts
 from trajforge.flows.limits import model_api_limit
 from trajforge.flows.names import synth_run_name
-from trajforge.pipeline.synth.agent import AgentConfig
+from trajforge.flows.config import merge, nested, synth_config
+from trajforge.pipeline.synth.config import SynthConfig
 from trajforge.pipeline.synth.llm import LLMConfig, ServerUnreachable
-from trajforge.pipeline.synth.job import SynthConfig
 from trajforge.pipeline.synth.job import synthesize as run_synthesis
 
 
@@ -42,29 +42,35 @@ def synthesize_episodes(config: SynthConfig, api_key_env: str | None) -> dict:
 
 
 @flow(name="synthesize", log_prints=True, flow_run_name=synth_run_name)
-def synthesize(tasks: str, env: str, model: str, out: str, base_url: str | None = None, n: int = 4,
-               keep: str = "best", concurrency: int = 64, episode_concurrency: int = 16, max_turns: int = 8,
+def synthesize(tasks: str | None = None, env: str | None = None, model: str | None = None, out: str | None = None,
+               base_url: str | None = None, n: int | None = None, keep: str | None = None,
+               concurrency: int | None = None, episode_concurrency: int | None = None, max_turns: int | None = None,
                max_tokens: int | None = None, seed: int | None = None, sampling: dict[str, Any] | None = None,
-               backend: str = "openai", api_key_env: str | None = None, license: str = "other",
-               env_kw: dict[str, Any] | None = None, timeout_s: float = 600.0, max_retries: int = 8,
-               max_connection_failures: int = 10, api_limit: str | None = None,
-               api_rate_limit: str | None = None, api_limit_strict: bool = False) -> dict | State:
+               backend: str | None = None, api_key_env: str | None = None, license: str | None = None,
+               env_kw: dict[str, Any] | None = None, timeout_s: float | None = None, max_retries: int | None = None,
+               max_connection_failures: int | None = None, api_limit: str | None = None,
+               api_rate_limit: str | None = None, api_limit_strict: bool = False,
+               config: dict[str, Any] | None = None) -> dict | State:
     """Synthesize trajectories for the tasks of one env; writes OUT/data/synthetic/<env>.parquet and OUT/failures.parquet.
+
+    `config` is a synth config (the shape of `pipeline.synth.config.SynthConfig`, as in
+    configs/synth.yaml); the other parameters override it where given, and what neither sets keeps
+    the dataclasses' default. tasks, env, model and out are required in one or the other.
 
     `api_limit` / `api_rate_limit` name Prefect global concurrency / rate limits held around every
     request to the model API, shared with every other run that names them (flows/limits.py);
     `api_limit_strict` fails the run when one does not exist instead of running without it.
     """
     logger = get_run_logger()
-    gate = model_api_limit(api_limit, api_rate_limit, strict=api_limit_strict)
-    config = SynthConfig(
-        tasks=tasks, env=env, out=out, n=n, keep=keep, episode_concurrency=episode_concurrency, backend=backend,
-        llm=LLMConfig(model=model, base_url=base_url, sampling=dict(sampling or {}), concurrency=concurrency,
-                      timeout_s=timeout_s, max_retries=max_retries, max_connection_failures=max_connection_failures,
-                      request_gate=gate),
-        agent=AgentConfig(max_turns=max_turns, max_tokens=max_tokens, seed=seed, license=license),
-        env_kw=dict(env_kw or {}))
-    state = synthesize_episodes(config, api_key_env, return_state=True)
+    given = nested(dict(tasks=tasks, env=env, model=model, out=out, base_url=base_url, n=n, keep=keep,
+                        concurrency=concurrency, episode_concurrency=episode_concurrency, max_turns=max_turns,
+                        max_tokens=max_tokens, seed=seed, sampling=sampling, backend=backend, license=license,
+                        env_kw=env_kw, timeout_s=timeout_s, max_retries=max_retries,
+                        max_connection_failures=max_connection_failures))
+    job = synth_config(merge(config or {}, given), "synth config")
+    job.llm.request_gate = model_api_limit(api_limit, api_rate_limit, strict=api_limit_strict)
+    env, out = job.env, job.out
+    state = synthesize_episodes(job, api_key_env, return_state=True)
     if state.is_failed():
         return state
     report = state.result()

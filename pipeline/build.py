@@ -43,9 +43,9 @@ MAX_QUARANTINE_RAW = 100_000
 
 @dataclass(frozen=True)
 class BuildConfig:
-    rendering: str = "native"
-    max_turn_chars: int = 200_000
-    max_total_chars: int = 1_000_000
+    rendering: str = NormalizeConfig.rendering
+    max_turn_chars: int = NormalizeConfig.max_turn_chars
+    max_total_chars: int = ValidateConfig.max_total_chars
     progress_every: int = 1000
     shards: ShardConfig = ShardConfig()
     dedup: DedupConfig = DedupConfig()

@@ -5,7 +5,7 @@ from trajforge.pipeline.registry import Registry, UnknownName
 from trajforge.sources.agent_flan import AgentFlan
 from trajforge.sources.agentinstruct import AgentInstruct
 from trajforge.sources.agenttraj_l import AgentTrajL
-from trajforge.sources.base import RawRow, Source, SourceError, SourceFile, iter_rows
+from trajforge.sources.base import KeepRank, RawRow, Source, SourceError, SourceFile, iter_rows
 from trajforge.sources.openmanus_rl import OpenManusRL
 from trajforge.sources.synthetic import Synthetic
 
@@ -27,5 +27,10 @@ def get_source(name: str) -> Source:
         raise UnknownSource(exc.kind, exc.name, exc.known) from None
 
 
-__all__ = ["REGISTRY", "DEFAULT_SOURCES", "RawRow", "Source", "SourceError", "SourceFile", "UnknownSource", "get_source",
-           "iter_rows"]
+def keep_rank(name: str) -> KeepRank:
+    """The dedup keep rank of a source's records."""
+    return get_source(name).keep_rank
+
+
+__all__ = ["REGISTRY", "DEFAULT_SOURCES", "KeepRank", "RawRow", "keep_rank", "Source", "SourceError", "SourceFile",
+           "UnknownSource", "get_source", "iter_rows"]

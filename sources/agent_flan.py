@@ -9,20 +9,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from trajforge.sources.agentinstruct import SPLITS, env_from_prompt
-from trajforge.sources.base import Source, file_stem
+from trajforge.sources.base import KeepRank, Source, file_stem
 
 FILES = (
     "agent_instruct_react", "agent_instruct_tflan", "toolbench_instruct_j1s1_3k", "toolbench_negative",
     "toolbench_react_10p", "toolbench_tflan_60p_r10r5u7", "toolbench_tflan_cot_30p",
 )
-NEGATIVE_FILES = {"toolbench_negative": "tool_irrelevance"}
-
 
 class AgentFlan(Source):
     name = "agent_flan"
     hub_repo = "internlm/Agent-FLAN"
     license = "apache-2.0"
     hub_patterns = ("data/*.jsonl",)
+    keep_rank = KeepRank.ORIGINAL
+    negative_files = {"toolbench_negative": "tool_irrelevance"}
 
     def split_of(self, path: Path) -> str:
         return file_stem(path)

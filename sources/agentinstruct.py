@@ -1,7 +1,7 @@
 """THUDM/AgentInstruct: one parquet file per split, rows {conversations[{from, loss, value}], id}."""
 from __future__ import annotations
 
-from trajforge.sources.base import Source
+from trajforge.sources.base import KeepRank, Source
 
 SPLITS = {
     "os": ("os", "os"),
@@ -34,6 +34,7 @@ class AgentInstruct(Source):
     hub_repo = "THUDM/AgentInstruct"
     # THUDM/AgentTuning ships no LICENSE file; the card of the OpenManus-RL re-release says CC-BY-NC-4.0.
     license = "cc-by-nc-4.0"
+    keep_rank = KeepRank.ORIGINAL
 
     def domain_env(self, split, source_id, prompt=""):
         # Mirrors name files freely (db-sample.parquet, db.jsonl): the split is the first word,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from trajforge.sources.base import Source, file_stem
+from trajforge.sources.base import KeepRank, Source, file_stem
 
 ENVS = {
     "alfworld": ("household", "alfworld"),
@@ -42,6 +42,7 @@ class AgentTrajL(Source):
     # No license on the HF page; the AgentGym code repository is MIT.
     license = "unknown (AgentGym code: mit)"
     hub_patterns = ("*.json", "data/*")
+    keep_rank = KeepRank.ORIGINAL
 
     def split_of(self, path: Path) -> str:
         return file_stem(path).removesuffix("_train").split("-")[0]

@@ -16,8 +16,9 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
+from enum import IntEnum
 from pathlib import Path
-from typing import Iterator
+from typing import ClassVar, Iterator, Mapping
 
 import pyarrow.parquet as pq
 
@@ -420,13 +421,34 @@ class SourceSpec:
     hub_patterns: list[str] = field(default_factory=lambda: ["data/*", "*.json", "*.jsonl", "*.parquet"])
 
 
+class KeepRank(IntEnum):
+    """Which copy of a duplicate the dedup keeps, by source (lower is kept): a re-release drops
+    upstream fields (loss flags, ids), and synthetic rows are ours."""
+    ORIGINAL = 0
+    RE_RELEASE = 1
+    SYNTHETIC = 2
+
+
 class Source:
-    """One upstream dataset. Subclasses say how file names map to splits and splits to envs."""
+    """One upstream dataset. Subclasses say how file names map to splits and splits to envs,
+    and state their keep rank (there is no default: a new source says what it is)."""
 
     name: str
     hub_repo: str
     license: str
+    keep_rank: ClassVar[KeepRank]
     hub_patterns: tuple[str, ...] = ("data/*", "*.json", "*.jsonl", "*.parquet")
+    # Upstream file (as `upstream_file` names it) -> negative type: files whose rows are negatives.
+    negative_files: ClassVar[Mapping[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not isinstance(getattr(cls, "keep_rank", None), KeepRank):
+            raise TypeError(f"source {cls.__name__} must state its keep_rank (a KeepRank)")
+
+    @property
+    def re_release(self) -> bool:
+        return self.keep_rank == KeepRank.RE_RELEASE
 
     def files(self, location: str | None) -> list[SourceFile]:
         """Data files at a local path (folder or file), or in the Hub repo (`None` or a repo id)."""
@@ -461,6 +483,10 @@ class Source:
     def upstream_file(self, split: str, source_id: str) -> str:
         """The upstream file a row comes from; a re-release overrides this to name the original."""
         return split
+
+    def negative_type(self, split: str, source_id: str) -> str | None:
+        """The negative type of a row from a file of upstream negatives, else None."""
+        return self.negative_files.get(self.upstream_file(split, source_id))
 
     def domain_env(self, split: str, source_id: str, prompt: str = "") -> tuple[str, str] | None:
         """(domain, env) of a row, or None when neither its file, id nor prompt says which env it is."""

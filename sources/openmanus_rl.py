@@ -8,7 +8,7 @@ from __future__ import annotations
 from trajforge.sources.agent_flan import FILES as FLAN_FILES
 from trajforge.sources.agent_flan import AgentFlan
 from trajforge.sources.agenttraj_l import env_from_item_id
-from trajforge.sources.base import Source
+from trajforge.sources.base import KeepRank, Source
 
 
 class OpenManusRL(Source):
@@ -16,6 +16,9 @@ class OpenManusRL(Source):
     hub_repo = "CharlieDreemur/OpenManus-RL"
     license = "apache-2.0"
     hub_patterns = ("data/*",)
+    keep_rank = KeepRank.RE_RELEASE
+    # Re-released Agent-FLAN negatives keep their label (`upstream_file` names the Agent-FLAN file).
+    negative_files = AgentFlan.negative_files
 
     def split_of(self, path):
         return "train"

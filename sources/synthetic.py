@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trajforge.sources.base import Source, SourceError, SourceFile, file_stem, relative_name
+from trajforge.sources.base import KeepRank, Source, SourceError, SourceFile, file_stem, relative_name
 
-# Env name -> record domain, for synthetic records (pipeline/synth/agent.py uses it too).
+# Env name -> record domain of synthetic records; the agent asks `Synthetic.domain_of`.
 DOMAINS = {"os": "os", "db": "db", "webshop": "ecommerce", "alfworld": "household", "sciworld": "science",
            "babyai": "game", "textcraft": "game", "maze": "game", "wordle": "game", "webarena": "web",
            "sqlgym": "db", "movie": "tool", "todo": "tool", "weather": "tool", "academia": "tool", "sheet": "tool"}
@@ -31,6 +31,7 @@ class Synthetic(Source):
     name = "synthetic"
     hub_repo = ""
     license = "other"
+    keep_rank = KeepRank.SYNTHETIC
 
     def files(self, location: str | None) -> list[SourceFile]:
         if not location:
@@ -47,3 +48,7 @@ class Synthetic(Source):
     def domain_env(self, split: str, source_id: str, prompt: str = "") -> tuple[str, str] | None:
         domain = DOMAINS.get(split)
         return None if domain is None else (domain, split)
+
+    def domain_of(self, env: str) -> str:
+        """The domain a synthesized episode in `env` is filed under (tool use where the table is silent)."""
+        return DOMAINS.get(env, "tool")

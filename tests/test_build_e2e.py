@@ -15,17 +15,15 @@ import pytest
 
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.schemas import validator
-from tests.conftest import AGENT_FLAN, FIXTURE_QUARANTINE, FIXTURE_SOURCES, FIXTURES, REPO
+from tests.conftest import FIXTURE_QUARANTINE, FIXTURES, REPO
 
 
 @pytest.mark.slow
 def test_trajforge_build_on_the_fixtures(tmp_path):
+    """From the shipped example config (its sources are every fixture source), with options over it."""
     out = tmp_path / "build"
-    args = [sys.executable, "-m", "trajforge.flows.cli", "build", "--out", str(out)]
-    for name, location in FIXTURE_SOURCES.items():
-        args += ["--source", f"{name}={location}"]
-    args += ["--source", f"agent_flan={AGENT_FLAN}"]
-    args += ["--rl-tasks", str(FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl")]
+    args = [sys.executable, "-m", "trajforge.flows.cli", "build", "--config", str(REPO / "configs" / "build.yaml"),
+            "--out", str(out), "--rl-tasks", str(FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl")]
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Progress while running and a summary at the end.

@@ -225,3 +225,39 @@ def test_hub_answers_that_a_retry_cannot_change(status, error_code, retryable, s
         hf_raise_for_status(response)
     failure = hub_failure("org/name", raised.value)
     assert failure.retryable is retryable and says in failure.reason
+
+
+def test_build_config_file_missing_or_with_an_unknown_key(tmp_path):
+    line = refused("build", "--config", str(tmp_path / "build.yaml"))
+    assert "--config" in line and "build.yaml" in line and "No such file" in line
+    config = tmp_path / "typo.yaml"
+    config.write_text(f"out: {tmp_path / 'out'}\nworker: 2\n")
+    line = refused("build", "--config", str(config))
+    assert "unknown key worker" in line and "workers" in line
+    config.write_text(f"out: {tmp_path / 'out'}\nsources: {{nosuch: {RAW}}}\n")
+    assert "--source nosuch: unknown source" in refused("build", "--config", str(config))
+
+
+def test_build_config_unknown_stage_key_exits_2_before_prefect(tmp_path):
+    """Stage settings are checked against the stage configs (which load in seconds, so this case has
+    no time bound), before Prefect starts or the output folder is made."""
+    config = tmp_path / "build.yaml"
+    config.write_text(f"out: {tmp_path / 'out'}\nstages:\n  dedup:\n    treshold: 0.9\n")
+    proc, _, _ = trajforge("build", "--config", str(config), "--source", f"agentinstruct={RAW / 'agentinstruct'}")
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert "unknown key stages.dedup.treshold" in line and not (tmp_path / "out").exists()
+
+
+def test_build_needs_an_output_folder():
+    assert "--out" in refused("build", "--source", "agentinstruct")
+
+
+def test_synth_config_file_checks(tmp_path):
+    config = tmp_path / "synth.yaml"
+    config.write_text("tasks: t.jsonl\nenv: db\nout: o\nllm:\n  model: m\n  api_key: sk-secret\n")
+    line = refused("synth", "--config", str(config))
+    assert "llm.api_key cannot be set" in line and "sk-secret" not in line
+    config.write_text("tasks: t.jsonl\nenv: db\nout: o\nllm: {model: m}\nagent: {max_turn: 3}\n")
+    assert "unknown key agent.max_turn" in refused("synth", "--config", str(config))
+    assert "no model" in refused("synth", "--tasks", "t.jsonl", "--env", "db", "--out", str(tmp_path / "o"))

@@ -158,3 +158,14 @@ def test_eval_task_files_in_json_forms(tmp_path):
     (tmp_path / "b.jsonl").write_text('{"instruction": "task three"}\n"task four"\n')
     assert read_eval_tasks(tmp_path / "a.json") == ["task one here", "task two"]
     assert read_eval_tasks(tmp_path / "b.jsonl") == ["task three", "task four"]
+
+
+def test_keep_rank_is_stated_by_every_source():
+    from trajforge.sources import REGISTRY, KeepRank, Source, keep_rank
+
+    assert {name: keep_rank(name) for name in REGISTRY} == {
+        "agentinstruct": KeepRank.ORIGINAL, "agent_flan": KeepRank.ORIGINAL, "agenttraj_l": KeepRank.ORIGINAL,
+        "openmanus_rl": KeepRank.RE_RELEASE, "synthetic": KeepRank.SYNTHETIC}
+    assert [name for name, source in REGISTRY.items() if source.re_release] == ["openmanus_rl"]
+    with pytest.raises(TypeError, match="must state its keep_rank"):
+        type("Unranked", (Source,), {"name": "unranked"})

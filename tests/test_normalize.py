@@ -164,3 +164,13 @@ def test_react_build_of_every_fixture_validates(tmp_path):
     # Only the JSON / dict tool-call rows, whose prompts ask for JSON, stay native.
     assert {r["env"] for r in records if r["rendering"] == "native"} == {"toolbench"}
     assert renderings["react"] > 0.9 * len(records)
+
+
+def test_negative_files_are_the_sources_own():
+    """Agent-FLAN's negatives file, and OpenManus-RL's re-release of it, label their rows."""
+    flan, openmanus = get_source("agent_flan"), get_source("openmanus_rl")
+    assert flan.negative_type("toolbench_negative", "5") == "tool_irrelevance"
+    assert flan.negative_type("toolbench_react_10p", "5") is None
+    assert openmanus.negative_type("train", "AgentFlan_toolbench_negative_5") == "tool_irrelevance"
+    assert openmanus.negative_type("train", "AgentFlan_toolbench_react_10p_5") is None
+    assert get_source("agentinstruct").negative_type("os", "os_1") is None

@@ -93,3 +93,10 @@ def test_key_error_inside_an_env_constructor_reaches_the_env_reward(monkeypatch)
     columns = {"env_task": [json.dumps({**task.as_dict(), "env": "agentgym"})]}
     monkeypatch.delitem(envs.REGISTRY._entries, "agentgym")
     assert env_reward(["Action: Answer\nFinal Answer: []"], **columns) == [None]
+
+
+def test_cli_runner_names_are_the_registered_task_runners():
+    from trajforge.flows.build import TASK_RUNNERS
+    from trajforge.flows.config import RUNNERS
+
+    assert sorted(RUNNERS) == TASK_RUNNERS.names()

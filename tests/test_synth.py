@@ -14,7 +14,7 @@ import pytest
 from trajforge.pipeline.synth.llm import LLMConfig, ServerUnreachable
 from trajforge.pipeline.synth.job import USAGE_KEYS, SynthConfig, synthesize
 from trajforge.pipeline.ingest.validate import validate_record
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, REPO
 from tests.openai_server import Server, down_url, fixture_policy
 
 AGENTBENCH = FIXTURES / "tasks" / "agentbench"
@@ -174,6 +174,7 @@ def test_cli_synth_flow_and_the_build_reads_the_output(tmp_path, monkeypatch, ca
     server that is down: exit 1 with one clear line.
     """
     from trajforge.flows.cli import main
+    from trajforge.flows.config import read_config
     from trajforge.pipeline.build import BuildConfig, process_unit
     from trajforge.sources import get_source
 
@@ -187,9 +188,12 @@ def test_cli_synth_flow_and_the_build_reads_the_output(tmp_path, monkeypatch, ca
             return "401"
         return "500" if number % 7 == 0 else None
 
+    # The shipped example config (DBBench fixture tasks, this model), with options over it.
+    monkeypatch.chdir(REPO)
+    assert read_config(str(REPO / "configs" / "synth.yaml"))["llm"]["model"] == MODEL
     with Server(fixture_policy(db_files=[DB_FILE]), fault=fault, echo_request=True) as server:
-        code = main(["synth", "--tasks", str(DB_FILE), "--env", "db", "--model", MODEL, "--base-url",
-                     server.base_url, "--n", "1", "--out", str(out), "--api-key-env", "MY_LLM_KEY",
+        code = main(["synth", "--config", str(REPO / "configs" / "synth.yaml"), "--base-url", server.base_url,
+                     "--n", "1", "--out", str(out), "--api-key-env", "MY_LLM_KEY",
                      "--sampling", "temperature=0.5", "--max-retries", "3", "--timeout", "30"])
     assert code == 0 and f"Bearer {SECRET}" in server.authorizations
     assert server.faults["401"] == 1 and server.faults["500"] > 1

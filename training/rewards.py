@@ -26,28 +26,12 @@ import logging
 import re
 from typing import Callable
 
-from trajforge.pipeline.ingest.dialects import FREE_TEXT, parse_turn
-from trajforge.pipeline.ingest.normalize import extract_answer
+from trajforge.pipeline.ingest.dialects import DIALECTS, FREE_TEXT, extract_answer, parse_turn
 from trajforge.pipeline.registry import Registry, UnknownName
 
 logger = logging.getLogger(__name__)
 
 REACT_DIALECT = "think_act"
-
-# Per dialect: (thought marker, action marker) at the start of a line; None where the dialect
-# has no marker for it. JSON tool calls have no markers and are checked by parsing alone.
-MARKERS: dict[str, tuple[str | None, str]] = {
-    "think_act": ("Think:", "Act:"),
-    "upper_thought_action": ("THOUGHT:", "ACTION:"),
-    "thought_action_block": ("Thought:", "Action:"),
-    "action_input": ("Thought:", "Action:"),
-    "toolbench_react": ("Thought:", "Action:"),
-    "thought_action": ("Thought:", "Action:"),
-    "final_answer": ("Thought:", "Final Answer:"),
-    "choice_action": ("Thought:", "Answer:"),
-    "prose_action": (None, "Action:"),
-}
-
 
 def completion_text(completion) -> str:
     """TRL passes a string for plain prompts and a message list for conversational ones."""
@@ -90,10 +74,11 @@ def _line_starts(text: str, marker: str) -> list[int]:
 
 
 def _tag_count_score(text: str, want: str) -> float:
-    if want not in MARKERS:
-        # JSON / dict tool calls: one well-formed call is the whole structure.
+    markers = DIALECTS[want].markers if want in DIALECTS else None
+    if markers is None:
+        # JSON / dict tool calls (and names no dialect has): one well-formed call is the whole structure.
         return _format_score(text, want)
-    thought_marker, action_marker = MARKERS[want]
+    thought_marker, action_marker = markers
     thoughts = _line_starts(text, thought_marker) if thought_marker else []
     actions = _line_starts(text, action_marker)
     score = 0.25 * (len(thoughts) <= 1)                       # at most one thought (it is optional)

@@ -7,7 +7,9 @@ same thought and action (tested on every real turn), and so does rendering it as
 
 The action always keeps its environment's syntax: everything after the action marker (`bash` +
 fenced block, `answer(220)`, `search[...]`, `get_relations(...)`, `Operation` + SQL block, a
-JSON tool call), so that it can be replayed in the environment.
+JSON tool call), so that it can be replayed in the environment. Each dialect also carries its
+line markers (the GRPO rewards count them), and `extract_answer` reads the final answer out of a
+terminal action (validation, negatives, the agent loop and the rewards all use it).
 """
 from __future__ import annotations
 
@@ -53,6 +55,9 @@ class Dialect:
     # Keywords this dialect's prompts use for the thought and the action; the react rendering
     # rewrites them to Think/Act in the instruction turns.
     prompt_keywords: tuple[tuple[str, str], ...] = ()
+    # (thought marker, action marker) that open a line of a turn; None for a part without a
+    # marker, and no markers at all for JSON tool calls (the rewards check those by parsing).
+    markers: tuple[str | None, str] | None = None
 
 
 def _joined(head: str, thought: str, sep: str, marker: str, action: str) -> str:
@@ -60,11 +65,12 @@ def _joined(head: str, thought: str, sep: str, marker: str, action: str) -> str:
 
 
 def _marker_dialect(name: str, thought_head: str, action_pattern: str, head: str, sep: str, marker: str,
-                    keywords: tuple[tuple[str, str], ...]) -> Dialect:
+                    keywords: tuple[tuple[str, str], ...], action_marker: str | None = None) -> Dialect:
     """A dialect of the shape `[<thought head> thought \n] <action marker> action`.
 
     The thought is optional (upstream has turns with only an action); `action_pattern` must
-    capture the action, in its environment's syntax, as group `action`.
+    capture the action, in its environment's syntax, as group `action`. `action_marker` is the
+    marker where the action keeps its own (`Final Answer:`), the rendered marker otherwise.
     """
     regex = re.compile(rf"^(?:{thought_head}(?P<thought>.*?)\s*\n\s*)?{action_pattern}$", re.S)
 
@@ -75,11 +81,12 @@ def _marker_dialect(name: str, thought_head: str, action_pattern: str, head: str
     def render(thought: str, action: str | None) -> str:
         return _joined(head, thought, sep, marker, action or "")
 
-    return Dialect(name, parse, render, keywords)
+    return Dialect(name, parse, render, keywords, (head.strip(), action_marker or marker.strip()))
 
 
 _THOUGHT_ACTION_WORDS = (("Thought:", "Think:"), ("Action:", "Act:"))
-# (name, thought head, action pattern, rendered head, separator, rendered action marker, prompt keywords)
+# (name, thought head, action pattern, rendered head, separator, rendered action marker, prompt keywords
+#  [, action marker when the action carries its own])
 _MARKER_DIALECTS = [
     # AgentBench OS, and our react rendering.
     ("think_act", r"Think:[ \t]*", r"Act:[ \t]*(?P<action>\S.*)", "Think: ", "\n\n", "Act: ",
@@ -98,10 +105,10 @@ _MARKER_DIALECTS = [
      "\n", "Action: ", _THOUGHT_ACTION_WORDS),
     # Mind2Web multiple choice: Answer: B.\nAction: CLICK
     ("choice_action", r"Thought:[ \t]*", r"(?P<action>Answer:[ \t]*\S.*)", "Thought: ", "\n", "",
-     (("Thought:", "Think:"),)),
+     (("Thought:", "Think:"),), "Answer:"),
     # AgentInstruct KG final turn.
     ("final_answer", r"Thought:[ \t]*", r"(?P<action>Final Answer:[ \t]*\S.*)", "Thought: ", "\n", "",
-     _THOUGHT_ACTION_WORDS),
+     _THOUGHT_ACTION_WORDS, "Final Answer:"),
     # One line each: AgentInstruct KG, ALFWorld in AgentGym, SQL blocks in SQLGym.
     ("thought_action", r"Thought:[ \t]*", r"Action:[ \t]*(?P<action>\S.*)", "Thought: ", "\n", "Action: ",
      _THOUGHT_ACTION_WORDS),
@@ -178,7 +185,7 @@ DIALECTS: Registry[Dialect] = Registry("dialect", {d.name: d for d in [
     Dialect("json_tool", _parse_json_tool, _render_json_tool),
     Dialect("dict_tool_call", _parse_dict_call, _render_dict_call),
     *(_marker_dialect(*spec) for spec in _MARKER_DIALECTS),
-    Dialect("prose_action", _parse_prose_action, _render_prose_action, (("Action:", "Act:"),)),
+    Dialect("prose_action", _parse_prose_action, _render_prose_action, (("Action:", "Act:"),), (None, "Action:")),
 ]})
 
 # Turns with no action: the acknowledgement after the instructions ("Ok.") and a final reply in
@@ -196,6 +203,35 @@ def parse_turn(text: str) -> ParsedTurn:
         if parsed is not None:
             return parsed
     return ParsedTurn(text, None, FREE_TEXT)
+
+
+# The final answer in a terminal action, per benchmark action syntax.
+_ANSWER_PATTERNS = (
+    re.compile(r"^answer\((?P<a>.*)\)$", re.S),                      # AgentBench OS
+    re.compile(r"Final Answer:\s*(?P<a>.+)$", re.S),                   # DBBench, KG
+    re.compile(r"^finish with Action Input:\s*(?P<a>\{.*\})$", re.S),  # AgentGym tool envs
+)
+
+
+def extract_answer(action: str | None, dialect: str) -> str | None:
+    """The final answer a terminal action gives, in plain text (None when it gives none)."""
+    if action is None:
+        return None
+    for pattern in _ANSWER_PATTERNS:
+        m = pattern.search(action)
+        if m:
+            answer = m["a"].strip()
+            if answer.startswith("{"):
+                try:
+                    value = json.loads(answer).get("answer")
+                except (json.JSONDecodeError, AttributeError):
+                    return answer
+                return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            return answer
+    if dialect == "toolbench_react" and action.split("\n", 1)[0].strip() == "Finish":
+        m = re.search(r'"final_answer"\s*:\s*"(?P<a>(?:[^"\\]|\\.)*)"', action)
+        return m["a"] if m else None
+    return None
 
 
 def render_turn(dialect: str, thought: str, action: str | None) -> str:

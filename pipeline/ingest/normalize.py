@@ -16,13 +16,11 @@ import json
 import re
 from dataclasses import dataclass
 
-from trajforge.pipeline.ingest.dialects import FREE_TEXT, DIALECTS, ParseError, clean_text, parse_turn, render_react
-from trajforge.sources.agent_flan import NEGATIVE_FILES
+from trajforge.pipeline.ingest.dialects import (DIALECTS, FREE_TEXT, ParseError, clean_text, extract_answer, parse_turn,
+                                                render_react)
+from trajforge.schemas.record import READABLE_VERSIONS, TrajectoryRecord, Turn, new_record
 from trajforge.sources.base import Source
 
-SCHEMA_VERSION = "1.1.0"
-# Versions a record may carry and still pass through: 1.1.0 only added optional per-turn fields.
-READABLE_VERSIONS = ("1.0.0", SCHEMA_VERSION)
 ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
               "system": "system"}
 TURN_KEYS = {"role", "from", "content", "value", "loss"}
@@ -62,13 +60,6 @@ TASK_PATTERNS = {
 REACT_FORMAT_NOTE = ('\n\nFormat every reply as "Think: <your reasoning>" on the first line and '
                      '"Act: <your action>" after it.')
 
-_ANSWER_PATTERNS = (
-    re.compile(r"^answer\((?P<a>.*)\)$", re.S),                      # AgentBench OS
-    re.compile(r"Final Answer:\s*(?P<a>.+)$", re.S),                   # DBBench, KG
-    re.compile(r"^finish with Action Input:\s*(?P<a>\{.*\})$", re.S),  # AgentGym tool envs
-)
-
-
 @dataclass(frozen=True)
 class NormalizeConfig:
     rendering: str = "native"
@@ -77,27 +68,6 @@ class NormalizeConfig:
     def __post_init__(self):
         if self.rendering not in RENDERINGS:
             raise ValueError(f"rendering must be one of {RENDERINGS}, not {self.rendering!r}")
-
-
-def extract_answer(action: str | None, dialect: str) -> str | None:
-    """The final answer a terminal action gives, in plain text."""
-    if action is None:
-        return None
-    for pattern in _ANSWER_PATTERNS:
-        m = pattern.search(action)
-        if m:
-            answer = m["a"].strip()
-            if answer.startswith("{"):
-                try:
-                    value = json.loads(answer).get("answer")
-                except (json.JSONDecodeError, AttributeError):
-                    return answer
-                return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-            return answer
-    if dialect == "toolbench_react" and action.split("\n", 1)[0].strip() == "Finish":
-        m = re.search(r'"final_answer"\s*:\s*"(?P<a>(?:[^"\\]|\\.)*)"', action)
-        return m["a"] if m else None
-    return None
 
 
 def _turns(row: dict) -> list[dict]:
@@ -162,7 +132,7 @@ def _task_text(content: str, env: str) -> str:
 
 
 def normalize_row(row: dict, source: Source, split: str, source_file: str, index: int,
-                  config: NormalizeConfig = NormalizeConfig()) -> dict:
+                  config: NormalizeConfig = NormalizeConfig()) -> TrajectoryRecord:
     """Turn one upstream row into a record, or raise NormalizeError with a reason code."""
     if "schema_version" in row:
         return _passthrough(row, source)
@@ -188,8 +158,8 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
     conversations = []
     for i, turn in enumerate(turns):
         is_demo = task_at - demo_turns <= i < task_at
-        out = {"role": turn["role"], "content": turn["content"], "loss": False,
-               "thought": None, "action": None, "reasoning": None, "dialect": None}
+        out: Turn = {"role": turn["role"], "content": turn["content"], "loss": False,
+                     "thought": None, "action": None, "reasoning": None, "dialect": None}
         if turn["role"] == "assistant":
             try:
                 parsed = parse_turn(turn["content"])
@@ -214,33 +184,17 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
     if config.rendering == "react":
         rendering = _render_react(conversations, task_at)
 
-    negative_type = NEGATIVE_FILES.get(source.upstream_file(split, source_id))
+    negative_type = source.negative_type(split, source_id)
     extra_keys = sorted(set(row) - set(ROW_ID_KEYS) - set(CONVERSATION_KEYS))
     meta = {"source_index": index, "split": split}
     if extra_keys:
         meta["extra_keys"] = extra_keys
-    return {
-        "id": source.record_id(split, source_id),
-        "schema_version": SCHEMA_VERSION,
-        "source": source.name,
-        "source_id": source_id,
-        "source_file": source_file,
-        "license": source.license,
-        "domain": domain,
-        "env": env,
-        "kind": "negative" if negative_type else "positive",
-        "negative_type": negative_type,
-        "parent_id": None,
-        "rendering": rendering,
-        "loss_flags": "upstream" if upstream_loss else "inferred",
-        "demo_turns": demo_turns,
-        "task": _task_text(turns[task_at]["content"], env) or turns[task_at]["content"],
-        "answer": answer,
-        "reward": None,
-        "success": None,
-        "conversations": conversations,
-        "meta": json.dumps(meta, sort_keys=True),
-    }
+    return new_record(
+        id=source.record_id(split, source_id), source=source.name, source_id=source_id, source_file=source_file,
+        license=source.license, domain=domain, env=env, negative_type=negative_type, rendering=rendering,
+        loss_flags="upstream" if upstream_loss else "inferred", demo_turns=demo_turns,
+        task=_task_text(turns[task_at]["content"], env) or turns[task_at]["content"], answer=answer,
+        conversations=conversations, meta=meta)
 
 
 def _passthrough(row: dict, source: Source) -> dict:

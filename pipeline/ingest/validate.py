@@ -10,9 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from trajforge.pipeline.ingest.dialects import FREE_TEXT, parse_turn
+from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn
 from trajforge.pipeline.ingest.grammars import GRAMMARS, Breach, Context, grammar_for
-from trajforge.pipeline.ingest.normalize import extract_answer
 from trajforge.schemas import first_error
 
 # An assistant turn that goes on to write the environment's reply itself.

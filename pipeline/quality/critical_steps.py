@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import write_json, write_parquet
 from trajforge.pipeline.synth.llm import ChatBackend, JsonStore, LLMConfig, LLMError, make_backend
-from trajforge.pipeline.ingest.normalize import SCHEMA_VERSION
+from trajforge.schemas.record import SCHEMA_VERSION
 from trajforge.pipeline.synth.reasoning import split_reasoning
 from trajforge.schemas import arrow_schema
 

@@ -18,9 +18,9 @@ whitespace while the task and the trajectory stay.
   duplicate of a positive even when it repeats its task.
 
 Keep preference, in order (documented in the README): upstream loss flags over inferred ones, an
-original upstream release over a re-release (OpenManus-RL) over synthetic rows, more known outcome
-fields (answer, reward, success), then build order. It depends only on the records, so reruns
-keep the same representatives.
+original upstream release over a re-release (OpenManus-RL) over synthetic rows (each source states
+its `keep_rank`), more known outcome fields (answer, reward, success), then build order. It
+depends only on the records, so reruns keep the same representatives.
 """
 from __future__ import annotations
 
@@ -37,9 +37,7 @@ from datasketch import LeanMinHash, MinHash, MinHashLSH
 
 from trajforge.pipeline.ingest.dialects import clean_text
 from trajforge.pipeline.registry import Registry
-
-# Lower is preferred. Re-releases drop upstream fields (loss flags, ids), synthetic rows are ours.
-SOURCE_RANK = {"agentinstruct": 0, "agent_flan": 0, "agenttraj_l": 0, "openmanus_rl": 1, "synthetic": 2}
+from trajforge.sources import keep_rank as source_keep_rank
 
 # datasketch's 32-bit permutation scheme; the numpy backend also produces 32-bit values of the same
 # form, so either kind of signature goes into the same LSH index.
@@ -199,7 +197,7 @@ def near_duplicates(sets: Sequence[set[str]], groups: Sequence[str], config: Ded
 def keep_rank(record: dict, order: int) -> tuple:
     """Sort key of the keep preference (smaller is kept); see the module docstring."""
     known = sum(record[k] is not None for k in ("answer", "reward", "success"))
-    return (record["loss_flags"] != "upstream", SOURCE_RANK.get(record["source"], 3), -known, order)
+    return (record["loss_flags"] != "upstream", source_keep_rank(record["source"]), -known, order)
 
 
 def _dup_row(record: dict, kept: dict, match: str, similarity: float) -> dict:

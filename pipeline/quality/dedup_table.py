@@ -26,8 +26,9 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import polars as pl
 
-from trajforge.pipeline.quality.dedup import (SOURCE_RANK, DedupConfig, dedup_tokens, exact_key, jaccard, shingles,
+from trajforge.pipeline.quality.dedup import (DedupConfig, dedup_tokens, exact_key, jaccard, shingles,
                                               signatures)
+from trajforge.sources import keep_rank
 
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)
@@ -66,7 +67,7 @@ def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig =
         "exact": pl.Series([exact_key(r) for r in records], dtype=pl.String),
         # The keep preference of dedup.keep_rank, as columns (smaller is kept).
         "not_upstream": pl.Series([r["loss_flags"] != "upstream" for r in records], dtype=pl.Boolean),
-        "source_rank": pl.Series([SOURCE_RANK.get(r["source"], 3) for r in records], dtype=pl.Int8),
+        "source_rank": pl.Series([int(keep_rank(r["source"])) for r in records], dtype=pl.Int8),
         "unknown": pl.Series([-sum(r[k] is not None for k in ("answer", "reward", "success")) for r in records],
                              dtype=pl.Int8),
         **{name: pl.Series([r[name] for r in records], dtype=pl.String)

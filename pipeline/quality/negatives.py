@@ -24,9 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from trajforge.pipeline.ingest.dialects import FREE_TEXT, parse_turn, render_turn
+from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn, render_turn
 from trajforge.pipeline.ingest.grammars import action_name, break_action, grammar_for
-from trajforge.pipeline.ingest.normalize import extract_answer
 from trajforge.pipeline.ingest.validate import LOOP_REPEATS, action_contexts, grammar_breaches
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.registry import Registry

@@ -20,7 +20,6 @@ backend's `redact` (the configured API key, HF tokens, bearer tokens) before the
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import traceback
@@ -28,15 +27,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
-from trajforge.pipeline.ingest.dialects import FREE_TEXT, ParseError, clean_text, parse_turn
+from trajforge.pipeline.ingest.dialects import FREE_TEXT, ParseError, clean_text, extract_answer, parse_turn
+from trajforge.pipeline.synth.config import AgentConfig
 from trajforge.pipeline.synth.llm import ChatBackend, LLMError, family_of, prepare_messages
-from trajforge.pipeline.ingest.normalize import SCHEMA_VERSION, extract_answer
 from trajforge.pipeline.synth.reasoning import split_reasoning
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.synth.envs.base import EnvFailure
-from trajforge.sources.synthetic import DOMAINS
+from trajforge.schemas.record import TrajectoryRecord, new_record
+from trajforge.sources.synthetic import Synthetic
 
 log = logging.getLogger("trajforge.agent")
+SYNTHETIC = Synthetic()
 
 # The agent's instructions per environment, in each benchmark's own action syntax (AgentBench OS:
 # Think/Act with bash | answer(...) | finish; DBBench: Action: Operation + SQL block | Answer).
@@ -69,18 +70,6 @@ REPROMPTS = {
 }
 
 EMPTY_OBSERVATION = "(no output)"
-
-@dataclass(frozen=True)
-class AgentConfig:
-    max_turns: int = 8                # AgentBench's round limit
-    max_format_retries: int = 2       # re-prompts in a row for one step before the episode fails
-    success_threshold: float = 1.0    # env score at or above this is a success
-    max_tokens: int | None = None
-    stop: tuple[str, ...] | None = None
-    seed: int | None = None           # sample k is drawn with seed + k, so reruns are reproducible
-    license: str = "other"            # license of the task source, for the records
-    instructions: dict[str, str] = field(default_factory=dict)  # per env name; overrides INSTRUCTIONS
-
 
 @dataclass
 class StepLog:
@@ -310,7 +299,7 @@ def record_id(task_id: str, sample: int) -> str:
     return f"synthetic/{safe}~{sample}"
 
 
-def build_record(episode: Episode, backend: ChatBackend, task: Any, config: AgentConfig) -> dict:
+def build_record(episode: Episode, backend: ChatBackend, task: Any, config: AgentConfig) -> TrajectoryRecord:
     """A `source: synthetic` record in the trajectory schema; provenance and sampling in `meta`."""
     env_name = task.data.get("env_name", task.env) if task.env == "agentgym" else task.env
     meta = {
@@ -322,25 +311,8 @@ def build_record(episode: Episode, backend: ChatBackend, task: Any, config: Agen
         "usage": episode.usage,
         "steps": [asdict(s) for s in episode.steps],
     }
-    return {
-        "id": record_id(task.id, episode.sample),
-        "schema_version": SCHEMA_VERSION,
-        "source": "synthetic",
-        "source_id": f"{task.id}~{episode.sample}",
-        "source_file": task.source_file or "",
-        "license": config.license,
-        "domain": DOMAINS.get(env_name, "tool"),
-        "env": env_name,
-        "kind": "positive",
-        "negative_type": None,
-        "parent_id": None,
-        "rendering": "native",
-        "loss_flags": "inferred",
-        "demo_turns": 0,
-        "task": task.description.strip() or task.id,
-        "answer": episode.answer,
-        "reward": episode.reward,
-        "success": True,
-        "conversations": conversation_for(backend.model, episode.turns),
-        "meta": json.dumps(meta, sort_keys=True, ensure_ascii=False),
-    }
+    return new_record(
+        id=record_id(task.id, episode.sample), source=SYNTHETIC.name, source_id=f"{task.id}~{episode.sample}",
+        source_file=task.source_file or "", license=config.license, domain=SYNTHETIC.domain_of(env_name),
+        env=env_name, task=task.description.strip() or task.id, answer=episode.answer, reward=episode.reward,
+        success=True, conversations=conversation_for(backend.model, episode.turns), meta=meta)

@@ -26,7 +26,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,12 +35,12 @@ import pyarrow.parquet as pq
 
 from trajforge.pipeline.synth.agent import AgentConfig, Episode, StepLog, record_id, run_episode
 from trajforge.pipeline.atomic import write_json, write_parquet
+from trajforge.pipeline.synth.config import SynthConfig
 from trajforge.pipeline.synth.llm import JsonStore, LLMConfig, ServerUnreachable, make_backend, sampling_params
 from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.synth")
 
-KEEP = ("best", "all")
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "total_tokens")
 
 FAILURE_SCHEMA = pa.schema([
@@ -50,26 +50,6 @@ FAILURE_SCHEMA = pa.schema([
     ("usage", pa.struct([(k, pa.int64()) for k in USAGE_KEYS])),
     ("rejected", pa.string()),  # JSON: the replies re-prompted away, with their text and reasoning
 ])
-
-
-@dataclass
-class SynthConfig:
-    tasks: str
-    env: str
-    out: str
-    llm: LLMConfig
-    n: int = 4
-    keep: str = "best"                 # best: one record per task (highest reward, then fewest turns)
-    episode_concurrency: int = 16      # environments alive at once; LLM calls are bounded by llm.concurrency
-    backend: str = "openai"
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    env_kw: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.keep not in KEEP:
-            raise ValueError(f"keep must be one of {KEEP}, not {self.keep!r}")
-        if self.n < 1:
-            raise ValueError("n must be at least 1")
 
 
 class EpisodeJournal:

@@ -1,0 +1,124 @@
+"""`trajforge build|synth --config FILE`: the shipped examples, validation, and flags over the file.
+
+The examples run end to end through the real CLI in tests/test_build_e2e.py and tests/test_synth.py.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trajforge.flows.cli import _build_run, _synth_run, parser
+from trajforge.flows.config import (BuildRun, ConfigError, from_dict, load_build_run, merge, nested, read_config,
+                                    stage_config, synth_config)
+from trajforge.pipeline.synth.config import AgentConfig, SynthConfig
+from trajforge.pipeline.synth.llm import LLMConfig
+from trajforge.pipeline.build import BuildConfig
+from trajforge.pipeline.quality.dedup import DedupConfig
+from trajforge.sources import REGISTRY
+from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, REPO
+
+EXAMPLE = REPO / "configs" / "build.yaml"
+SYNTH_EXAMPLE = REPO / "configs" / "synth.yaml"
+
+
+def build_args(*argv: str):
+    return parser().parse_args(["build", *argv])
+
+
+def test_example_config_loads_and_states_the_defaults():
+    run = load_build_run(str(EXAMPLE))
+    # Every fixture source (test_build_e2e builds from this file and checks the fixture counts).
+    assert {name: (REPO / path).resolve() for name, path in run.sources.items()} == {
+        name: Path(path).resolve() for name, path in {**FIXTURE_SOURCES, "agent_flan": AGENT_FLAN}.items()}
+    assert set(run.sources) <= set(REGISTRY)
+    # The example shows the defaults; it must not drift from the dataclasses that state them.
+    assert stage_config(run.stages, str(EXAMPLE)) == BuildConfig()
+    assert (run.runner, run.workers) == (BuildRun.runner, BuildRun.workers)
+
+
+def test_flags_override_the_file(monkeypatch):
+    monkeypatch.chdir(REPO)
+    run = _build_run(build_args("--config", str(EXAMPLE), "--out", "elsewhere", "--dedup-threshold", "0.9",
+                                "--workers", "2", "--rendering", "react", "--source", "agentinstruct=x"))
+    assert (run.out, run.workers, run.sources) == ("elsewhere", 2, {"agentinstruct": "x"})
+    config = stage_config(run.stages, "test")
+    assert config.dedup == DedupConfig(threshold=0.9) and config.rendering == "react"
+    assert config.negatives == BuildConfig().negatives  # the file's other stage settings stay
+
+
+def test_without_a_file_the_flags_alone_decide():
+    run = _build_run(build_args("--out", "o"))
+    assert run == BuildRun(out="o")
+    assert stage_config(run.stages, "options") == BuildConfig()
+
+
+@pytest.mark.parametrize("text, says", [
+    ("workers: four\n", "workers must be int, not str 'four'"),
+    ("runner: slurm\n", "runner must be one of processes, threads, dask, ray"),
+    ("stages: [1]\n", "stages must be a mapping"),
+    ("- out\n", "expected a mapping of keys, not list"),
+    ("out: [unclosed\n", "not valid YAML (line 2)"),
+])
+def test_bad_values_name_the_key(tmp_path: Path, text, says):
+    path = tmp_path / "build.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"build\.yaml") as err:
+        load_build_run(str(path))
+    assert says in str(err.value)
+
+
+@pytest.mark.parametrize("stages, says", [
+    ({"dedup": {"treshold": 0.9}}, "unknown key stages.dedup.treshold; known under stages.dedup: near, threshold"),
+    ({"dedup": {"threshold": 2.0}}, "stages.dedup: threshold must be in (0, 1], not 2.0"),
+    ({"max_turn_chars": "many"}, "stages.max_turn_chars must be int"),
+    ({"dedup": {"threshold": True}}, "stages.dedup.threshold must be float, not bool"),
+])
+def test_stage_settings_are_checked(stages, says):
+    with pytest.raises(ConfigError) as err:
+        stage_config(stages, "build.yaml")
+    assert says in str(err.value)
+
+
+def test_lists_become_the_tuples_the_stages_hold():
+    config = stage_config({"rl_tasks": ["a.jsonl"], "shards": {"max_rows": 10}}, "build.yaml")
+    assert config.rl_tasks == ("a.jsonl",) and config.shards.max_rows == 10
+    assert from_dict(BuildRun, {"sources": {"agentinstruct": None}}, "x").sources == {"agentinstruct": None}
+
+
+def synth_args(*argv: str):
+    return parser().parse_args(["synth", *argv])
+
+
+def test_synth_example_loads_and_states_the_defaults():
+    data = read_config(str(SYNTH_EXAMPLE))
+    assert data.pop("api_key_env") is None
+    config = synth_config(data, str(SYNTH_EXAMPLE))
+    assert (REPO / config.tasks).is_file() and config.env == "db"
+    assert config.llm == LLMConfig(model=config.llm.model, base_url=config.llm.base_url)
+    assert config.agent == AgentConfig()
+    assert config == SynthConfig(tasks=config.tasks, env="db", out=config.out, llm=config.llm)
+
+
+def test_synth_flags_override_the_file():
+    config, api_key_env, given = _synth_run(synth_args(
+        "--config", str(SYNTH_EXAMPLE), "--n", "1", "--max-turns", "3", "--timeout", "30", "--api-key-env", "K",
+        "--sampling", "temperature=0.5", "--sampling", "top_k=null"))
+    assert api_key_env == "K" and "api_key_env" not in config
+    job = synth_config(merge(config, nested(given)), "test")
+    assert (job.n, job.agent.max_turns, job.llm.timeout_s) == (1, 3, 30.0)
+    assert job.llm.sampling == {"temperature": 0.5, "top_k": None}
+    assert job.llm.max_retries == LLMConfig.max_retries and job.keep == SynthConfig.keep
+
+
+@pytest.mark.parametrize("data, says", [
+    ({}, "no tasks; give --tasks"),
+    ({"tasks": "t", "env": "db", "out": "o", "llm": {"model": "m", "api_key": "sk-1"}}, "llm.api_key cannot be set"),
+    ({"tasks": "t", "env": "db", "out": "o", "llm": {"model": "m"}, "agent": {"max_turn": 3}},
+     "unknown key agent.max_turn; known under agent: max_turns"),
+    ({"tasks": "t", "env": "db", "out": "o", "llm": {"model": "m"}, "keep": "worst"}, "keep must be one of"),
+])
+def test_synth_config_is_checked(data, says):
+    with pytest.raises(ConfigError) as err:
+        synth_config(data, "synth.yaml")
+    assert says in str(err.value)
