@@ -364,7 +364,7 @@ def test_output_flood_is_bounded(sandboxed):
 
 
 def _host_shmem() -> int:
-    """Bytes of shared memory (tmpfs, SysV shm) on the host: `free`'s "shared" column."""
+    """Bytes of shared memory (tmpfs, SysV shm) on the host: the shared-memory column of `free`."""
     line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("Shmem:"))
     return int(line.split()[1]) * 1024
 
