@@ -20,13 +20,12 @@ the prompt asks for, as parsed from the reference turn), `answer`, `env`, `domai
 """
 from __future__ import annotations
 
-import ast
 import json
 import logging
 import re
 from typing import Callable
 
-from trajforge.pipeline.ingest.dialects import DIALECTS, FREE_TEXT, extract_answer, parse_turn
+from trajforge.pipeline.ingest.dialects import DIALECTS, FREE_TEXT, extract_answer, parse_literal, parse_turn
 from trajforge.pipeline.registry import Registry, UnknownName
 
 logger = logging.getLogger(__name__)
@@ -94,16 +93,6 @@ def tag_count_reward(completions, **kwargs) -> list[float | None]:
     return _score_each(completions, kwargs, _tag_count_score)
 
 
-def _as_list(answer: str) -> list | None:
-    for loader in (json.loads, ast.literal_eval):
-        try:
-            value = loader(answer)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            continue
-        return value if isinstance(value, list) else None
-    return None
-
-
 def _norm(value) -> str:
     """Case, spacing, quotes and number formatting do not change an answer: `12000.0` == `12000`."""
     text = str(value).strip().strip("'\"`").strip().rstrip(".").casefold()
@@ -116,7 +105,7 @@ def _norm(value) -> str:
 
 
 def answers_match(predicted: str, reference: str) -> bool:
-    pred_list, ref_list = _as_list(predicted), _as_list(reference)
+    pred_list, ref_list = parse_literal(predicted, list), parse_literal(reference, list)
     if pred_list is not None and ref_list is not None:
         return sorted(map(_norm, pred_list)) == sorted(map(_norm, ref_list))
     if ref_list is not None and len(ref_list) == 1:  # `Final Answer: 28` against `[28]`

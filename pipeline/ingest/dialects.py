@@ -213,6 +213,18 @@ _ANSWER_PATTERNS = (
 )
 
 
+def parse_literal(text: str, expected: type) -> object | None:
+    """`text` as a JSON value, or as the Python literal some upstream rows write instead; None unless it
+    parses to an `expected` (dict for tool arguments, list for answers)."""
+    for parse in (json.loads, ast.literal_eval):
+        try:
+            value = parse(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+        return value if isinstance(value, expected) else None
+    return None
+
+
 def extract_answer(action: str | None, dialect: str) -> str | None:
     """The final answer a terminal action gives, in plain text (None when it gives none)."""
     if action is None:

@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from trajforge.pipeline.ingest.dialects import parse_literal
 from trajforge.pipeline.synth.envs.os_sandbox import parse_os_action
 from trajforge.pipeline.registry import Registry
 
@@ -433,14 +434,7 @@ def tool_offered(name: str, prompt: str) -> bool:
 
 def parse_arguments(text: str) -> dict | None:
     """A tool call's arguments: a JSON object, or the Python dict literal some upstream rows write."""
-    text = text.strip()
-    for parse in (json.loads, ast.literal_eval):
-        try:
-            value = parse(text)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            continue
-        return value if isinstance(value, dict) else None
-    return None
+    return parse_literal(text.strip(), dict)
 
 
 def tool_call(action: str, dialect: str | None) -> tuple[str | None, str | None]:
