@@ -1,0 +1,55 @@
+"""The stage protocol: a stage keeps some records and says why it dropped each of the others.
+
+A build is a short sequence of named stages. The map stages (read, normalize, validate) see one
+record at a time, inside a unit; the global stages (decontaminate, exact and near dedup) see the
+key tables of every unit. Either kind reports a `StageTally`: how many records came in, how many
+it kept, and the dropped ones by reason. The build's counts, its quarantine rows and the report's
+`stages` section are made from those tallies and the dropped rows, never rebuilt afterwards.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """Why a stage did not keep a record: a reason code (the quarantine's, or `duplicate`) and a detail."""
+    reason: str
+    detail: str = ""
+    source_id: str | None = None
+
+
+@dataclass
+class StageTally:
+    """One stage's counts: records in, kept, and dropped by reason (in + nothing else = kept + dropped)."""
+    stage: str
+    seen: int = 0
+    kept: int = 0
+    dropped: Counter = field(default_factory=Counter)
+
+    def keep(self, n: int = 1) -> None:
+        self.seen += n
+        self.kept += n
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.seen += n
+        self.dropped[reason] += n
+
+    def add(self, other: "StageTally") -> None:
+        self.seen += other.seen
+        self.kept += other.kept
+        self.dropped.update(other.dropped)
+
+    def as_dict(self) -> dict:
+        return {"stage": self.stage, "in": self.seen, "kept": self.kept,
+                "dropped": dict(sorted(self.dropped.items()))}
+
+
+def merge_tallies(tallies: list[list[StageTally]]) -> list[StageTally]:
+    """Tallies of the same stages (as several units report them) added up, in stage order."""
+    merged: dict[str, StageTally] = {}
+    for sequence in tallies:
+        for tally in sequence:
+            merged.setdefault(tally.stage, StageTally(tally.stage)).add(tally)
+    return list(merged.values())
