@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -30,7 +31,8 @@ import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import atomic_path
 from trajforge.pipeline.quality.dedup import Contamination, dedup_tokens, read_eval_tasks, shingles
-from trajforge.pipeline.quality.dedup_table import duplicates_table, record_keys
+from trajforge.pipeline.quality.dedup_table import (SKETCH_BINS, band_columns, duplicates_table, near_matrices,
+                                                    record_keys)
 from trajforge.pipeline.quality.pools import EnvPools
 
 BATCH_ROWS = 1024
@@ -101,11 +103,14 @@ class KeysWriter:
 
 
 def key_table(units, config) -> pl.DataFrame:
-    """Every unit's key table in build order, with the global `order`, the `unit` and its `row`, the
+    """Every unit's key table in build order, without the near-dedup columns (`near_rows` loads
+    those for the records that need them), with the global `order`, the `unit` and its `row`, the
     contamination verdict, and ids made unique as `build.unique_ids` does (`repeat` > 1 gets `~repeat`)."""
+    near = set(band_columns(config.dedup)) | {"sketch"}
     frames, offset = [], 0
     for u, unit in enumerate(units):
-        frame = pl.read_parquet(unit.keys_path)
+        columns = [c for c in pq.read_schema(unit.keys_path).names if c not in near]
+        frame = pl.read_parquet(unit.keys_path, columns=columns)
         frames.append(frame.with_columns(pl.col("order").alias("row"), (pl.col("order") + offset).alias("order"),
                                          pl.lit(u, dtype=pl.Int32).alias("unit")))
         offset += frame.height
@@ -125,36 +130,54 @@ def iter_records(units, columns: list[str] | None = None, batch_rows: int = BATC
             row += batch.num_rows
 
 
-def read_rows(units, wanted: dict[int, list[int]]) -> dict[tuple[int, int], dict]:
-    """The staged records at {unit: [rows]}, by (unit, row)."""
+def read_rows(units, wanted: dict[int, list[int]], columns: list[str] | None = None) -> dict[tuple[int, int], dict]:
+    """The staged records at {unit: [rows]}, by (unit, row); reads only the row groups that hold them."""
     out = {}
     for u, rows in wanted.items():
-        rows = sorted(rows)
-        start = 0
-        for batch in pq.ParquetFile(units[u].records_path).iter_batches(batch_size=BATCH_ROWS):
-            end = start + batch.num_rows
-            inside = [r for r in rows if start <= r < end]
-            if inside:
-                taken = batch.take(pa.array([r - start for r in inside])).to_pylist()
-                out.update({(u, r): rec for r, rec in zip(inside, taken)})
-            start = end
+        staged = pq.ParquetFile(units[u].records_path)
+        sizes = [staged.metadata.row_group(g).num_rows for g in range(staged.num_row_groups)]
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        groups = np.searchsorted(starts, rows, side="right") - 1
+        for g in np.unique(groups).tolist():
+            inside = rows[groups == g]
+            taken = staged.read_row_group(g, columns=columns).take(pa.array(inside - starts[g])).to_pylist()
+            out.update({(u, int(r)): rec for r, rec in zip(inside.tolist(), taken)})
     return out
 
 
+def near_rows(units, config):
+    """Loader of the band keys and sketches of a key table's rows (it has `unit` and `row`), in
+    its order, one unit's key file at a time (dedup_table.duplicates_table's `near_rows`)."""
+    columns = band_columns(config.dedup) + ["sketch"]
+
+    def load(table: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+        bands = np.empty((table.height, len(columns) - 1), dtype=np.uint64)
+        sketch = np.empty((table.height, SKETCH_BINS), dtype=np.uint8)
+        index = table.select("unit", "row").with_row_index("at")
+        for (u,), part in index.partition_by("unit", as_dict=True).items():
+            rows = pl.read_parquet(units[u].keys_path, columns=columns)[part["row"].to_numpy()]
+            at = part["at"].to_numpy()
+            bands[at], sketch[at] = near_matrices(rows, config.dedup)
+        return bands, sketch
+
+    return load
+
+
 def global_duplicates(keys: pl.DataFrame, units, config) -> list[dict]:
-    """The duplicates map of the clean records; the shingle sets of candidate pairs only are re-read."""
+    """The duplicates map of the clean records; the shingle sets of verified pairs only are re-read."""
     clean = keys.filter(pl.col("contaminated").is_null())
-    where = dict(zip(keys["order"].to_list(), zip(keys["unit"].to_list(), keys["row"].to_list())))
+    unit_of, row_of = keys["unit"].to_numpy(), keys["row"].to_numpy()
 
     def shingles_of(orders: list[int]) -> dict[int, set[str]]:
         wanted: dict[int, list[int]] = {}
         for o in orders:
-            u, r = where[o]
-            wanted.setdefault(u, []).append(r)
-        rows = read_rows(units, wanted)
-        return {o: shingles(dedup_tokens(rows[where[o]]), config.dedup.shingle_size) for o in orders}
+            wanted.setdefault(int(unit_of[o]), []).append(int(row_of[o]))
+        rows = read_rows(units, wanted, columns=["task", "conversations"])
+        return {o: shingles(dedup_tokens(rows[int(unit_of[o]), int(row_of[o])]), config.dedup.shingle_size)
+                for o in orders}
 
-    return duplicates_table(clean, shingles_of, config.dedup)
+    return duplicates_table(clean, shingles_of, config.dedup, near_rows(units, config))
 
 
 def fill_pools(units, kept: set[int], offsets: list[int]) -> EnvPools:

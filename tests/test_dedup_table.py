@@ -7,9 +7,10 @@ import numpy as np
 import polars as pl
 import pytest
 
-from trajforge.pipeline.quality.dedup import DedupConfig, deduplicate
-from trajforge.pipeline.quality.dedup_table import (band_keys, candidate_pairs, deduplicate_in_memory, record_keys,
-                                                    resolve)
+from trajforge.pipeline.quality import dedup_table
+from trajforge.pipeline.quality.dedup import DedupConfig, dedup_tokens, deduplicate, jaccard, shingles
+from trajforge.pipeline.quality.dedup_table import (band_keys, candidate_pairs, deduplicate_in_memory, near_matrices,
+                                                    record_keys, resolve, sketch_similarity, verified_pairs)
 from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
 from trajforge.pipeline.quality.pools import EnvPools
 from tests.test_dedup import merged  # noqa: F401  (the fixture: every valid fixture record, ids unique)
@@ -41,17 +42,60 @@ def test_band_keys_equal_exactly_when_the_band_values_do():
     assert keys[3, 0] != keys[0, 0] and keys[3, 1] != keys[0, 1]
 
 
-def _ranked(rows: list[tuple[str, list[int]]]) -> pl.DataFrame:
-    return pl.DataFrame({"pos": list(range(len(rows))), "group": [g for g, _ in rows],
-                         **{f"band{b}": pl.Series([keys[b] for _, keys in rows], dtype=pl.UInt64) for b in range(2)}})
+def _pairs(groups: list[int], bands: list[list[int]]) -> list[tuple[int, int]]:
+    return [pair for a, b in candidate_pairs(np.array(groups), np.array(bands, dtype=np.uint64))
+            for pair in zip(a.tolist(), b.tolist())]
 
 
 def test_band_grouping_pairs_records_that_share_a_band_within_a_group_once():
-    ranked = _ranked([("positive:", [1, 2]), ("positive:", [1, 2]), ("positive:", [5, 2]),
-                      ("negative:x", [1, 2]), ("positive:", [7, 8])])
-    pairs = set(candidate_pairs(ranked, 2).iter_rows())
+    pairs = _pairs([0, 0, 0, 1, 0], [[1, 2], [1, 2], [5, 2], [1, 2], [7, 8]])
     # 0-1 share both bands but appear once; 3 has the same keys in another group; 4 shares nothing.
-    assert pairs == {(0, 1), (0, 2), (1, 2)}
+    assert sorted(pairs) == [(0, 1), (0, 2), (1, 2)]
+
+
+def test_a_bucket_larger_than_a_batch_comes_in_blocks_with_every_pair_once(monkeypatch):
+    monkeypatch.setattr(dedup_table, "PAIR_BATCH", 50)
+    batches = list(candidate_pairs(np.zeros(40, dtype=np.int64), np.full((40, 1), 7, dtype=np.uint64)))
+    assert len(batches) > 10 and max(len(a) for a, _ in batches) <= 50 + 40
+    pairs = [pair for a, b in batches for pair in zip(a.tolist(), b.tolist())]
+    assert sorted(pairs) == [(a, b) for a in range(40) for b in range(a + 1, 40)]
+
+
+def test_sketches_estimate_the_jaccard_of_the_fixture_pairs(merged):
+    """The screen's premise: on real trajectories the sketch similarity is close to the true
+    Jaccard, and no pair at or above the threshold falls below threshold - SKETCH_MARGIN."""
+    config = DedupConfig()
+    keys = record_keys(merged, 0, config)
+    _, sketch = near_matrices(keys, config)
+    sets = [shingles(dedup_tokens(r), config.shingle_size) for r in merged]
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, len(merged), 3000), rng.integers(0, len(merged), 3000)
+    similar = [(i, j) for i in range(len(merged)) for j in range(i + 1, len(merged))
+               if len(sets[i] & sets[j]) * 2 > len(sets[i])]
+    a = np.concatenate([a, [i for i, _ in similar]]).astype(np.int64)
+    b = np.concatenate([b, [j for _, j in similar]]).astype(np.int64)
+    estimate = sketch_similarity(sketch, a, b)
+    true = np.array([jaccard(sets[i], sets[j]) for i, j in zip(a.tolist(), b.tolist())])
+    assert (true >= 0.85).sum() > 10, "the fixtures hold near duplicates"
+    assert np.abs(estimate - true).mean() < 0.01
+    assert (estimate[true >= 0.85] >= 0.85 - dedup_table.SKETCH_MARGIN).all()
+
+
+def test_verification_in_small_batches_gives_the_same_similarities(monkeypatch, merged):
+    config = DedupConfig()
+    sets = [shingles(dedup_tokens(r), config.shingle_size) for r in merged]
+    pairs = np.array([(i, j) for i in range(0, 60) for j in range(i + 1, 60, 7)], dtype=np.int64)
+    orders = np.arange(len(merged))[::-1].copy()
+    calls = []
+
+    def shingles_of(wanted):
+        calls.append(len(wanted))
+        return {o: sets[o] for o in wanted}
+
+    monkeypatch.setattr(dedup_table, "VERIFY_BATCH", 9)
+    got = list(verified_pairs(pairs, orders, shingles_of))
+    assert max(calls) <= 9 + 1 and len(calls) > 5
+    assert got == [(a, b, jaccard(sets[orders[a]], sets[orders[b]])) for a, b in pairs.tolist()]
 
 
 def test_resolve_drops_for_the_most_similar_kept_record_and_never_chains():
@@ -68,9 +112,10 @@ def test_candidates_are_verified_by_the_true_jaccard(merged):
     loose = DedupConfig(bands=64, rows=1)
     kept, dups = deduplicate(merged, loose)
     assert deduplicate_in_memory(merged, loose)[1] == dups
-    pairs = candidate_pairs(record_keys(merged, 0, loose).with_row_index("pos").with_columns(
-        pl.col("pos").cast(pl.Int64)), 64)
-    assert len(pairs) > 5 * len(dups)
+    keys = record_keys(merged, 0, loose)
+    bands, _ = near_matrices(keys, loose)
+    groups = keys["group"].rank("dense").to_numpy()
+    assert sum(len(a) for a, _ in candidate_pairs(groups, bands)) > 5 * len(dups)
 
 
 def test_pools_give_the_same_negatives_as_the_full_scan(merged):

@@ -118,7 +118,7 @@ def jaccard(a: set, b: set) -> float:
     return len(a & b) / len(a | b) if a or b else 1.0
 
 
-def _datasketch_signatures(sets: Sequence[set[str]], num_perm: int, seed: int) -> np.ndarray:
+def _datasketch_signatures(sets: Sequence[set[str]], num_perm: int, seed: int, hashes=None) -> np.ndarray:
     out = np.empty((len(sets), num_perm), dtype=np.uint32)
     for i, s in enumerate(sets):
         m = MinHash(num_perm=num_perm, seed=seed, scheme=SCHEME)
@@ -127,8 +127,15 @@ def _datasketch_signatures(sets: Sequence[set[str]], num_perm: int, seed: int) -
     return out
 
 
+def shingle_hashes(sets: Sequence[set[str]], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(set sizes, one 64-bit hash per shingle of every set, set after set), hashed by polars at once."""
+    sizes = np.fromiter((len(s) for s in sets), dtype=np.int64, count=len(sets))
+    flat = pl.Series([x for s in sets for x in s], dtype=pl.String)
+    return sizes, flat.hash(seed=seed).to_numpy()
+
+
 def _numpy_signatures(sets: Sequence[set[str]], num_perm: int, seed: int,
-                      chunk_shingles: int = 1 << 13) -> np.ndarray:
+                      hashes: tuple[np.ndarray, np.ndarray] | None = None, chunk_shingles: int = 1 << 13) -> np.ndarray:
     """MinHash of many sets at once: one vectorized 64-bit hash of every shingle (polars), then
     `num_perm` affine permutations of its 32 high bits, (a*x + b) mod 2^32 with odd `a` (a
     bijection, the scheme datasketch calls affine32), and a per-set minimum (numpy).
@@ -136,9 +143,8 @@ def _numpy_signatures(sets: Sequence[set[str]], num_perm: int, seed: int,
     The work runs in chunks of whole sets through one reused buffer of about 4 MB: small enough to
     stay in cache, which matters more than the number of numpy calls.
     """
-    sizes = np.fromiter((len(s) for s in sets), dtype=np.int64, count=len(sets))
-    flat = pl.Series([x for s in sets for x in s], dtype=pl.String)
-    hashed = (flat.hash(seed=seed).to_numpy() >> np.uint64(32)).astype(np.uint32)
+    sizes, hashed = hashes or shingle_hashes(sets, seed)
+    hashed = (hashed >> np.uint64(32)).astype(np.uint32)
     gen = np.random.RandomState(seed)
     a = (gen.randint(0, 1 << 31, size=num_perm, dtype=np.uint64) * 2 + 1).astype(np.uint32)
     b = gen.randint(0, 1 << 32, size=num_perm, dtype=np.uint64).astype(np.uint32)
@@ -161,11 +167,13 @@ def _numpy_signatures(sets: Sequence[set[str]], num_perm: int, seed: int,
 SIGNATURE_BACKENDS = Registry("MinHash backend", {"numpy": _numpy_signatures, "datasketch": _datasketch_signatures})
 
 
-def signatures(sets: Sequence[set[str]], config: DedupConfig) -> np.ndarray:
-    """MinHash signatures (one row per set) with the configured backend."""
+def signatures(sets: Sequence[set[str]], config: DedupConfig,
+               hashes: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """MinHash signatures (one row per set) with the configured backend; `hashes` are the sets'
+    `shingle_hashes` when the caller has them already."""
     if not sets:
         return np.empty((0, config.num_perm), dtype=np.uint32)
-    return SIGNATURE_BACKENDS[config.backend](sets, config.num_perm, config.seed)
+    return SIGNATURE_BACKENDS[config.backend](sets, config.num_perm, config.seed, hashes)
 
 
 def near_duplicates(sets: Sequence[set[str]], groups: Sequence[str], config: DedupConfig,
