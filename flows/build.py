@@ -2,8 +2,10 @@
 
 Only composition lives here; the stages are plain functions in pipeline/.
 
-- Scale-out: the per-file units run in a subflow whose task runner is a parameter (`threads`, or
-  `dask` / `ray` on a local cluster or at a cluster address), so a deployment can pick it too.
+- Scale-out: the build runs in a subflow whose task runner is a parameter (`processes`, `threads`,
+  or `dask` / `ray` on a local cluster or at a cluster address), so a deployment can pick it too.
+  The per-file units and the per-unit steps of the second half (pools, outputs) run on it; the
+  global stages (dedup, ids) run in the flow on the units' compact key tables.
 - Resume: a unit is done once its completion marker (written after its staged files) names the
   same input fingerprint; its result is also persisted by Prefect under `<out>/.staging/results`.
   A rerun after a crash, even a SIGKILL, redoes only the units and shards that had not finished.
@@ -17,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -113,14 +116,30 @@ def process_unit_task(name: str, file: SourceFile, staging: str, config: BuildCo
     return result
 
 
-@task(name="finalize")
-def finalize_task(units: list[UnitResult], out: str, config: BuildConfig) -> dict:
-    return finalize(units, Path(out), config)
+@task(name="unit-step", cache_policy=NO_CACHE, persist_result=False)
+def unit_step(function, args: tuple):
+    """One per-unit step of the second half of a build (a unit's pools, a unit's outputs)."""
+    return function(*args)
 
 
-@flow(name="process-units")
+def on_task_runner(function, calls: list[tuple]) -> list:
+    """`finalize`'s `map_units` on the flow's task runner: every call submitted, results in call order."""
+    step = unit_step.with_options(name=function.__name__.replace("_", "-"))
+    futures = [step.submit(function, args) for args in calls]
+    return [future.result() for future in futures]
+
+
+@flow(name="build-units")
+def build_units(files: list[tuple[str, SourceFile]], staging: str, out: str, config: BuildConfig) -> dict:
+    """The build on this flow's task runner: every unit is processed there (results in input
+    order, deterministic), then the global stages run here on the key tables and the per-unit
+    steps of the second half (pools, outputs) go back to the runner. Returns the report."""
+    units = process_units(files, staging, config)
+    return finalize(units, Path(out), config, map_units=on_task_runner)
+
+
 def process_units(files: list[tuple[str, SourceFile]], staging: str, config: BuildConfig) -> list[UnitResult]:
-    """Run every unit on this flow's task runner; results come back in input order (deterministic)."""
+    """Run every unit on the flow's task runner; results come back in input order (deterministic)."""
     logger = get_run_logger()
     unit = process_unit_task.with_options(result_storage=Path(staging) / "results")
     futures = [unit.submit(name, file, staging, config) for name, file in files]
@@ -175,9 +194,8 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str = "buil
     remove_stale_temp_files(out_dir)
     files = [(name, f) for name, location in sources.items() for f in resolve_source(name, location)]
     api_url = str(FlowRunContext.get().client.api_url)
-    units = process_units.with_options(task_runner=make_task_runner(runner, address, workers, api_url))(
-        files, str(staging), config)
+    report = build_units.with_options(task_runner=make_task_runner(runner, address, workers, api_url))(
+        files, str(staging), str(out_dir), config)
     # The CLI prints the summary table; deployment runs have report.json, report.html and the artifacts.
-    report = finalize_task(units, str(out_dir), config)
     build_artifacts(report, out)
     return report

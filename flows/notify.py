@@ -22,7 +22,7 @@ from prefect.events.actions import SendNotification
 from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
 
 AUTOMATION = "trajforge: notify on failed run"
-FLOWS = ["synthesize", "build-dataset", "process-units", "release", "build-and-release"]
+FLOWS = ["synthesize", "build-dataset", "build-units", "release", "build-and-release"]
 SUBJECT = "trajforge: {{ flow.name }} run {{ flow_run.name }} {{ flow_run.state.name }}"
 BODY = ("Flow run {{ flow_run.name }} of {{ flow.name }} ended {{ flow_run.state.name }}: "
         "{{ flow_run.state.message }}\nFlow run id: {{ flow_run.id }}")

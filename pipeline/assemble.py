@@ -21,6 +21,9 @@ duplicates map, negatives, pairs and prompts.
 """
 from __future__ import annotations
 
+import json
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +32,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.atomic import atomic_path
+from trajforge.pipeline.atomic import StreamingParquet, atomic_path
 from trajforge.pipeline.quality.dedup import Contamination, dedup_tokens, read_eval_tasks, shingles
 from trajforge.pipeline.quality.dedup_table import (SKETCH_BINS, band_columns, duplicates_table, near_matrices,
                                                     record_keys)
+from trajforge.pipeline.quality.derived import grpo_env_row, grpo_prompt, preference_pair, record_task
+from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
+from trajforge.pipeline.quarantine import quarantine_entry, shown
+from trajforge.schemas import arrow_schema
 
 BATCH_ROWS = 1024
 
@@ -180,15 +187,109 @@ def global_duplicates(keys: pl.DataFrame, units, config) -> list[dict]:
     return duplicates_table(clean, shingles_of, config.dedup, near_rows(units, config))
 
 
-def fill_pools(units, kept: set[int], offsets: list[int]) -> EnvPools:
-    """Pools from the kept positives in build order; reads four small columns and the first turn."""
+def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:
+    """The pools of one unit's kept positives, in order; reads four small columns and the first turn."""
     pools = EnvPools()
-    for u, row, batch in iter_records(units, columns=["kind", "env", "domain", "answer", "conversations"]):
+    kept = set(kept_rows.tolist())
+    row = 0
+    for batch in pq.ParquetFile(records_path).iter_batches(
+            batch_size=BATCH_ROWS, columns=["kind", "env", "domain", "answer", "conversations"]):
         first = pc.list_slice(batch.column("conversations"), 0, 1)
         small = pa.RecordBatch.from_arrays([batch.column("kind"), batch.column("env"), batch.column("domain"),
                                             batch.column("answer"), first],
                                            names=["kind", "env", "domain", "answer", "conversations"])
         for i, record in enumerate(small.to_pylist()):
-            if offsets[u] + row + i in kept:
+            if row + i in kept:
                 pools.add(record)
+        row += batch.num_rows
     return pools
+
+
+# The outputs a unit's kept records make, staged per unit and cut into shards in unit order.
+OUTPUTS = {"sft": "trajectory", "negatives": "trajectory", "preference": "preference", "grpo": "grpo",
+           "grpo_env_records": "grpo_env"}
+
+
+@dataclass
+class UnitOutputs:
+    """What `write_unit` staged and counted for one unit; small enough to pass between processes."""
+    paths: dict[str, str]
+    nbytes: dict[str, int]
+    rows: dict[str, int]
+    # Quarantine rows of the unit's contaminated records, in order.
+    contaminated: list[dict] = field(default_factory=list)
+    negatives_by_type: dict[str, int] = field(default_factory=dict)
+    unpaired: int = 0
+    # task id -> the first answer of a synthetic trajectory of it (for the task files' grpo_env rows).
+    synthetic_answers: dict[str, str] = field(default_factory=dict)
+
+
+def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: dict[int, int],
+               contaminated: dict[int, str], pools: EnvPools, negatives: NegativesConfig,
+               task_ids: frozenset[str]) -> UnitOutputs:
+    """Stream one unit's staged records once: each kept record goes to `sft` (its id made unique,
+    `repeats`), its negatives and their preference pairs (the parent is the record at hand), its
+    GRPO prompt, and the grpo_env row of its resettable task unless `task_ids` (the task files')
+    or an earlier record of the unit has it. Contaminated rows become quarantine rows."""
+    writers = {name: StreamingParquet(Path(staged) / f"{name}.parquet", arrow_schema(schema))
+               for name, schema in OUTPUTS.items()}
+    kept = set(kept_rows.tolist())
+    seen_tasks = set(task_ids)
+    out = UnitOutputs({}, {}, {})
+    negatives_by_type: Counter[str] = Counter()
+    row = 0
+    for batch in pq.ParquetFile(records_path).iter_batches(batch_size=BATCH_ROWS):
+        for i, record in enumerate(batch.to_pylist()):
+            at = row + i
+            if at in repeats:
+                meta = json.loads(record["meta"])
+                meta["id_repeat"] = repeats[at]
+                record = {**record, "id": f"{record['id']}~{repeats[at]}", "meta": json.dumps(meta, sort_keys=True)}
+            if at in contaminated:
+                out.contaminated.append(quarantine_entry(
+                    record["source"], record["source_file"], json.loads(record["meta"]).get("source_index", -1),
+                    record["source_id"], "contaminated", contaminated[at], shown(record)))
+            if at not in kept:
+                continue
+            writers["sft"].append(record)
+            for negative in negatives_of(record, pools, negatives):
+                writers["negatives"].append(negative)
+                negatives_by_type[negative["negative_type"]] += 1
+                pair = preference_pair(negative, record)
+                if pair is None:
+                    out.unpaired += 1
+                else:
+                    writers["preference"].append(pair)
+            if record["kind"] != "positive":
+                continue
+            prompt = grpo_prompt(record)
+            if prompt is not None:
+                writers["grpo"].append(prompt)
+            task_id = json.loads(record["meta"]).get("task_id") if record["source"] == "synthetic" else None
+            if task_id is not None and record["answer"] is not None:
+                out.synthetic_answers.setdefault(task_id, record["answer"])
+            task = record_task(record)
+            if task is not None and task.id not in seen_tasks:
+                seen_tasks.add(task.id)
+                writers["grpo_env_records"].append(grpo_env_row(task, record["source"], row_id=task.id,
+                                                                env=record["env"], answer=record["answer"]))
+        row += batch.num_rows
+    for name, writer in writers.items():
+        writer.close()
+        out.paths[name], out.nbytes[name], out.rows[name] = str(writer.path), writer.nbytes, writer.count
+    out.negatives_by_type = dict(negatives_by_type)
+    return out
+
+
+def first_task_rows(parts: list[str], path: Path) -> tuple[str, int, int]:
+    """The units' grpo_env rows (`parts`, in unit order) without the tasks an earlier unit already
+    gave, staged at `path`: (path, Arrow bytes, rows)."""
+    seen: set[str] = set()
+    with StreamingParquet(path, arrow_schema("grpo_env")) as writer:
+        for part in parts:
+            for batch in pq.ParquetFile(part).iter_batches(batch_size=BATCH_ROWS):
+                for row in batch.to_pylist():
+                    if row["id"] not in seen:
+                        seen.add(row["id"])
+                        writer.append(row)
+    return str(writer.path), writer.nbytes, writer.count

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,15 +19,18 @@ from typing import Iterable
 import polars as pl
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.assemble import KeysWriter, fill_pools, global_duplicates, iter_records, key_table
+from trajforge.pipeline.assemble import (OUTPUTS, KeysWriter, first_task_rows, global_duplicates, key_table,
+                                        unit_pools, write_unit)
 from trajforge.pipeline.atomic import StreamingParquet, remove_stale_temp_files, write_json, write_parquet
 from trajforge.pipeline.publish.card import hub_revision, write_card
 from trajforge.pipeline.quality.dedup import DedupConfig
-from trajforge.pipeline.quality.derived import grpo_env_row, grpo_prompt, preference_pair, record_task, reference_answer
+from trajforge.pipeline.quality.derived import grpo_env_row, reference_answer
 from trajforge.pipeline.publish.manifest import (GENERATOR, build_id, code_version, file_sha256,
                                                 remove_earlier_files, set_manifest_aside, write_manifest)
-from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
+from trajforge.pipeline.quality.negatives import NegativesConfig
+from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
+from trajforge.pipeline.quarantine import quarantine_entry, shown
 from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
 from trajforge.pipeline.publish.shards import ShardConfig, write_config_from_file
 from trajforge.pipeline.synth.tasks import load_tasks
@@ -35,11 +39,6 @@ from trajforge.schemas import arrow_schema
 from trajforge.sources import RawRow, SourceFile, get_source, iter_rows
 
 log = logging.getLogger("trajforge.build")
-
-# Raw input kept in the quarantine is cut to this many characters (a 10 MB string stays traceable
-# without bloating the quarantine).
-MAX_QUARANTINE_RAW = 100_000
-
 
 @dataclass(frozen=True)
 class BuildConfig:
@@ -91,49 +90,6 @@ class UnitResult:
 def unit_key(source: str, file: SourceFile) -> str:
     digest = hashlib.sha1(str(file.path.resolve()).encode()).hexdigest()[:8]
     return f"{source}__{file.path.stem}__{digest}"
-
-
-def shown(value) -> str:
-    """A value as JSON text for the quarantine; never fails, whatever the value holds."""
-    try:
-        text = json.dumps(value, ensure_ascii=False, default=str)
-        text.encode("utf-8")
-    except (RecursionError, ValueError, TypeError, UnicodeEncodeError):
-        # Too deep for the encoder, or text no UTF-8 file can hold: show it escaped.
-        text = ascii(value) if _depth_at_most(value, 200) else f"<{type(value).__name__} nested too deep to show>"
-    return text
-
-
-def _depth_at_most(value, limit: int) -> bool:
-    stack = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return False
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
-    return True
-
-
-def _storable(text: str | None) -> str | None:
-    """Text Arrow can store: an unpaired surrogate (from an exception message, say) escaped."""
-    if text is None or text.isascii():
-        return text
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def quarantine_entry(source: str, source_file: str, index: int, source_id: str | None, reason: str,
-                     detail: str, raw: str | None) -> dict:
-    if raw is not None and len(raw) > MAX_QUARANTINE_RAW:
-        raw = raw[:MAX_QUARANTINE_RAW] + "...[cut]"
-    return {"source": source, "source_file": source_file, "index": index, "source_id": _storable(source_id),
-            "reason": reason, "detail": _storable(detail), "raw": _storable(raw)}
 
 
 def _record_or_rejection(raw: RawRow, source, file: SourceFile, config: BuildConfig,
@@ -265,11 +221,19 @@ def merge_counts(units: list[UnitResult]) -> dict:
     return {"sources": per_source, "total": total}
 
 
-def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConfig()) -> dict:
+def in_order(function, calls: list[tuple]) -> list:
+    """`map_units` of a build in this process: each call in turn."""
+    return [function(*args) for args in calls]
+
+
+def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConfig(), map_units=in_order) -> dict:
     """Merge staged units (in the given order) into the dataset, quarantine and report.
 
-    Global stages run on the units' key tables, the outputs are written by streaming the staged
-    records (pipeline/assemble.py): memory stays one batch of records plus the key tables.
+    Global stages run on the units' key tables; the outputs are written by streaming each unit's
+    staged records (pipeline/assemble.py): memory stays one batch of records plus the key tables.
+    The per-unit steps (pools, outputs) go through `map_units(function, calls)`, which returns the
+    results in the calls' order: `in_order` here, or a flow's task runner (processes, a Dask or Ray
+    cluster). The output bytes do not depend on it.
 
     The manifest of an earlier build in `out` is set aside first and the new one written last, so
     a folder with a manifest always holds the files of the build it names. Files of the earlier
@@ -278,89 +242,62 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     remove_stale_temp_files(out)
     earlier = set_manifest_aside(out)
     keys = key_table(units, config)
-    offsets = [0]
-    for unit in units:
-        offsets.append(offsets[-1] + unit.written)
     duplicates = global_duplicates(keys, units, config)
-    contaminated_orders = set(keys.filter(pl.col("contaminated").is_not_null())["order"].to_list())
-    dropped = {d["order"] for d in duplicates} | contaminated_orders
-    kept_keys = keys.filter(~pl.col("order").is_in(list(dropped)))
-    kept = set(kept_keys["order"].to_list())
-    pools = fill_pools(units, kept, offsets)
-    repeats = dict(keys.filter(pl.col("repeat") > 1).select("order", "repeat").iter_rows())
-    details = dict(keys.filter(pl.col("contaminated").is_not_null()).select("order", "contaminated").iter_rows())
+    dropped = pl.Series("order", [d["order"] for d in duplicates], dtype=pl.Int64)
+    keys = keys.with_columns((pl.col("contaminated").is_null() & ~pl.col("order").is_in(dropped.implode()))
+                             .alias("kept"))
+    kept_keys = keys.filter(pl.col("kept"))
+    kept_rows = [kept_keys.filter(pl.col("unit") == u)["row"].to_numpy() for u in range(len(units))]
+    pools = EnvPools()
+    for unit_pool in map_units(unit_pools, [(unit.records_path, rows) for unit, rows in zip(units, kept_rows)]):
+        pools.merge(unit_pool)
 
-    staged = out / ".staging" / "outputs"
-    writers = {name: StreamingParquet(staged / f"{name}.parquet", arrow_schema(schema))
-               for name, schema in [("sft", "trajectory"), ("negatives", "trajectory"), ("preference", "preference"),
-                                    ("grpo", "grpo"), ("grpo_env", "grpo_env"), ("grpo_env_records", "grpo_env")]}
+    def by_unit(frame: pl.DataFrame, column: str) -> list[dict[int, object]]:
+        found: list[dict[int, object]] = [{} for _ in units]
+        for u, row, value in frame.select("unit", "row", column).iter_rows():
+            found[u][row] = value
+        return found
+
+    repeats = by_unit(keys.filter(pl.col("repeat") > 1), "repeat")
+    contaminated = by_unit(keys.filter(pl.col("contaminated").is_not_null()), "contaminated")
     # grpo_env: the task files' runnable tasks first, then each kept positive's resettable task
-    # (derived.grpo_env_rows), the latter streamed; a task file's task takes the first answer of a
-    # synthetic trajectory of it.
+    # (derived.grpo_env_rows); a task file's task takes the first answer of a synthetic trajectory of it.
     tasks = [t for path in config.rl_tasks for t in load_tasks(path)]
     runnable = [t for t in tasks if not t.skip_reason]
-    env_task_ids = {t.id for t in runnable}
+    staged = out / ".staging" / "outputs"
+    written = map_units(write_unit, [
+        (unit.records_path, str(staged / f"{u:05d}"), kept_rows[u], repeats[u], contaminated[u], pools,
+         config.negatives, frozenset(t.id for t in runnable)) for u, unit in enumerate(units)])
     synthetic_answers: dict[str, str] = {}
-    contaminated: list[dict] = []
-    negatives_by_type: Counter[str] = Counter()
-    unpaired = 0
-    for u, row, batch in iter_records(units):
-        for i, record in enumerate(batch.to_pylist()):
-            order = offsets[u] + row + i
-            if order in repeats:
-                meta = json.loads(record["meta"])
-                meta["id_repeat"] = repeats[order]
-                record = {**record, "id": f"{record['id']}~{repeats[order]}", "meta": json.dumps(meta, sort_keys=True)}
-            if order in details:
-                contaminated.append(quarantine_entry(
-                    record["source"], record["source_file"], json.loads(record["meta"]).get("source_index", -1),
-                    record["source_id"], "contaminated", details[order], shown(record)))
-            if order not in kept:
-                continue
-            writers["sft"].append(record)
-            for negative in negatives_of(record, pools, config.negatives):
-                writers["negatives"].append(negative)
-                negatives_by_type[negative["negative_type"]] += 1
-                pair = preference_pair(negative, record)
-                if pair is None:
-                    unpaired += 1
-                else:
-                    writers["preference"].append(pair)
-            if record["kind"] != "positive":
-                continue
-            prompt = grpo_prompt(record)
-            if prompt is not None:
-                writers["grpo"].append(prompt)
-            task_id = json.loads(record["meta"]).get("task_id") if record["source"] == "synthetic" else None
-            if task_id is not None and record["answer"] is not None:
-                synthetic_answers.setdefault(task_id, record["answer"])
-            task = record_task(record)
-            if task is not None and task.id not in env_task_ids:
-                env_task_ids.add(task.id)
-                writers["grpo_env_records"].append(grpo_env_row(task, record["source"], row_id=task.id,
-                                                                env=record["env"], answer=record["answer"]))
-    for t in runnable:
-        writers["grpo_env"].append(grpo_env_row(t, "tasks", answer=reference_answer(t) or synthetic_answers.get(t.id)))
-    files = {}
-    for writer in writers.values():
-        writer.close()
-    for name in ("sft", "negatives", "preference", "grpo", "grpo_env"):
-        parts = [writers[name]] + ([writers["grpo_env_records"]] if name == "grpo_env" else [])
-        files[name] = write_config_from_file(out, name, "train", [w.path for w in parts], writers[name].schema,
-                                             sum(w.nbytes for w in parts), config.shards)
-    for writer in writers.values():
-        writer.path.unlink()
+    for part in written:
+        for task_id, answer in part.synthetic_answers.items():
+            synthetic_answers.setdefault(task_id, answer)
+    with StreamingParquet(staged / "grpo_env.parquet", arrow_schema("grpo_env")) as task_rows:
+        for t in runnable:
+            task_rows.append(grpo_env_row(t, "tasks", answer=reference_answer(t) or synthetic_answers.get(t.id)))
+    record_rows = first_task_rows([part.paths["grpo_env_records"] for part in written],
+                                  staged / "grpo_env_records.parquet")
+    parts = {name: [(part.paths[name], part.nbytes[name], part.rows[name]) for part in written]
+             for name in ("sft", "negatives", "preference", "grpo")}
+    parts["grpo_env"] = [(str(task_rows.path), task_rows.nbytes, task_rows.count), record_rows]
+    files = {name: write_config_from_file(out, name, "train", [Path(p) for p, _, _ in staged_parts],
+                                          arrow_schema(OUTPUTS.get(name, name)),
+                                          sum(n for _, n, _ in staged_parts), config.shards)
+             for name, staged_parts in parts.items()}
+    rows = {name: sum(r for _, _, r in staged_parts) for name, staged_parts in parts.items()}
+    shutil.rmtree(staged)
 
     duplicates = [{k: v for k, v in d.items() if k not in ("order", "kept_order")} for d in duplicates]
     duplicates_path = out / "duplicates.parquet"
     write_parquet(duplicates, arrow_schema("duplicates"), duplicates_path)
+    contaminated_rows = [entry for part in written for entry in part.contaminated]
     quarantine_path = out / "quarantine" / "quarantine.parquet"
     quarantine = StreamingParquet(quarantine_path, arrow_schema("quarantine"))
     for unit in units:
         for batch in pq.ParquetFile(unit.quarantine_path).iter_batches(batch_size=1000):
             for entry in batch.to_pylist():
                 quarantine.append(entry)
-    for entry in contaminated:
+    for entry in contaminated_rows:
         quarantine.append(entry)
     quarantine.close()
 
@@ -372,15 +309,15 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     for column, name in [("rendering", "renderings"), ("domain", "domains"), ("env", "envs"), ("kind", "kinds")]:
         report[name] = dict(sorted(Counter(kept_keys[column].to_list()).items()))
     report["validation_by_env"] = merge_env_figures([u.envs for u in units])
-    stage_counts(report, contaminated, duplicates)
+    stage_counts(report, contaminated_rows, duplicates)
     report["outputs"].update({name: files[name].get("train", []) for name in ("negatives", "preference", "grpo", "grpo_env")},
                              duplicates=[str(duplicates_path.relative_to(out))])
     turns, chars = kept_keys["turns"].to_list(), kept_keys["chars"].to_list()
-    report_extras(report, duplicates, negatives_by_type, writers["preference"].count, unpaired,
-                  writers["grpo"].count, turns, chars)
-    report["grpo_env"] = {"rows": writers["grpo_env"].count + writers["grpo_env_records"].count,
-                          "unrunnable_tasks": len(tasks) - len(runnable)}
-    if not kept:
+    negatives_by_type = sum((Counter(part.negatives_by_type) for part in written), Counter())
+    report_extras(report, duplicates, negatives_by_type, rows["preference"], sum(part.unpaired for part in written),
+                  rows["grpo"], turns, chars)
+    report["grpo_env"] = {"rows": rows["grpo_env"], "unrunnable_tasks": len(tasks) - len(runnable)}
+    if kept_keys.is_empty():
         report["warnings"] = ["no record made it into data/sft: every input record was quarantined or a duplicate"]
     for warning in report.get("warnings", []):
         log.warning(warning)

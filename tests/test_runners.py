@@ -1,29 +1,60 @@
-"""The same build flow on threads, a local Dask cluster and a local Ray cluster: identical bytes."""
+"""The same build on every task runner: identical bytes, on a generated corpus of a few thousand
+trajectories (bench/bench_build.py's generator: the real fixture rows in their upstream layouts,
+varied free text, planted exact and near copies), cut into several shards so that shard bounds fall
+inside units. The reference is the build's plain functions in this process, without Prefect."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
-from conftest import FIXTURE_SOURCES
+from bench.bench_build import generate
+from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 from trajforge.pipeline.publish.manifest import read_manifest
+from trajforge.pipeline.publish.shards import ShardConfig
+from trajforge.sources import get_source
 
 pytestmark = pytest.mark.slow
+
+TRAJECTORIES = 2000
+SHARD_ROWS = 400
 
 
 def published(out) -> dict[str, bytes]:
     return {rel: (out / rel).read_bytes() for rel in sorted(read_manifest(out)["files"])}
 
 
-@pytest.mark.parametrize("runner", ["threads", "dask", "ray"])
-def test_runner_builds_the_fixtures_byte_identical(runner, fixtures_build, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, raw_dir):
+    folder = tmp_path_factory.mktemp("generated")
+    planted = generate(raw_dir, TRAJECTORIES, folder)
+    assert planted["exact"] and planted["near"]
+    return {d.name: str(d) for d in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("in_process")
+    config = replace(BuildConfig(), shards=ShardConfig(max_rows=SHARD_ROWS))
+    units = [process_unit(name, f, out / ".staging", config)
+             for name, location in corpus.items() for f in get_source(name).files(location)]
+    finalize(units, out, config)
+    return out
+
+
+@pytest.mark.parametrize("runner", ["processes", "threads", "dask", "ray"])
+def test_runner_builds_the_generated_corpus_byte_identical(runner, corpus, reference, tmp_path, monkeypatch):
     from trajforge.flows.build import build_dataset
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     out = tmp_path / runner
     # Two workers: a 2-core machine, and several units in flight on each cluster.
-    report = build_dataset(sources=FIXTURE_SOURCES, out=str(out), runner=runner, workers=2)
-    assert report["total"]["read"] > 150
-    assert read_manifest(out) == read_manifest(fixtures_build)
-    assert published(out) == published(fixtures_build)
+    report = build_dataset(sources=corpus, out=str(out), runner=runner, workers=2, shard_rows=SHARD_ROWS)
+    assert report["total"]["read"] == TRAJECTORIES
+    assert report["total"]["duplicates"] > TRAJECTORIES * 0.08
+    assert len(report["outputs"]["sft"]) > 2
+    assert read_manifest(out) == read_manifest(reference)
+    assert published(out) == published(reference)
     # Unit results were persisted by Prefect, from the cluster's workers too.
     assert len(list((out / ".staging" / "results").iterdir())) == len(list(
         (out / ".staging" / "markers" / "units").iterdir()))

@@ -12,7 +12,10 @@ only what those makers can pick from:
   would make (the last qualifying record of each env).
 
 Pools are filled in build order from the records that are kept, so the same inputs give the same
-pools whatever the batching.
+pools whatever the batching. A build fills one pool per unit (in parallel) and merges them in unit
+order (`merge`): the result is the pool of all units' records in order, because a unit's pool
+keeps all that the merged pool can take from it (its first distinct answers; its last prompt and
+the last one that differs from it).
 """
 from __future__ import annotations
 
@@ -45,10 +48,26 @@ class EnvPools:
                 seen.setdefault(record["answer"], None)
         first = record["conversations"][0] if record["conversations"] else None
         if record["domain"] == "tool" and first is not None and first["role"] == "user":
-            last = self.tool_prompts.setdefault(env, [None, None])
-            if last[0] is not None and last[0] != first["content"]:
-                last[1] = last[0]
-            last[0] = first["content"]
+            self._add_prompt(env, first["content"])
+
+    def merge(self, later: "EnvPools") -> None:
+        """Add the pool of records that come after this pool's records (in place)."""
+        for env, answers in later.answers.items():
+            seen = self.answers.setdefault(env, {})
+            for answer in answers:
+                if len(seen) >= self.max_answers:
+                    break
+                seen.setdefault(answer, None)
+        for env, (last, before) in later.tool_prompts.items():
+            for prompt in (before, last):
+                if prompt is not None:
+                    self._add_prompt(env, prompt)
+
+    def _add_prompt(self, env: str, prompt: str) -> None:
+        last = self.tool_prompts.setdefault(env, [None, None])
+        if last[0] is not None and last[0] != prompt:
+            last[1] = last[0]
+        last[0] = prompt
 
     def wrong_answers(self, env: str, own: str | None) -> list[str]:
         """Distinct answers of `env` other than `own`, sorted."""
