@@ -25,6 +25,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import polars as pl
@@ -33,13 +34,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import StreamingParquet, atomic_path
-from trajforge.pipeline.quality.dedup import Contamination, dedup_tokens, read_eval_tasks, shingles
-from trajforge.pipeline.quality.dedup_table import (SKETCH_BINS, band_columns, duplicates_table, near_matrices,
+from trajforge.pipeline.quality.dedup import Contamination, DedupConfig, dedup_tokens, read_eval_tasks, shingles
+from trajforge.pipeline.quality.dedup_table import (band_columns, duplicates_table, near_matrices,
                                                     record_keys)
 from trajforge.pipeline.quality.derived import grpo_env_row, grpo_prompt, preference_pair, record_task
 from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.quarantine import quarantine_entry, shown
+from trajforge.pipeline.stages import in_order
 from trajforge.schemas import arrow_schema
 
 BATCH_ROWS = 1024
@@ -128,20 +130,13 @@ def key_table(units, config) -> pl.DataFrame:
         .otherwise(pl.col("id")).alias("id"))
 
 
-def iter_records(units, columns: list[str] | None = None, batch_rows: int = BATCH_ROWS):
-    """(unit index, row in unit, batch of staged records as an Arrow RecordBatch) in build order."""
-    for u, unit in enumerate(units):
-        row = 0
-        for batch in pq.ParquetFile(unit.records_path).iter_batches(batch_size=batch_rows, columns=columns):
-            yield u, row, batch
-            row += batch.num_rows
-
-
-def read_rows(units, wanted: dict[int, list[int]], columns: list[str] | None = None) -> dict[tuple[int, int], dict]:
-    """The staged records at {unit: [rows]}, by (unit, row); reads only the row groups that hold them."""
+def read_rows(paths: Sequence[str], wanted: dict[int, list[int]],
+              columns: list[str] | None = None) -> dict[tuple[int, int], dict]:
+    """The staged records at {unit: [rows]} of the units' record files `paths`, by (unit, row);
+    reads only the row groups that hold them."""
     out = {}
     for u, rows in wanted.items():
-        staged = pq.ParquetFile(units[u].records_path)
+        staged = pq.ParquetFile(paths[u])
         sizes = [staged.metadata.row_group(g).num_rows for g in range(staged.num_row_groups)]
         starts = np.concatenate([[0], np.cumsum(sizes)])
         rows = np.unique(np.asarray(rows, dtype=np.int64))
@@ -153,38 +148,34 @@ def read_rows(units, wanted: dict[int, list[int]], columns: list[str] | None = N
     return out
 
 
-def near_rows(units, config):
-    """Loader of the band keys and sketches of a key table's rows (it has `unit` and `row`), in
-    its order, one unit's key file at a time (dedup_table.duplicates_table's `near_rows`)."""
-    columns = band_columns(config.dedup) + ["sketch"]
+@dataclass(frozen=True)
+class StagedRecords:
+    """The staged units as `dedup_table.duplicates_table` reads them: near-stage columns from the
+    key files, shingle sets from the records. Only paths: cheap to send to a worker."""
+    records_paths: tuple[str, ...]
+    keys_paths: tuple[str, ...]
+    config: DedupConfig
 
-    def load(table: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-        bands = np.empty((table.height, len(columns) - 1), dtype=np.uint64)
-        sketch = np.empty((table.height, SKETCH_BINS), dtype=np.uint8)
+    def near_rows(self, table: pl.DataFrame):
+        """(row indices of `table`, band keys, sketches), one unit's key file at a time."""
+        columns = band_columns(self.config) + ["sketch"]
         index = table.select("unit", "row").with_row_index("at")
-        for (u,), part in index.partition_by("unit", as_dict=True).items():
-            rows = pl.read_parquet(units[u].keys_path, columns=columns)[part["row"].to_numpy()]
-            at = part["at"].to_numpy()
-            bands[at], sketch[at] = near_matrices(rows, config.dedup)
-        return bands, sketch
+        for (u,), part in sorted(index.partition_by("unit", as_dict=True).items()):
+            rows = pl.read_parquet(self.keys_paths[u], columns=columns)[part["row"].to_numpy()]
+            yield part["at"].to_numpy(), *near_matrices(rows, self.config)
 
-    return load
-
-
-def global_duplicates(keys: pl.DataFrame, units, config) -> list[dict]:
-    """The duplicates map of the clean records; the shingle sets of verified pairs only are re-read."""
-    clean = keys.filter(pl.col("contaminated").is_null())
-    unit_of, row_of = keys["unit"].to_numpy(), keys["row"].to_numpy()
-
-    def shingles_of(orders: list[int]) -> dict[int, set[str]]:
+    def shingle_sets(self, refs: list[tuple[int, int]], size: int) -> list[set[str]]:
         wanted: dict[int, list[int]] = {}
-        for o in orders:
-            wanted.setdefault(int(unit_of[o]), []).append(int(row_of[o]))
-        rows = read_rows(units, wanted, columns=["task", "conversations"])
-        return {o: shingles(dedup_tokens(rows[int(unit_of[o]), int(row_of[o])]), config.dedup.shingle_size)
-                for o in orders}
+        for u, row in refs:
+            wanted.setdefault(u, []).append(row)
+        found = read_rows(self.records_paths, wanted, columns=["task", "conversations"])
+        return [shingles(dedup_tokens(found[ref]), size) for ref in refs]
 
-    return duplicates_table(clean, shingles_of, config.dedup, near_rows(units, config))
+
+def global_duplicates(keys: pl.DataFrame, units, config, map_units=in_order, workdir: Path | None = None) -> list[dict]:
+    """The duplicates map of the clean records (the band screens and verification chunks on `map_units`)."""
+    records = StagedRecords(tuple(u.records_path for u in units), tuple(u.keys_path for u in units), config.dedup)
+    return duplicates_table(keys.filter(pl.col("contaminated").is_null()), records, config.dedup, map_units, workdir)
 
 
 def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:

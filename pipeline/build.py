@@ -31,6 +31,7 @@ from trajforge.pipeline.quality.negatives import NegativesConfig
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
 from trajforge.pipeline.quarantine import quarantine_entry, shown
+from trajforge.pipeline.stages import in_order
 from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
 from trajforge.pipeline.publish.shards import ShardConfig, write_config_from_file
 from trajforge.pipeline.synth.tasks import load_tasks
@@ -221,11 +222,6 @@ def merge_counts(units: list[UnitResult]) -> dict:
     return {"sources": per_source, "total": total}
 
 
-def in_order(function, calls: list[tuple]) -> list:
-    """`map_units` of a build in this process: each call in turn."""
-    return [function(*args) for args in calls]
-
-
 def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConfig(), map_units=in_order) -> dict:
     """Merge staged units (in the given order) into the dataset, quarantine and report.
 
@@ -242,7 +238,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     remove_stale_temp_files(out)
     earlier = set_manifest_aside(out)
     keys = key_table(units, config)
-    duplicates = global_duplicates(keys, units, config)
+    duplicates = global_duplicates(keys, units, config, map_units, out / ".staging")
     dropped = pl.Series("order", [d["order"] for d in duplicates], dtype=pl.Int64)
     keys = keys.with_columns((pl.col("contaminated").is_null() & ~pl.col("order").is_in(dropped.implode()))
                              .alias("kept"))

@@ -53,3 +53,9 @@ def merge_tallies(tallies: list[list[StageTally]]) -> list[StageTally]:
         for tally in sequence:
             merged.setdefault(tally.stage, StageTally(tally.stage)).add(tally)
     return list(merged.values())
+
+
+def in_order(function, calls: list[tuple]) -> list:
+    """A build's `map_units` in this process: each call in turn, results in call order. A flow
+    passes its task runner's instead (flows/build.py), which returns the same results."""
+    return [function(*args) for args in calls]

@@ -10,7 +10,7 @@ import pytest
 from trajforge.pipeline.quality import dedup_table
 from trajforge.pipeline.quality.dedup import DedupConfig, dedup_tokens, deduplicate, jaccard, shingles
 from trajforge.pipeline.quality.dedup_table import (band_keys, candidate_pairs, deduplicate_in_memory, near_matrices,
-                                                    record_keys, resolve, sketch_similarity, verified_pairs)
+                                                    record_keys, resolve, sketch_similarity, verify_chunks)
 from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
 from trajforge.pipeline.quality.pools import EnvPools
 from tests.test_dedup import merged  # noqa: F401  (the fixture: every valid fixture record, ids unique)
@@ -81,21 +81,12 @@ def test_sketches_estimate_the_jaccard_of_the_fixture_pairs(merged):
     assert (estimate[true >= 0.85] >= 0.85 - dedup_table.SKETCH_MARGIN).all()
 
 
-def test_verification_in_small_batches_gives_the_same_similarities(monkeypatch, merged):
-    config = DedupConfig()
-    sets = [shingles(dedup_tokens(r), config.shingle_size) for r in merged]
-    pairs = np.array([(i, j) for i in range(0, 60) for j in range(i + 1, 60, 7)], dtype=np.int64)
-    orders = np.arange(len(merged))[::-1].copy()
-    calls = []
-
-    def shingles_of(wanted):
-        calls.append(len(wanted))
-        return {o: sets[o] for o in wanted}
-
+def test_verification_chunks_hold_at_most_a_batch_of_records_and_cover_every_pair(monkeypatch):
     monkeypatch.setattr(dedup_table, "VERIFY_BATCH", 9)
-    got = list(verified_pairs(pairs, orders, shingles_of))
-    assert max(calls) <= 9 + 1 and len(calls) > 5
-    assert got == [(a, b, jaccard(sets[orders[a]], sets[orders[b]])) for a, b in pairs.tolist()]
+    pairs = np.array([(i, j) for i in range(0, 60) for j in range(i + 1, 60, 7)], dtype=np.int64)
+    chunks = list(verify_chunks(pairs))
+    assert len(chunks) > 5 and max(len(rows) for rows, _ in chunks) <= 9 + 1
+    assert [tuple(rows[p]) for rows, local in chunks for p in local.tolist()] == [tuple(p) for p in pairs.tolist()]
 
 
 def test_resolve_drops_for_the_most_similar_kept_record_and_never_chains():

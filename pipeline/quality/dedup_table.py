@@ -28,13 +28,19 @@ a collision only adds a candidate, which the screen and the Jaccard check then r
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Sequence
+import contextlib
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import polars as pl
 
 from trajforge.pipeline.quality.dedup import (DedupConfig, dedup_tokens, exact_key, jaccard, shingle_hashes,
                                               shingles, signatures)
+from trajforge.pipeline.stages import in_order
 from trajforge.sources import keep_rank
 
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
@@ -171,32 +177,38 @@ def _first_shared_band(bands: np.ndarray, band: int, a: np.ndarray, b: np.ndarra
     return first
 
 
-def candidate_pairs(groups: np.ndarray, bands: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Batches of (a, b) row indices, a < b, of rows of the same group that share a band key.
+def band_pairs(groups: np.ndarray, bands: np.ndarray, band: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Batches of (a, b) row indices, a < b, of rows of the same group whose key in `band` is the
+    same and that share no earlier band (those pairs came from it). A batch holds at most about
+    PAIR_BATCH pairs (a bucket larger than that comes in blocks of rows)."""
+    buckets = (pl.DataFrame({"row": np.arange(len(groups), dtype=np.int64), "group": np.asarray(groups),
+                             "key": np.asarray(bands[:, band])})
+               .filter(pl.len().over(["group", "key"]) > 1)
+               .group_by(["group", "key"]).agg(pl.col("row").sort())
+               .sort(pl.col("row").list.first())["row"])
+    pending: list[tuple[np.ndarray, np.ndarray]] = []
+    held = 0
+    for members in buckets:
+        for a, b in _bucket_pairs(members.to_numpy()):
+            pending.append((a, b))
+            held += len(a)
+            if held >= PAIR_BATCH:
+                yield _first_in(bands, band, pending)
+                pending, held = [], 0
+    if pending:
+        yield _first_in(bands, band, pending)
 
-    A pair sharing several bands comes once, from the first band it shares. Batches hold at most
-    about PAIR_BATCH pairs (a bucket larger than that comes in blocks of rows)."""
-    n = len(groups)
+
+def _first_in(bands: np.ndarray, band: int, pending: list[tuple[np.ndarray, np.ndarray]]):
+    a, b = np.concatenate([p[0] for p in pending]), np.concatenate([p[1] for p in pending])
+    first = _first_shared_band(bands, band, a, b)
+    return a[first], b[first]
+
+
+def candidate_pairs(groups: np.ndarray, bands: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """`band_pairs` of every band: each candidate pair once."""
     for band in range(bands.shape[1]):
-        buckets = (pl.DataFrame({"row": np.arange(n, dtype=np.int64), "group": groups, "key": bands[:, band]})
-                   .filter(pl.len().over(["group", "key"]) > 1)
-                   .group_by(["group", "key"]).agg(pl.col("row").sort())
-                   .sort(pl.col("row").list.first())["row"])
-        pending: list[tuple[np.ndarray, np.ndarray]] = []
-        held = 0
-        for members in buckets:
-            for a, b in _bucket_pairs(members.to_numpy()):
-                pending.append((a, b))
-                held += len(a)
-                if held >= PAIR_BATCH:
-                    a, b = np.concatenate([p[0] for p in pending]), np.concatenate([p[1] for p in pending])
-                    first = _first_shared_band(bands, band, a, b)
-                    yield a[first], b[first]
-                    pending, held = [], 0
-        if pending:
-            a, b = np.concatenate([p[0] for p in pending]), np.concatenate([p[1] for p in pending])
-            first = _first_shared_band(bands, band, a, b)
-            yield a[first], b[first]
+        yield from band_pairs(groups, bands, band)
 
 
 def resolve(pairs: Iterable[tuple[int, int, float]], threshold: float) -> dict[int, tuple[int, float]]:
@@ -220,22 +232,47 @@ def resolve(pairs: Iterable[tuple[int, int, float]], threshold: float) -> dict[i
     return dropped
 
 
-def screened_pairs(groups: np.ndarray, bands: np.ndarray, sketch: np.ndarray,
-                   config: DedupConfig) -> np.ndarray:
-    """(m, 2) row indices of the candidate pairs whose sketches may reach the threshold, sorted."""
-    kept = []
-    for a, b in candidate_pairs(groups, bands):
-        likely = sketch_similarity(sketch, a, b) >= config.threshold - SKETCH_MARGIN
+@dataclass(frozen=True)
+class NearTable:
+    """The near stage's inputs on disk, one row per record it compares, in keep-preference order:
+    group codes, band keys and sketches as .npy files. Band steps in other processes or on cluster
+    workers map them read-only instead of receiving copies."""
+    folder: str
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return tuple(np.load(Path(self.folder) / f"{name}.npy", mmap_mode="r")
+                     for name in ("groups", "bands", "sketch"))
+
+
+def write_near_table(folder: Path, table: pl.DataFrame, rows, config: DedupConfig) -> NearTable:
+    """The NearTable of `table`'s rows (in its order). `rows` is an iterable of (row indices of
+    `table`, their band keys, their sketches), one part at a time, written into file-backed arrays."""
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(folder / "groups.npy", table["group"].rank("dense").cast(pl.Int32).to_numpy())
+    bands = np.lib.format.open_memmap(folder / "bands.npy", mode="w+", dtype=np.uint64,
+                                      shape=(table.height, band_params(config)[0]))
+    sketch = np.lib.format.open_memmap(folder / "sketch.npy", mode="w+", dtype=np.uint8,
+                                       shape=(table.height, SKETCH_BINS))
+    for at, part_bands, part_sketch in rows:
+        bands[at], sketch[at] = part_bands, part_sketch
+    bands.flush()
+    sketch.flush()
+    return NearTable(str(folder))
+
+
+def screen_band(table: NearTable, band: int, threshold: float) -> np.ndarray:
+    """(m, 2) rows of the candidate pairs of one band whose sketches may reach the threshold."""
+    groups, bands, sketch = table.arrays()
+    kept = [np.empty((0, 2), dtype=np.int64)]
+    for a, b in band_pairs(groups, bands, band):
+        likely = sketch_similarity(sketch, a, b) >= threshold - SKETCH_MARGIN
         kept.append(np.stack([a[likely], b[likely]], axis=1))
-    if not kept:
-        return np.empty((0, 2), dtype=np.int64)
-    pairs = np.concatenate(kept)
-    return pairs[np.lexsort((pairs[:, 0], pairs[:, 1]))]
+    return np.concatenate(kept)
 
 
-def verified_pairs(pairs: np.ndarray, orders: np.ndarray,
-                   shingles_of: Callable[[list[int]], dict[int, set[str]]]) -> Iterator[tuple[int, int, float]]:
-    """(a, b, true Jaccard) of each pair of rows, the shingle sets of at most VERIFY_BATCH records at a time."""
+def verify_chunks(pairs: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The pairs in chunks of at most VERIFY_BATCH distinct records: (those records' rows, the
+    chunk's pairs as indices into them)."""
     start = 0
     while start < len(pairs):
         members: set[int] = set()
@@ -243,45 +280,60 @@ def verified_pairs(pairs: np.ndarray, orders: np.ndarray,
         while end < len(pairs) and len(members) < VERIFY_BATCH:
             members.update(pairs[end].tolist())
             end += 1
-        sets = shingles_of(sorted(int(orders[m]) for m in members))
-        for a, b in pairs[start:end].tolist():
-            yield a, b, jaccard(sets[int(orders[a])], sets[int(orders[b])])
+        rows = np.array(sorted(members), dtype=np.int64)
+        yield rows, np.searchsorted(rows, pairs[start:end])
         start = end
 
 
-def near_duplicates_table(unique: pl.DataFrame, bands: np.ndarray, sketch: np.ndarray,
-                          shingles_of: Callable[[list[int]], dict[int, set[str]]],
-                          config: DedupConfig) -> dict[int, tuple[int, float]]:
-    """Near duplicates among `unique` (the records the exact stage kept, sorted by `pos`; `bands`
-    and `sketch` are their rows in that order): {pos: (kept pos, Jaccard)}.
+def chunk_similarities(records, refs: list[tuple[int, int]], pairs: np.ndarray, shingle_size: int) -> list[float]:
+    """True Jaccard of each pair (indices into `refs`) of the records at `refs`, (unit, row) each;
+    `records.shingle_sets(refs, shingle_size)` gives their shingle sets."""
+    sets = records.shingle_sets(refs, shingle_size)
+    return [jaccard(sets[a], sets[b]) for a, b in pairs.tolist()]
 
-    `shingles_of(orders)` gives the shingle sets of the records with these build orders.
+
+def near_duplicates_table(unique: pl.DataFrame, table: NearTable, records, config: DedupConfig,
+                          map_units=in_order) -> dict[int, tuple[int, float]]:
+    """Near duplicates among `unique` (the records the exact stage kept, sorted by `pos`, with
+    `unit` and `row`; `table` holds their near-stage rows in that order): {pos: (kept pos, Jaccard)}.
+
+    The band screens and the verification chunks go through `map_units` (one step per band, one
+    per chunk); `records` (picklable) reads shingle sets where a chunk runs.
     """
     if unique.height < 2:
         return {}
-    groups = unique["group"].rank("dense").cast(pl.Int32).to_numpy()
-    pairs = screened_pairs(groups, bands, sketch, config)
+    bands = band_params(config)[0]
+    pairs = np.concatenate(map_units(screen_band, [(table, band, config.threshold) for band in range(bands)]))
+    pairs = pairs[np.lexsort((pairs[:, 0], pairs[:, 1]))]
+    refs = list(zip(unique["unit"].to_list(), unique["row"].to_list()))
+    chunks = list(verify_chunks(pairs))
+    similarities = map_units(chunk_similarities, [(records, [refs[r] for r in rows.tolist()], local,
+                                                   config.shingle_size) for rows, local in chunks])
+    verified = ((int(rows[a]), int(rows[b]), sim) for (rows, local), sims in zip(chunks, similarities)
+                for (a, b), sim in zip(local.tolist(), sims))
     positions = unique["pos"].to_numpy()
-    found = resolve(verified_pairs(pairs, unique["order"].to_numpy(), shingles_of), config.threshold)
+    found = resolve(verified, config.threshold)
     return {int(positions[b]): (int(positions[a]), sim) for b, (a, sim) in found.items()}
 
 
-def duplicates_table(keys: pl.DataFrame, shingles_of: Callable[[list[int]], dict[int, set[str]]],
-                     config: DedupConfig = DedupConfig(),
-                     near_rows: Callable[[pl.DataFrame], tuple[np.ndarray, np.ndarray]] | None = None) -> list[dict]:
-    """The duplicates map (schemas/duplicates.schema.json) of the key table, in build order of the
-    dropped records; each row also has the build `order` of the dropped and of the kept record.
+def duplicates_table(keys: pl.DataFrame, records, config: DedupConfig = DedupConfig(), map_units=in_order,
+                     workdir: Path | None = None) -> list[dict]:
+    """The duplicates map (schemas/duplicates.schema.json) of the key table (with `unit` and
+    `row`), in build order of the dropped records; each row also has the build `order` of the
+    dropped and of the kept record.
 
-    `near_rows(table)` gives the band keys and sketches of the table's rows, in its order; by
-    default they are the key table's own columns (a caller with a narrow key table loads them)."""
+    `records` gives what the key table leaves out: `near_rows(table)`, the band keys and sketches
+    of a table's rows in parts (see `write_near_table`), and `shingle_sets(refs, size)`. The near
+    stage's arrays go to `workdir` (default: a temporary folder)."""
     ranked = _ranked(keys)
     exact = exact_duplicates(ranked)
     found = {pos: (kept, "exact", 1.0) for pos, kept in exact.iter_rows()}
     if config.near:
         unique = ranked.filter(~pl.col("pos").is_in(exact["pos"].implode()))
-        bands, sketch = near_rows(unique) if near_rows else near_matrices(unique, config)
-        found.update({pos: (kept, "near", sim) for pos, (kept, sim) in
-                      near_duplicates_table(unique, bands, sketch, shingles_of, config).items()})
+        with _scratch(workdir) as folder:
+            table = write_near_table(folder, unique, records.near_rows(unique), config)
+            found.update({pos: (kept, "near", sim) for pos, (kept, sim) in
+                          near_duplicates_table(unique, table, records, config, map_units).items()})
     if not found:
         return []
     info = ranked.filter(pl.col("pos").is_in(list({p for pos, (k, _, _) in found.items() for p in (pos, k)})))
@@ -296,15 +348,42 @@ def duplicates_table(keys: pl.DataFrame, shingles_of: Callable[[list[int]], dict
     return sorted(rows, key=lambda row: row["order"])
 
 
+@contextlib.contextmanager
+def _scratch(workdir: Path | None) -> Iterator[Path]:
+    """`workdir`/near, emptied first (a killed run's arrays go) and removed after; else a temp folder."""
+    if workdir is None:
+        with tempfile.TemporaryDirectory() as folder:
+            yield Path(folder)
+        return
+    folder = workdir / "near"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@dataclass
+class RecordsInMemory:
+    """Records in a list, with their key table: the `records` of `duplicates_table` for one unit."""
+    records: list[dict]
+    keys: pl.DataFrame
+    config: DedupConfig
+
+    def near_rows(self, table: pl.DataFrame):
+        yield np.arange(table.height), *near_matrices(self.keys[table["row"].to_numpy()], self.config)
+
+    def shingle_sets(self, refs: list[tuple[int, int]], size: int) -> list[set[str]]:
+        return [shingles(dedup_tokens(self.records[row]), size) for _, row in refs]
+
+
 def deduplicate_in_memory(records: list[dict], config: DedupConfig = DedupConfig(),
                           batch: int = 4096) -> tuple[list[dict], list[dict]]:
     """`dedup.deduplicate` through the key table: (kept records in build order, duplicates map)."""
     keys = pl.concat([record_keys(records[i:i + batch], i, config) for i in range(0, max(1, len(records)), batch)])
-
-    def shingles_of(orders: list[int]) -> dict[int, set[str]]:
-        return {o: shingles(dedup_tokens(records[o]), config.shingle_size) for o in orders}
-
-    rows = duplicates_table(keys, shingles_of, config)
+    keys = keys.with_columns(pl.lit(0, dtype=pl.Int32).alias("unit"), pl.col("order").alias("row"))
+    rows = duplicates_table(keys, RecordsInMemory(records, keys, config), config)
     dropped = {row["order"] for row in rows}
     kept = [r for i, r in enumerate(records) if i not in dropped]
     return kept, [{k: v for k, v in row.items() if k not in ("order", "kept_order")} for row in rows]
