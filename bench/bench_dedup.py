@@ -1,4 +1,4 @@
-"""Near-duplicate detection: our vectorized numpy MinHash against datasketch's, in one run.
+"""Near-duplicate detection: the build's columnar near dedup against datasketch's MinHash + MinHashLSH, in one run.
 
 Usage: python bench/bench_dedup.py [--docs 100000] [--fixtures tests/fixtures/raw]
 
@@ -8,10 +8,15 @@ replaced, so the originals are distinct from one another; a quarter of them get 
 0.5-3 % of the words changed. Planted pairs whose true shingle Jaccard reaches the threshold are
 the positives.
 
-Both backends run the same pipeline (`pipeline.dedup.near_duplicates`: datasketch's MinHashLSH
-index, candidates confirmed by the true Jaccard); only the signatures differ. Reported: signature
-throughput and end-to-end throughput of each, their ratio, the recall of the planted pairs, false
-merges, and how often the two backends decide the same. Shingling is shared and timed apart.
+Three contenders, on the same shingle sets (shingling is shared and timed apart):
+- `datasketch`: datasketch's MinHash signatures and its MinHashLSH index (`pipeline.dedup.near_duplicates`,
+  candidates confirmed by the true Jaccard);
+- `numpy`: the same index with our vectorized signatures;
+- `table`: what `trajforge build` runs (`pipeline.quality.dedup_table`): vectorized signatures, band
+  keys and one-permutation sketches, candidate pairs per band screened by the sketches, the survivors
+  confirmed by the true Jaccard, the same keep choice.
+Reported: signature throughput and end-to-end throughput of each, the ratios to datasketch, the recall
+of the planted pairs, other merges, merges below the threshold, and how often each decides as datasketch.
 """
 from __future__ import annotations
 
@@ -25,7 +30,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trajforge.pipeline.build import BuildConfig, process_unit  # noqa: E402
-from trajforge.pipeline.quality.dedup import DedupConfig, dedup_tokens, jaccard, near_duplicates, shingles, signatures  # noqa: E402
+from trajforge.pipeline.quality.dedup import (DedupConfig, dedup_tokens, jaccard, near_duplicates,  # noqa: E402
+                                              shingle_hashes, shingles, signatures)
+from trajforge.pipeline.quality.dedup_table import (band_keys, band_params, resolve, screen_band,  # noqa: E402
+                                                    sketches, write_near_table)
 from trajforge.sources import get_source  # noqa: E402
 
 SOURCES = ("agentinstruct", "agenttraj_l", "openmanus_rl")
@@ -77,6 +85,27 @@ def run(backend: str, sets, groups, config: DedupConfig) -> dict:
     return {"backend": backend, "signature_s": t1 - t0, "total_s": t2 - t0, "hits": hits}
 
 
+def run_table(sets, groups, config: DedupConfig) -> dict:
+    """The build's near stage (dedup_table) on sets already in keep-preference order."""
+    import tempfile
+
+    import polars as pl
+
+    bands, rows = band_params(config)
+    t0 = time.perf_counter()
+    hashes = shingle_hashes(sets, config.seed)
+    keys, sketch = band_keys(signatures(sets, config, hashes), bands, rows), sketches(*hashes)
+    t1 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        table = write_near_table(Path(folder), pl.DataFrame({"group": groups}),
+                                 [(np.arange(len(sets)), keys, sketch)], config)
+        pairs = np.concatenate([screen_band(table, band, config.threshold) for band in range(bands)])
+    found = resolve(((a, b, jaccard(sets[a], sets[b])) for a, b in pairs.tolist()), config.threshold)
+    t2 = time.perf_counter()
+    return {"backend": "table", "signature_s": t1 - t0, "total_s": t2 - t0,
+            "hits": [found.get(i) for i in range(len(sets))], "screened": len(pairs)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--docs", type=int, default=100_000)
@@ -100,7 +129,7 @@ def main() -> None:
           f"({n_shingles / len(docs):.0f} per trajectory); planted near pairs {len(pairs)}, "
           f"of which {len(positives)} have Jaccard >= {config.threshold}; shingling {shingle_s:.1f} s (shared)")
 
-    results = [run(b, sets, groups, config) for b in ("datasketch", "numpy")]
+    results = [run(b, sets, groups, config) for b in ("datasketch", "numpy")] + [run_table(sets, groups, config)]
     for r in results:
         found = {(hit[0], i) for i, hit in enumerate(r["hits"]) if hit is not None}
         r["recall"] = len(found & positives) / max(1, len(positives))
@@ -111,11 +140,13 @@ def main() -> None:
               f"({r['signature_s']:.1f} s), near-dedup end to end {len(docs) / r['total_s']:>8.0f} traj/s "
               f"({r['total_s']:.1f} s), recall {r['recall']:.4f}, other merges {r['other_merges']}, "
               f"below threshold {r['below_threshold']}")
-    lib, ours = results
-    same = sum(1 for a, b in zip(lib["hits"], ours["hits"]) if (a is None) == (b is None)) / len(docs)
-    print(f"ratio numpy/datasketch: signatures x{lib['signature_s'] / ours['signature_s']:.1f}, "
-          f"end to end x{lib['total_s'] / ours['total_s']:.1f}; recall {ours['recall']:.4f} vs "
-          f"{lib['recall']:.4f}; same keep/drop decision on {same:.2%} of trajectories")
+    lib = results[0]
+    for ours in results[1:]:
+        same = sum(1 for a, b in zip(lib["hits"], ours["hits"]) if (a is None) == (b is None)) / len(docs)
+        print(f"ratio {ours['backend']}/datasketch: signatures x{lib['signature_s'] / ours['signature_s']:.1f}, "
+              f"end to end x{lib['total_s'] / ours['total_s']:.1f}; recall {ours['recall']:.4f} vs "
+              f"{lib['recall']:.4f}; same keep/drop decision on {same:.2%} of trajectories")
+    print(f"table: {results[2]['screened']} candidate pairs passed the sketch screen")
 
 
 if __name__ == "__main__":
