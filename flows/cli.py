@@ -14,6 +14,7 @@ from pathlib import Path
 
 from trajforge.flows.config import (RUNNERS, SYNTH_PARAMETERS, BuildRun, ConfigError, load_build_run, merge, nested,
                                      read_config, stage_config, synth_config)
+from trajforge.pipeline.registry import UnknownName
 from trajforge.sources import DEFAULT_SOURCES, REGISTRY, SourceError, UnknownSource, get_source
 
 
@@ -386,6 +387,15 @@ def _run_salvage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_arg(value: str) -> list[str]:
+    from trajforge.pipeline.rft import serve_command
+
+    try:
+        return serve_command(value)
+    except UnknownName as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_rft(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("rft", help="rejection-sampling fine-tuning rounds: build, SFT, serve, synthesize, keep "
                                    "successes (a Prefect flow; extra `train`)")
@@ -397,7 +407,7 @@ def _add_rft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--sft-config", required=True, help="SFT YAML config (training/configs/sft_*.yaml)")
-    p.add_argument("--serve", default="transformers",
+    p.add_argument("--serve", default="transformers", type=_serve_arg,
                    help="server for the checkpoint: transformers (CPU), vllm (GPU), or a command with {model} "
                         "and {port} placeholders")
     p.add_argument("--n", type=int, default=4, help="samples per held-out task")
@@ -407,18 +417,14 @@ def _add_rft(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_rft(args: argparse.Namespace) -> int:
-    import shlex
-
     from trajforge.flows.rft import rft
-    from trajforge.pipeline.rft import SERVE_COMMANDS
 
     for path in (args.tasks, args.sft_config):
         if not os.path.isfile(path):
             raise SourceError(f"rft: no file {path}")
-    serve = args.serve if args.serve in SERVE_COMMANDS else shlex.split(args.serve)
     report = rft(sources=dict(args.source) or {"agentinstruct": None}, tasks=args.tasks, env=args.env,
                  base_model=args.base_model, out=args.out, rounds=args.rounds, sft_args=["--config", args.sft_config],
-                 serve=serve, n=args.n, max_turns=args.max_turns, max_tokens=args.max_tokens)
+                 serve=args.serve, n=args.n, max_turns=args.max_turns, max_tokens=args.max_tokens)
     for r in report["rounds"]:
         print(f"round {r['round']}: {r['tasks_solved']}/{r['tasks']} held-out tasks solved ({r['success_rate']}), "
               f"{r['records_kept']} records kept, train loss {r['train_loss']}")

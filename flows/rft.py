@@ -21,7 +21,7 @@ from trajforge.flows.synth import use_api_key_env
 from trajforge.pipeline.atomic import write_json
 from trajforge.pipeline.synth.agent import AgentConfig
 from trajforge.pipeline.synth.llm import LLMConfig
-from trajforge.pipeline.rft import SERVE_COMMANDS, keep_successes, round_summary, serving
+from trajforge.pipeline.rft import keep_successes, round_summary, serve_command, serving
 from trajforge.pipeline.synth.job import SynthConfig, synthesize
 
 
@@ -34,10 +34,10 @@ def train_sft(base_model: str, dataset: str, output_dir: str, sft_args: list[str
 
 
 @task(name="rft-serve-and-synthesize")
-def serve_and_synthesize(model_dir: str, serve_command: list[str], config: SynthConfig,
+def serve_and_synthesize(model_dir: str, command: list[str], config: SynthConfig,
                          startup_timeout_s: float, api_key_env: str | None) -> dict:
     use_api_key_env(config.llm, api_key_env)
-    with serving(model_dir, serve_command, startup_timeout_s) as base_url:
+    with serving(model_dir, command, startup_timeout_s) as base_url:
         config.llm.base_url = base_url
         return synthesize(config)
 
@@ -48,10 +48,10 @@ def rft(sources: dict[str, str | None], tasks: str, env: str, base_model: str, o
         max_turns: int = 8, max_tokens: int | None = None, concurrency: int = 16, startup_timeout_s: float = 600.0,
         sampling: dict | None = None, api_key_env: str | None = None) -> dict:
     """ROUNDS rounds of build -> SFT -> serve -> synthesize on TASKS -> keep successes; see the module docstring."""
+    command = serve_command(serve)  # a server name no registry entry has fails here, before any round
     logger = get_run_logger()
     root = Path(out)
     kept = root / "kept"
-    command = SERVE_COMMANDS[serve] if isinstance(serve, str) else list(serve)
     report: dict = {"base_model": base_model, "env": env, "tasks": tasks, "serve": command, "rounds": []}
 
     def build(folder: Path) -> dict:

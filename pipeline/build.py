@@ -12,9 +12,10 @@ import json
 import logging
 import shutil
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import polars as pl
 import pyarrow.parquet as pq
@@ -31,9 +32,9 @@ from trajforge.pipeline.quality.negatives import NegativesConfig
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
 from trajforge.pipeline.quarantine import quarantine_entry, shown
-from trajforge.pipeline.stages import in_order
 from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
 from trajforge.pipeline.publish.shards import ShardConfig, write_config_from_file
+from trajforge.pipeline.stages import Dropped, StageTally, in_order, merge_tallies
 from trajforge.pipeline.synth.tasks import load_tasks
 from trajforge.pipeline.ingest.validate import ValidateConfig, merge_env_figures, tally_env, validate_record
 from trajforge.schemas import arrow_schema
@@ -73,10 +74,8 @@ class UnitResult:
     source_file: str
     records_path: str
     quarantine_path: str
-    read: int = 0
-    written: int = 0
-    quarantined: int = 0
-    reasons: dict[str, int] = field(default_factory=dict)
+    # The map stages' tallies (`StageTally.as_dict()`), in stage order: read, normalize, validate, stage.
+    stages: list[dict] = field(default_factory=list)
     # Provenance for the card and the build id: the input's content and its Hub commit, if any.
     input_sha256: str = ""
     revision: str | None = None
@@ -87,67 +86,127 @@ class UnitResult:
     # The unit's key table (pipeline/assemble.py), staged next to its records.
     keys_path: str = ""
 
+    @property
+    def read(self) -> int:
+        """Upstream rows read: what came into the first stage."""
+        return self.stages[0]["in"] if self.stages else 0
+
+    @property
+    def written(self) -> int:
+        """Records staged: what the last stage kept."""
+        return self.stages[-1]["kept"] if self.stages else 0
+
+    @property
+    def reasons(self) -> dict[str, int]:
+        """Rows quarantined by reason, over every stage."""
+        return dict(sum((Counter(stage["dropped"]) for stage in self.stages), Counter()))
+
+    @property
+    def quarantined(self) -> int:
+        return sum(self.reasons.values())
+
 
 def unit_key(source: str, file: SourceFile) -> str:
     digest = hashlib.sha1(str(file.path.resolve()).encode()).hexdigest()[:8]
     return f"{source}__{file.path.stem}__{digest}"
 
 
-def _record_or_rejection(raw: RawRow, source, file: SourceFile, config: BuildConfig,
-                         envs: dict[str, dict]) -> tuple[dict | None, tuple | None]:
-    """(record, None), or (None, (source_id, reason, detail)) for a row that cannot be one.
+# -- the map stages: one record at a time, each returns it (in its next form) or why it dropped it
 
-    Positive records also count into `envs`, the per-env validation figures of the unit.
-    """
+def read_stage(raw: RawRow) -> RawRow | Dropped:
+    """The reader's own verdict on a row: decoded, or why not (truncated, malformed JSON, ...)."""
     if raw.error:
-        return None, (None, raw.error, raw.detail or "")
-    upstream_id = raw.row.get("id", raw.row.get("item_id"))
+        return Dropped(raw.error, raw.detail or "")
+    return raw
+
+
+def normalize_stage(raw: RawRow, source, file: SourceFile, config: NormalizeConfig) -> dict | Dropped:
+    """The upstream row as a record of our schema."""
     try:
-        record = normalize_row(raw.row, source, file.split, file.label, raw.index, config.normalize)
+        return normalize_row(raw.row, source, file.split, file.label, raw.index, config)
     except NormalizeError as exc:
-        return None, (str(upstream_id) if isinstance(upstream_id, (str, int)) else None, exc.reason, exc.detail)
-    violation = validate_record(record, config.validate) if record["kind"] == "positive" else None
-    if record["kind"] == "positive":
-        tally_env(envs, record, violation)
+        upstream_id = raw.row.get("id", raw.row.get("item_id"))
+        return Dropped(exc.reason, exc.detail, str(upstream_id) if isinstance(upstream_id, (str, int)) else None)
+
+
+def validate_stage(record: dict, config: ValidateConfig, envs: dict[str, dict]) -> dict | Dropped:
+    """A positive record that breaks no rule; negatives pass unchecked (their faults are the point).
+    Positives also count into `envs`, the per-env validation figures of the unit."""
+    if record["kind"] != "positive":
+        return record
+    violation = validate_record(record, config)
+    tally_env(envs, record, violation)
     if violation is not None:
-        return None, (record["source_id"], violation.reason, violation.detail)
-    return record, None
+        return Dropped(violation.reason, violation.detail, record["source_id"])
+    return record
 
 
-def _internal_error(what: str, exc: BaseException) -> str:
-    """The quarantine detail of an unexpected exception; its traceback goes to the log."""
+MapStage = Callable[[object], object]  # one item in; its next form, or a Dropped
+# The stage that writes the records to the unit's staging file (Arrow may refuse a row).
+WRITE_STAGE = "stage"
+
+
+def map_stages(source, file: SourceFile, config: BuildConfig, envs: dict[str, dict]) -> list[tuple[str, MapStage]]:
+    """The stages every row of a unit goes through, in order, bound to the unit's source and config."""
+    return [("read", read_stage),
+            ("normalize", partial(normalize_stage, source=source, file=file, config=config.normalize)),
+            ("validate", partial(validate_stage, config=config.validate, envs=envs))]
+
+
+def run_stages(item, stages: list[tuple[str, MapStage]], tallies: list[StageTally], where: str, rows: int = 1):
+    """`item` through each stage in order, each counting it (as `rows` rows) in its tally; the last
+    stage's output, or the first Dropped. An exception no stage foresaw drops the item as
+    `internal_error` of that stage instead of ending the build."""
+    for (name, stage), tally in zip(stages, tallies):
+        try:
+            item = stage(item)
+        except Exception as exc:
+            item = _internal_error(f"{where} ({name})", exc)
+        if isinstance(item, Dropped):
+            tally.drop(item.reason, rows)
+            return item
+        tally.keep(rows)
+    return item
+
+
+def _internal_error(what: str, exc: BaseException, source_id: str | None = None) -> Dropped:
+    """An unexpected exception as a drop: its type and message in the detail, its traceback in the log."""
     log.warning("%s: internal error", what, exc_info=exc)
-    return f"{type(exc).__name__}: {exc}"[:1000]
+    return Dropped("internal_error", f"{type(exc).__name__}: {exc}"[:1000], source_id)
 
 
 def process_unit(source_name: str, file: SourceFile, staging: Path, config: BuildConfig = BuildConfig()) -> UnitResult:
-    """Read one file of one source, normalize and validate every row, stage the results.
+    """Read one file of one source, run every row through the map stages, stage the results.
 
-    Every row ends as a staged record or a quarantine entry, whatever it holds: an exception
-    that no rule foresaw quarantines the row as `internal_error` (type in the detail, traceback
-    in the log) instead of ending the build.
+    Every row ends as a staged record or a quarantine entry (the first stage that dropped it,
+    with its reason), whatever it holds; each stage's tally counts what it kept and dropped.
     """
     source = get_source(source_name)
     name = file.label
     key = unit_key(source_name, file)
-    reasons: Counter[str] = Counter()
     envs: dict[str, dict] = {}
-    counts = Counter()
+    stages = map_stages(source, file, config, envs)
+    tallies = [StageTally(stage) for stage, _ in stages]
+    writing = StageTally(WRITE_STAGE)
     quarantine = StreamingParquet(staging / f"{key}.quarantine.parquet", arrow_schema("quarantine"))
 
-    def reject(index: int, source_id: str | None, reason: str, detail: str, raw: str | None, rows: int = 1) -> None:
-        reasons[reason] += rows
-        counts["quarantined"] += rows
-        quarantine.append(quarantine_entry(source_name, name, index, source_id, reason, detail, raw))
+    def reject(index: int, dropped: Dropped, raw: str | None) -> None:
+        quarantine.append(quarantine_entry(source_name, name, index, dropped.source_id, dropped.reason,
+                                           dropped.detail, raw))
 
     def refused(record: dict, exc: Exception) -> None:
         index = json.loads(record["meta"]).get("source_index", -1)
-        reject(index, record["source_id"], "internal_error",
-               _internal_error(f"{source_name}/{name} row {index} (writing)", exc), shown(record))
+        dropped = _internal_error(f"{source_name}/{name} row {index} (writing)", exc, record["source_id"])
+        writing.drop(dropped.reason)
+        reject(index, dropped, shown(record))
+
+    def written(rows: list[dict]) -> None:
+        writing.keep(len(rows))
+        keys.extend(rows)
 
     keys = KeysWriter(staging / f"{key}.keys.parquet", config)
     records = StreamingParquet(staging / f"{key}.records.parquet", arrow_schema("trajectory"), on_refused=refused,
-                               on_written=keys.extend)
+                               on_written=written)
     rows = iter_rows(file.path, name)
     next_index = 0
     while True:
@@ -155,31 +214,26 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
             raw = next(rows)
         except StopIteration:
             break
-        except Exception as exc:  # a reader bug: the rest of the file is one entry, the build goes on
-            reject(next_index, None, "internal_error",
-                   _internal_error(f"{source_name}/{name} reading from row {next_index}", exc)
-                   + f"; rows from {next_index} on were not read", None)
+        except Exception as exc:  # a reader bug: the rest of the file is one drop of the read stage, the build goes on
+            dropped = _internal_error(f"{source_name}/{name} reading from row {next_index}", exc)
+            tallies[0].drop(dropped.reason)
+            reject(next_index, replace(dropped, detail=dropped.detail + f"; rows from {next_index} on were not read"),
+                   None)
             break
-        counts["read"] += raw.rows
         next_index = raw.index + raw.rows
-        try:
-            record, rejection = _record_or_rejection(raw, source, file, config, envs)
-        except Exception as exc:
-            record, rejection = None, (None, "internal_error", _internal_error(f"{source_name}/{name} row {raw.index}", exc))
-        if rejection is not None:
-            text = raw.raw_text if raw.raw_text is not None or raw.row is None else shown(raw.row)
-            reject(raw.index, *rejection, text, raw.rows)
+        record = run_stages(raw, stages, tallies, f"{source_name}/{name} row {raw.index}", raw.rows)
+        if isinstance(record, Dropped):
+            reject(raw.index, record, raw.raw_text if raw.raw_text is not None or raw.row is None else shown(raw.row))
             continue
         records.append(record)
-        counts["staged"] += 1
-        if counts["staged"] % config.progress_every == 0:
-            log.info("%s/%s: %d records so far", source_name, name, counts["staged"])
+        if tallies[-1].kept % config.progress_every == 0:
+            log.info("%s/%s: %d records so far", source_name, name, tallies[-1].kept)
     records.close()
     quarantine.close()
     keys.close()
     result = UnitResult(source_name, name, str(records.path), str(quarantine.path), keys_path=str(keys.path),
-                        read=counts["read"], written=records.count, quarantined=counts["quarantined"],
-                        reasons=dict(reasons), envs=envs, input_sha256=file_sha256(file.path), revision=hub_revision(file.path),
+                        stages=[tally.as_dict() for tally in [*tallies, writing]], envs=envs,
+                        input_sha256=file_sha256(file.path), revision=hub_revision(file.path),
                         note="empty file: no records" if file.path.stat().st_size == 0 else None)
     log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, result.read, result.written,
              result.quarantined, result.reasons or "")
@@ -306,6 +360,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
         report[name] = dict(sorted(Counter(kept_keys[column].to_list()).items()))
     report["validation_by_env"] = merge_env_figures([u.envs for u in units])
     stage_counts(report, contaminated_rows, duplicates)
+    report["stages"] = [t.as_dict() for t in build_stages(units, len(contaminated_rows), duplicates)]
     report["outputs"].update({name: files[name].get("train", []) for name in ("negatives", "preference", "grpo", "grpo_env")},
                              duplicates=[str(duplicates_path.relative_to(out))])
     turns, chars = kept_keys["turns"].to_list(), kept_keys["chars"].to_list()
@@ -324,6 +379,17 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     write_release_files(out, report, units, config, owned)
     remove_earlier_files(out, earlier - set(owned) - {"README.md"})
     return report
+
+
+def build_stages(units: list[UnitResult], contaminated: int, duplicates: list[dict]) -> list[StageTally]:
+    """Every stage of the build in order with its tally: the map stages summed over the units, then
+    the global ones (decontaminate, exact dedup, near dedup); each takes in what the one before kept."""
+    stages = merge_tallies([[StageTally.from_dict(entry) for entry in unit.stages] for unit in units])
+    matches = Counter(d["match"] for d in duplicates)
+    for name, reason, dropped in [("decontaminate", "contaminated", contaminated), ("dedup_exact", "exact", matches["exact"]),
+                                  ("dedup_near", "near", matches["near"])]:
+        stages.append(StageTally.of(name, stages[-1].kept if stages else 0, {reason: dropped}))
+    return stages
 
 
 def write_release_files(out: Path, report: dict, units: list[UnitResult], config: BuildConfig,
@@ -348,4 +414,8 @@ def summary_lines(report: dict) -> list[str]:
                      f"{entry.get('duplicates', 0):>7}  {reasons}")
     t = report["total"]
     lines.append(f"{'total':<14}{t['read']:>8}{t['written']:>9}{t['quarantined']:>10}{t.get('duplicates', 0):>7}")
+    if report.get("stages"):
+        steps = [f"{s['stage']} {s['kept']}" + (f" (-{s['in'] - s['kept']})" if s["in"] > s["kept"] else "")
+                 for s in report["stages"]]
+        lines.append("stages: " + " -> ".join(steps))
     return lines + [f"warning: {w}" for w in report.get("warnings", [])]

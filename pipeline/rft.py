@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -29,15 +30,24 @@ from typing import Iterator
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import write_parquet
+from trajforge.pipeline.registry import Registry
 from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.rft")
 
 # `{model}` is the checkpoint folder, `{port}` a free loopback port.
-SERVE_COMMANDS = {
+SERVE_COMMANDS: Registry[list[str]] = Registry("serve command", {
     "transformers": ["transformers", "serve", "--host", "127.0.0.1", "--port", "{port}", "--device", "cpu", "{model}"],
     "vllm": ["vllm", "serve", "{model}", "--host", "127.0.0.1", "--port", "{port}"],
-}
+})
+
+
+def serve_command(serve: str | list[str]) -> list[str]:
+    """The argv (with placeholders) of a server: `serve` is an argv, a command line, or a name of
+    SERVE_COMMANDS. A command says where to listen (`{port}`): a string without it is a name."""
+    if not isinstance(serve, str):
+        return list(serve)
+    return shlex.split(serve) if "{port}" in serve else list(SERVE_COMMANDS[serve])
 
 
 def free_port() -> int:

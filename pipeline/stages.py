@@ -45,6 +45,16 @@ class StageTally:
         return {"stage": self.stage, "in": self.seen, "kept": self.kept,
                 "dropped": dict(sorted(self.dropped.items()))}
 
+    @classmethod
+    def from_dict(cls, entry: dict) -> "StageTally":
+        return cls(entry["stage"], entry["in"], entry["kept"], Counter(entry["dropped"]))
+
+    @classmethod
+    def of(cls, stage: str, seen: int, dropped: dict[str, int]) -> "StageTally":
+        """A global stage's tally: `seen` records in, `dropped` by reason, the rest kept."""
+        dropped = Counter({reason: n for reason, n in dropped.items() if n})
+        return cls(stage, seen, seen - sum(dropped.values()), dropped)
+
 
 def merge_tallies(tallies: list[list[StageTally]]) -> list[StageTally]:
     """Tallies of the same stages (as several units report them) added up, in stage order."""

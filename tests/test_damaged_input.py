@@ -176,6 +176,7 @@ def test_a_crash_no_rule_foresaw_is_one_quarantine_entry(tmp_path, monkeypatch, 
         unit, quarantine = unit_of(tmp_path, "webshop_train.json", array(fifty()[:3]))
     assert unit.written == 2
     assert [(q["reason"], q["detail"]) for q in quarantine] == [("internal_error", "ZeroDivisionError: boom")]
+    assert {s["stage"]: s["dropped"] for s in unit.stages}["normalize"] == {"internal_error": 1}
     assert json.loads(quarantine[0]["raw"])["item_id"] == "webshop_1"
     assert "Traceback" in caplog.text
 

@@ -8,11 +8,14 @@ from tests.conftest import FIXTURES
 from trajforge.flows.build import make_task_runner
 from trajforge.pipeline.ingest.dialects import DIALECTS
 from trajforge.pipeline.ingest.grammars import GRAMMARS
+from trajforge.pipeline.ingest.validate import RULES
 from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.quality.negatives import NegativesConfig
 from trajforge.pipeline.registry import Registry, UnknownName
+from trajforge.pipeline.rft import SERVE_COMMANDS, serve_command
 from trajforge.pipeline.synth import envs
 from trajforge.pipeline.synth.envs import make_env
+from trajforge.pipeline.synth.envs.agentgym import COMMON_PROFILE, PROFILES, AgentGymEnv, server_profile
 from trajforge.pipeline.synth.llm import BACKENDS, FAMILIES, LLMConfig, make_backend
 from trajforge.pipeline.synth.tasks import TaskFormatError, load_tasks, record_to_task
 from trajforge.sources import SourceError, get_source
@@ -51,6 +54,9 @@ def test_registry_lists_known_names_and_is_a_key_and_value_error():
     (lambda: GRAMMARS["nope"], "unknown grammar 'nope'; known: "),
     (lambda: FAMILIES["nope"], "unknown model family 'nope'; known: deepseek-r1, default, qwq"),
     (lambda: make_task_runner("nope"), "unknown runner 'nope'; known: dask, processes, ray, threads"),
+    (lambda: serve_command("nope"), "unknown serve command 'nope'; known: transformers, vllm"),
+    (lambda: PROFILES["nope"], "unknown AgentGym server profile 'nope'; known: alfworld, babyai, sciworld, textcraft"),
+    (lambda: RULES["nope"], "unknown validation rule 'nope'; known: action_grammar, action_loop, answer_consistent"),
 ])
 def test_every_registry_raises_the_one_error(lookup, message):
     with pytest.raises(UnknownName) as caught:
@@ -100,3 +106,31 @@ def test_cli_runner_names_are_the_registered_task_runners():
     from trajforge.flows.config import RUNNERS
 
     assert sorted(RUNNERS) == TASK_RUNNERS.names()
+
+
+def test_an_unknown_serve_command_name_lists_the_known_ones_where_it_is_looked_up(tmp_path):
+    from trajforge.flows.rft import rft
+    from tests.test_cli_args import trajforge
+
+    message = "unknown serve command 'vlm'; known: transformers, vllm"
+    with pytest.raises(UnknownName, match=message):  # the flow, before any round
+        rft.fn(sources={}, tasks="tasks.jsonl", env="db", base_model="m", out=str(tmp_path / "out"), serve="vlm")
+    assert not (tmp_path / "out").exists()
+    proc, _, _ = trajforge("rft", "--tasks", "t.jsonl", "--env", "db", "--base-model", "m", "--out",
+                           str(tmp_path / "out"), "--sft-config", "c.yaml", "--serve", "vlm")
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1].endswith(f"argument --serve: {message}")
+    # A command line (it says where to listen) and an argv are commands, not names.
+    assert serve_command("python -m server --port {port} {model}") == ["python", "-m", "server", "--port", "{port}",
+                                                                        "{model}"]
+    assert serve_command(["my-server", "{port}"]) == ["my-server", "{port}"]
+    assert serve_command("vllm") == SERVE_COMMANDS["vllm"]
+
+
+def test_an_agentgym_server_without_a_profile_speaks_the_common_shape():
+    assert server_profile("webshop").id_key == "env_idx" and server_profile("babyai").reward_key == "score"
+    assert server_profile("a_new_env") is COMMON_PROFILE and server_profile("") is COMMON_PROFILE
+    assert AgentGymEnv("http://127.0.0.1:1", "a_new_env")._profile is COMMON_PROFILE
+
+
+def test_validation_rules_run_in_registration_order():
+    assert list(RULES)[:2] == ["schema", "role_order"] and list(RULES)[-1] == "outcome_consistent"

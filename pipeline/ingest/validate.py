@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn
 from trajforge.pipeline.ingest.grammars import GRAMMARS, Breach, Context, grammar_for
+from trajforge.pipeline.registry import Registry
 from trajforge.schemas import first_error
 
 # An assistant turn that goes on to write the environment's reply itself.
@@ -219,7 +220,7 @@ def _answer_consistent(record: dict, config: ValidateConfig) -> Violation | None
 # Order matters: the schema first (the other rules assume its shape), then structure, then content;
 # a written-out observation is named as such before it shows up as a turn that misparses. The
 # outcome fields come last: a negative (success false) is named for what is wrong in its turns.
-RULES: dict[str, Callable[[dict, ValidateConfig], Violation | None]] = {
+RULES: Registry[Callable[[dict, ValidateConfig], Violation | None]] = Registry("validation rule", {
     "schema": _schema,
     "role_order": _role_order,
     "final_turn": _final_turn,
@@ -232,11 +233,11 @@ RULES: dict[str, Callable[[dict, ValidateConfig], Violation | None]] = {
     "episode_end": _episode_end,
     "answer_consistent": _answer_consistent,
     "outcome_consistent": _outcome_consistent,
-}
+})
 
 
 def validate_record(record: dict, config: ValidateConfig = ValidateConfig()) -> Violation | None:
-    """The first violated rule of a positive record, or None when it is valid."""
+    """The first violated rule (in registration order) of a positive record, or None when it is valid."""
     for rule in RULES.values():
         violation = rule(record, config)
         if violation is not None:

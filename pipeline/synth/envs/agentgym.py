@@ -8,7 +8,7 @@ textcraft, ...), following the protocol of AgentGym's own clients (agentenv/envs
   POST /close   {<id>}
 
 The servers differ in small ways (the id's key, the reset arguments, where the reward is), so
-each known server has a profile; an unknown name gets the common shape. Every request has a
+each known server has a profile; any other server gets the common shape. Every request has a
 timeout, and the instance on the server is closed in `close()`, which the context manager and
 `reset` (for the previous instance) always call: AgentGym's servers keep an instance per
 `create` until it is closed, and leaked instances were what made them fall over under load.
@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import httpx
 
+from trajforge.pipeline.registry import Registry
 from trajforge.pipeline.synth.envs.base import ClosingEnvironment, EnvFailure, StepResult
 from trajforge.pipeline.synth.tasks import Task, coerce_task
 
@@ -43,14 +44,21 @@ class ServerProfile:
     observe_after_reset: bool = False
 
 
-PROFILES: dict[str, ServerProfile] = {
+PROFILES: Registry[ServerProfile] = Registry("AgentGym server profile", {
     "webshop": ServerProfile(id_key="env_idx", reset_args=lambda idx: {"session_id": idx},
                              observation_key="state", observe_after_reset=True),
     "alfworld": ServerProfile(reset_args=lambda idx: {"game": idx, "world_type": "Text"}),
     "babyai": ServerProfile(reward_key="score"),
     "sciworld": ServerProfile(reward_key="score"),
     "textcraft": ServerProfile(),
-}
+})
+# The shape of AgentGym's generic client: a server with no profile above (a new environment) speaks it.
+COMMON_PROFILE = ServerProfile()
+
+
+def server_profile(env_name: str) -> ServerProfile:
+    """The profile of the server of `env_name`; one without a profile gets the common shape, not an error."""
+    return PROFILES.get(env_name, COMMON_PROFILE)
 
 _ACTION = re.compile(r"Action:\s*", re.I)
 
@@ -80,7 +88,7 @@ class AgentGymEnv(ClosingEnvironment):
         self.timeout = timeout
         self.busy_retries = busy_retries
         self._client: httpx.Client | None = None
-        self._profile = PROFILES.get(env_name, ServerProfile())
+        self._profile = server_profile(env_name)
         self._instance: Any = None
         self._done = False
 
@@ -128,7 +136,7 @@ class AgentGymEnv(ClosingEnvironment):
         if t.env != "agentgym":
             raise ValueError(f"task {t.id} is for env {t.env!r}, not 'agentgym'")
         name = t.data.get("env_name") or self.env_name
-        self._profile = PROFILES.get(name, ServerProfile())
+        self._profile = server_profile(name)
         index = item_index(t.data.get("item_id", t.data.get("data_idx", 0)))
         created = self._request("POST", "/create")
         self._instance = created if not isinstance(created, dict) else created.get("id", created.get("env_idx"))
