@@ -37,13 +37,19 @@ from trajforge.sources import DEFAULT_SOURCES, SourceError, SourceFile, get_sour
 TASK_RUNNERS = Registry("runner")
 
 
+def _set_environment(env: dict[str, str]) -> None:
+    """A worker process's initializer: this run's Prefect API, so that it starts no server of its own."""
+    os.environ.update(env)
+
+
 @TASK_RUNNERS.register("processes")
 def _processes(address: str | None, workers: int, env: dict[str, str]):
     # Units are CPU-bound Python (parsing, normalizing, MinHash): processes use every core, threads
     # only one (the GIL). More processes than cores only add memory (an interpreter and a batch each).
     from prefect.task_runners import ProcessPoolTaskRunner
 
-    return ProcessPoolTaskRunner(max_workers=max(1, min(workers, os.cpu_count() or 1)))
+    return ProcessPoolTaskRunner(max_workers=max(1, min(workers, os.cpu_count() or 1)),
+                                 initializer=_set_environment, initargs=(env,))
 
 
 @TASK_RUNNERS.register("threads")
