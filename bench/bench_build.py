@@ -15,7 +15,7 @@ Measured in the same run:
 - the I/O floor: pyarrow reads the same upstream files (Parquet, and the JSON arrays through `json` into
   Arrow) and writes the same rows as zstd Parquet;
 - `trajforge build` as a subprocess of the real CLI (`--source NAME=PATH`), its wall time and the peak
-  RSS of its process tree (sampled every 0.2 s);
+  RSS and PSS of its process tree (sampled every 0.2 s);
 - from the build's outputs: rows/s, recall of the planted copies (the share of planted copies found in
   the duplicates map pointing into their own family) and false merges (map rows linking two families).
 """
@@ -226,18 +226,21 @@ def io_floor(corpus: Path, scratch: Path) -> tuple[float, int]:
     return time.perf_counter() - start, rows
 
 
-def tree_rss(proc: psutil.Process) -> int:
-    total = 0
+def tree_memory(proc: psutil.Process) -> tuple[int, int]:
+    """(RSS, PSS) summed over the process tree. RSS counts a page every process maps (the near
+    stage's file-backed arrays, shared libraries) once per process; PSS splits it among them."""
+    rss = pss = 0
     for p in [proc, *proc.children(recursive=True)]:
         try:
-            total += p.memory_info().rss
+            full = p.memory_full_info()
+            rss, pss = rss + full.rss, pss + full.pss
         except psutil.Error:
             pass
-    return total
+    return rss, pss
 
 
-def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[float, float, int, int]:
-    """(wall seconds, CPU seconds, peak RSS of the process tree in bytes, return code) of `trajforge build`.
+def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[float, float, tuple[int, int], int]:
+    """(wall seconds, CPU seconds, peak (RSS, PSS) of the process tree in bytes, return code) of `trajforge build`.
 
     CPU seconds count the build and the processes it waited for; on a shared machine they say more
     than the wall time."""
@@ -247,7 +250,7 @@ def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[flo
     start, cpu0 = time.perf_counter(), os.times()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ps = psutil.Process(proc.pid)
-    peak = [0]
+    peak = [0, 0]
     tail: list[str] = []
 
     def drain() -> None:
@@ -258,7 +261,8 @@ def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[flo
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     while proc.poll() is None:
-        peak[0] = max(peak[0], tree_rss(ps))
+        rss, pss = tree_memory(ps)
+        peak = [max(peak[0], rss), max(peak[1], pss)]
         if time.perf_counter() - start > timeout:
             for p in [*ps.children(recursive=True), ps]:
                 p.kill()
@@ -270,7 +274,7 @@ def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[flo
     if proc.returncode != 0:
         sys.stderr.write("".join(tail))
     cpu = (cpu1.children_user - cpu0.children_user) + (cpu1.children_system - cpu0.children_system)
-    return wall, cpu, peak[0], proc.returncode
+    return wall, cpu, (peak[0], peak[1]), proc.returncode
 
 
 def quality(out: Path, counts: dict) -> dict:
@@ -320,7 +324,7 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         wall, cpu, peak, rc = run_build(corpus, out, args.runner, args.timeout)
         line = (f"build ({args.runner}): rc {rc}, wall {wall:.1f} s = {wall / floor_s:.1f}x the floor, CPU {cpu:.0f} s, "
-                f"peak RSS {peak / 2**30:.2f} GiB, {rows / wall:.0f} rows/s")
+                f"peak RSS {peak[0] / 2**30:.2f} GiB (PSS {peak[1] / 2**30:.2f} GiB), {rows / wall:.0f} rows/s")
         if rc == 0:
             report = json.loads((out / "report.json").read_text())
             q = quality(out, counts)

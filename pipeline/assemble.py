@@ -1,23 +1,26 @@
-"""The second half of a build, in bounded memory: global stages over key tables, streaming writers.
+"""The second half of a build, in bounded memory: global stages over key tables, per-unit writers.
 
 Each unit stages, next to its records, a key table (`KeysWriter`, built where the records are read):
-per record the dedup keys (dedup_table.record_keys), the contamination verdict, and the fields the
-report counts. `assemble` then
+per record the dedup keys (dedup_table.record_keys), and the fields the report counts.
+`build.finalize` then
 
-1. concatenates the key tables in build order and makes ids unique (a group-by count on `id`);
-2. runs the global stages on that table only: exact and near dedup (dedup_table), and the
-   contaminated records out;
-3. fills the bounded per-env pools of the negative makers from the kept positives (pools.py; an
-   Arrow scan of four columns);
-4. streams the staged records once more in build order, in batches, skipping the dropped ones:
-   each kept record goes to the `sft` writer, its negatives, their preference pairs (the parent
-   is the record at hand) and its GRPO prompt to theirs. Shards are cut from those streams
-   (shards.write_config_from_file); the report, the card and the manifest come from the key
-   table and the counts already in memory.
+1. concatenates the key tables in build order, without the near-dedup columns (`key_table`), adds
+   the contamination verdict (the `task` column only) and makes ids unique (a group-by on `id`);
+2. runs the global stages on that table: exact dedup (a group-by), near dedup (band screens and
+   Jaccard checks as steps, `StagedRecords` reading what the table leaves out; dedup_table);
+3. fills the bounded per-env pools of the negative makers, one pool per unit of its kept positives
+   (`unit_pools`, merged in unit order; pools.py);
+4. streams each unit's staged records once more (`write_unit`), skipping the dropped ones: each
+   kept record goes to the unit's `sft` file, its negatives, their preference pairs (the parent is
+   the record at hand), its GRPO prompt and its grpo_env row to theirs. Shards are cut from those
+   files in unit order (shards.write_config_from_file); the report, the card and the manifest
+   come from the key table and the counts already in memory.
 
-Peak memory is one batch of records plus the key tables (~250 bytes a record) and the
-duplicates map. The outputs are those of the in-memory build: same records, same order, same
-duplicates map, negatives, pairs and prompts.
+Steps 2-4 are per band, per chunk or per unit: `finalize` hands them to its `map_units`, so a
+flow runs them on its task runner (other cores, or a cluster's workers). Peak memory of the
+driver is the narrow key table (~300 bytes a record) and the duplicates map; of a worker, one
+batch of records or one band's pairs. The outputs are those of the in-memory build: same
+records, same order, same duplicates map, negatives, pairs and prompts.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import polars as pl
@@ -34,8 +37,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import StreamingParquet, atomic_path
-from trajforge.pipeline.quality.dedup import Contamination, DedupConfig, dedup_tokens, read_eval_tasks, shingles
-from trajforge.pipeline.quality.dedup_table import (band_columns, duplicates_table, near_matrices,
+from trajforge.pipeline.quality.dedup import Contamination, DedupConfig, read_eval_tasks
+from trajforge.pipeline.quality.dedup_table import (band_columns, duplicates_table, near_matrices, shingle_set_hashes,
                                                     record_keys)
 from trajforge.pipeline.quality.derived import grpo_env_row, grpo_prompt, preference_pair, record_task
 from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
@@ -83,13 +86,16 @@ def stage_keys(records: list[dict], start: int, config) -> pl.DataFrame:
 
 
 class KeysWriter:
-    """Collects a unit's records and stages their key table, one batch at a time."""
+    """Stages a unit's key table as its records are written, one batch (one row group) at a time:
+    memory stays one batch of keys, whatever the unit's size."""
 
     def __init__(self, path: Path, config, batch_rows: int = BATCH_ROWS):
         self.path, self.config, self.batch_rows = path, config, batch_rows
         self.pending: list[dict] = []
-        self.frames: list[pl.DataFrame] = []
         self.count = 0
+        self._file = atomic_path(path)
+        self._writer = pq.ParquetWriter(self._file.__enter__(), stage_keys([], 0, config).to_arrow().schema,
+                                        compression="zstd")
 
     def extend(self, records: list[dict]) -> None:
         """Records as their unit writes them (StreamingParquet's `on_written`): the key table
@@ -100,15 +106,14 @@ class KeysWriter:
 
     def _flush(self) -> None:
         if self.pending:
-            self.frames.append(stage_keys(self.pending, self.count, self.config))
+            self._writer.write_table(stage_keys(self.pending, self.count, self.config).to_arrow())
             self.count += len(self.pending)
             self.pending = []
 
     def close(self) -> None:
         self._flush()
-        table = pl.concat(self.frames) if self.frames else stage_keys([], 0, self.config)
-        with atomic_path(self.path) as tmp:
-            table.write_parquet(tmp, compression="zstd")
+        self._writer.close()
+        self._file.__exit__(None, None, None)
 
 
 def key_table(units, config) -> pl.DataFrame:
@@ -130,10 +135,11 @@ def key_table(units, config) -> pl.DataFrame:
         .otherwise(pl.col("id")).alias("id"))
 
 
-def read_rows(paths: Sequence[str], wanted: dict[int, list[int]],
-              columns: list[str] | None = None) -> dict[tuple[int, int], dict]:
-    """The staged records at {unit: [rows]} of the units' record files `paths`, by (unit, row);
-    reads only the row groups that hold them."""
+def read_rows(paths: Sequence[str], wanted: dict[int, list[int]], columns: list[str] | None = None,
+              convert: Callable[[dict], object] = lambda record: record) -> dict[tuple[int, int], object]:
+    """`convert` of the staged records at {unit: [rows]} of the units' record files `paths`, by
+    (unit, row); reads only the row groups that hold them, one at a time (a record is converted
+    before the next group is read, so only what `convert` keeps stays in memory)."""
     out = {}
     for u, rows in wanted.items():
         staged = pq.ParquetFile(paths[u])
@@ -143,8 +149,8 @@ def read_rows(paths: Sequence[str], wanted: dict[int, list[int]],
         groups = np.searchsorted(starts, rows, side="right") - 1
         for g in np.unique(groups).tolist():
             inside = rows[groups == g]
-            taken = staged.read_row_group(g, columns=columns).take(pa.array(inside - starts[g])).to_pylist()
-            out.update({(u, int(r)): rec for r, rec in zip(inside.tolist(), taken)})
+            taken = staged.read_row_group(g, columns=columns).take(pa.array(inside - starts[g]))
+            out.update({(u, int(r)): convert(rec) for r, rec in zip(inside.tolist(), taken.to_pylist())})
     return out
 
 
@@ -164,12 +170,13 @@ class StagedRecords:
             rows = pl.read_parquet(self.keys_paths[u], columns=columns)[part["row"].to_numpy()]
             yield part["at"].to_numpy(), *near_matrices(rows, self.config)
 
-    def shingle_sets(self, refs: list[tuple[int, int]], size: int) -> list[set[str]]:
+    def shingle_sets(self, refs: list[tuple[int, int]], size: int) -> list[np.ndarray]:
         wanted: dict[int, list[int]] = {}
         for u, row in refs:
             wanted.setdefault(u, []).append(row)
-        found = read_rows(self.records_paths, wanted, columns=["task", "conversations"])
-        return [shingles(dedup_tokens(found[ref]), size) for ref in refs]
+        found = read_rows(self.records_paths, wanted, columns=["task", "conversations"],
+                          convert=lambda record: shingle_set_hashes(record, size))
+        return [found[ref] for ref in refs]
 
 
 def global_duplicates(keys: pl.DataFrame, units, config, map_units=in_order, workdir: Path | None = None) -> list[dict]:

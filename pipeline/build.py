@@ -332,7 +332,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     parts["grpo_env"] = [(str(task_rows.path), task_rows.nbytes, task_rows.count), record_rows]
     files = {name: write_config_from_file(out, name, "train", [Path(p) for p, _, _ in staged_parts],
                                           arrow_schema(OUTPUTS.get(name, name)),
-                                          sum(n for _, n, _ in staged_parts), config.shards)
+                                          sum(n for _, n, _ in staged_parts), config.shards, map_units)
              for name, staged_parts in parts.items()}
     rows = {name: sum(r for _, _, r in staged_parts) for name, staged_parts in parts.items()}
     shutil.rmtree(staged)

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import atomic_path, write_json, write_table
 from trajforge.pipeline.publish.manifest import code_version, file_sha256
+from trajforge.pipeline.stages import in_order
 
 SHARD_RE = re.compile(r"^(?P<split>[A-Za-z0-9_]+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.parquet$")
 
@@ -151,41 +152,69 @@ def unit_marker(staging: Path, key: str) -> Path:
 
 # -- shards from a stream ----------------------------------------------------------------------
 
+def _rows_of(staged: list[str], offset: int, length: int, batch_rows: int):
+    """Record batches of rows [offset, offset + length) of the staged files read as one table,
+    reading only the row groups that hold them."""
+    for path in staged:
+        source = pq.ParquetFile(path)
+        for g in range(source.num_row_groups):
+            rows = source.metadata.row_group(g).num_rows
+            if length <= 0:
+                return
+            if offset >= rows:
+                offset -= rows
+                continue
+            for batch in source.iter_batches(batch_size=batch_rows, row_groups=[g]):
+                if offset >= batch.num_rows:
+                    offset -= batch.num_rows
+                    continue
+                piece = batch.slice(offset, length)
+                offset, length = 0, length - piece.num_rows
+                yield piece
+                if length <= 0:
+                    return
+
+
+def write_shard_from_files(path: str, staged: list[str], offset: int, length: int, schema: pa.Schema,
+                           config: ShardConfig) -> None:
+    """One shard: rows [offset, offset + length) of the staged files, in row groups of
+    `config.row_group_rows` counted from the shard's first row."""
+    pending: list[pa.RecordBatch] = []
+    buffered = 0
+    with atomic_path(Path(path)) as tmp, pq.ParquetWriter(tmp, schema, compression="zstd",
+                                                          compression_level=config.compression_level) as writer:
+        batches = _rows_of(staged, offset, length, config.row_group_rows)
+        left = length
+        while left:
+            while buffered < min(left, config.row_group_rows):
+                batch = next(batches)
+                pending.append(batch)
+                buffered += batch.num_rows
+            table = pa.Table.from_batches(pending)
+            take = min(left, config.row_group_rows)
+            writer.write_table(table.slice(0, take).cast(schema), row_group_size=config.row_group_rows)
+            rest = table.slice(take)
+            pending, buffered = rest.to_batches(), rest.num_rows
+            left -= take
+
+
 def write_config_from_file(out: Path, config_name: str, split: str, staged: list[Path], schema: pa.Schema,
-                           nbytes: int, config: ShardConfig = ShardConfig()) -> dict[str, list[str]]:
-    """`write_config` for a split staged as Parquet files (their rows in order), one row group of a shard in memory at
-    a time. `nbytes` is the split's Arrow size (what `plan_shards` divides by); shards hold the
-    same rows and row groups as `write_config` of the whole table would write. `schema` is the
-    split's Arrow schema (a Parquet round trip renames list items, which would change the bytes)."""
+                           nbytes: int, config: ShardConfig = ShardConfig(), map_units=in_order) -> dict[str, list[str]]:
+    """`write_config` for a split staged as Parquet files (their rows in order), one row group of a
+    shard in memory at a time; each shard is a step of `map_units` (shards are independent, so a
+    flow writes them on its task runner). `nbytes` is the split's Arrow size (what `plan_shards`
+    divides by); shards hold the same rows and row groups as `write_config` of the whole table would
+    write. `schema` is the split's Arrow schema (a Parquet round trip renames list items, which would
+    change the bytes)."""
     folder = out / "data" / config_name
-    sources = [pq.ParquetFile(path) for path in staged]
-    n = sum(source.metadata.num_rows for source in sources)
+    n = sum(pq.ParquetFile(path).metadata.num_rows for path in staged)
     per_shard = (max(1, config.max_rows) if config.max_rows is not None
                  else max(1, int(config.max_bytes // max(1, nbytes / n)))) if n else 0
     # An empty split is one shard without rows, as in write_config: every config loads.
     plan = [(offset, min(per_shard, n - offset)) for offset in range(0, n, per_shard)] if n else [(0, 0)]
-    batches = (batch for source in sources for batch in source.iter_batches(batch_size=config.row_group_rows))
-    pending: list[pa.RecordBatch] = []
-    buffered = 0
-    names = []
-    for index, (_, length) in enumerate(plan):
-        name = shard_name(split, index, len(plan))
-        path = folder / name
-        with atomic_path(path) as tmp, pq.ParquetWriter(tmp, schema, compression="zstd",
-                                                      compression_level=config.compression_level) as writer:
-            left = length
-            while left:
-                while buffered < min(left, config.row_group_rows):
-                    batch = next(batches)
-                    pending.append(batch)
-                    buffered += batch.num_rows
-                table = pa.Table.from_batches(pending)
-                take = min(left, config.row_group_rows)
-                writer.write_table(table.slice(0, take).cast(schema), row_group_size=config.row_group_rows)
-                rest = table.slice(take)
-                pending, buffered = rest.to_batches(), rest.num_rows
-                left -= take
-        names.append(name)
+    names = [shard_name(split, index, len(plan)) for index in range(len(plan))]
+    map_units(write_shard_from_files, [(str(folder / name), [str(p) for p in staged], offset, length, schema, config)
+                                       for name, (offset, length) in zip(names, plan)])
     if folder.exists():
         for stale in folder.iterdir():
             if SHARD_RE.match(stale.name) and stale.name not in names:
