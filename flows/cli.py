@@ -57,8 +57,8 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rendering", choices=["native", "react"],
                    help="assistant turn text: upstream wording (native) or Think/Act (react); default: the normalize stage's")
     p.add_argument("--runner", choices=RUNNERS,
-                   help=f"where the per-unit steps run (units, band screens, outputs, shards): local processes or threads, or a Dask / Ray cluster (extras dask, ray); "
-                        f"default: {BuildRun.runner}")
+                   help="where the per-unit steps run (units, band screens, outputs, shards): local processes "
+                        f"or threads, or a Dask / Ray cluster (extras dask, ray); default: {BuildRun.runner}")
     p.add_argument("--workers", type=int, metavar="N",
                    help=f"processes or threads, or workers of a local cluster (default: {BuildRun.workers})")
     p.add_argument("--address",
