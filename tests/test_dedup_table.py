@@ -133,3 +133,17 @@ def test_pools_are_bounded_deterministic_and_exclude_the_own_prompt_and_answer()
     assert pools.tool_prompts_of_other_envs("todo", "w49") == [("weather", "w48")]
     assert EnvPools.of(records, max_answers=3) == pools
     assert EnvPools.of([{**r, "kind": "negative"} for r in records]).answers == {}
+
+
+@pytest.mark.parametrize("parts", [2, 3, 7])
+def test_pools_of_units_merged_in_order_equal_the_pool_of_all_records(merged, parts):
+    """A build fills one pool per unit and merges them: the result must be the one-pass pool, also
+    when the answer cap bites inside a unit and a unit holds one tool prompt only."""
+    records = merged + [_tool("weather", f"w{i % 3}", answer=f"a{i}") for i in range(40)] + [_tool("todo", "t1")]
+    for cap in (3, 1024):
+        whole = EnvPools.of(records, max_answers=cap)
+        combined = EnvPools(max_answers=cap)
+        size = -(-len(records) // parts)
+        for start in range(0, len(records), size):
+            combined.merge(EnvPools.of(records[start:start + size], max_answers=cap))
+        assert combined == whole
