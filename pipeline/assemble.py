@@ -38,8 +38,8 @@ import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import StreamingParquet, atomic_path
 from trajforge.pipeline.quality.dedup import Contamination, DedupConfig, read_eval_tasks
-from trajforge.pipeline.quality.dedup_table import (band_columns, duplicates_table, near_matrices, shingle_set_hashes,
-                                                    record_keys)
+from trajforge.pipeline.quality.dedup_table import (RANK_COLUMNS, band_columns, duplicates_table, near_matrices,
+                                                    record_keys, shingle_set_hashes)
 from trajforge.pipeline.quality.derived import grpo_env_row, grpo_prompt, preference_pair, record_task
 from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
@@ -182,7 +182,8 @@ class StagedRecords:
 def global_duplicates(keys: pl.DataFrame, units, config, map_units=in_order, workdir: Path | None = None) -> list[dict]:
     """The duplicates map of the clean records (the band screens and verification chunks on `map_units`)."""
     records = StagedRecords(tuple(u.records_path for u in units), tuple(u.keys_path for u in units), config.dedup)
-    return duplicates_table(keys.filter(pl.col("contaminated").is_null()), records, config.dedup, map_units, workdir)
+    clean = keys.select(*RANK_COLUMNS, "id", "source", "source_id", "source_file").filter(keys["contaminated"].is_null())
+    return duplicates_table(clean, records, config.dedup, map_units, workdir)
 
 
 def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:

@@ -294,9 +294,8 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     keys = key_table(units, config)
     duplicates = global_duplicates(keys, units, config, map_units, out / ".staging")
     dropped = pl.Series("order", [d["order"] for d in duplicates], dtype=pl.Int64)
-    keys = keys.with_columns((pl.col("contaminated").is_null() & ~pl.col("order").is_in(dropped.implode()))
-                             .alias("kept"))
-    kept_keys = keys.filter(pl.col("kept"))
+    kept_keys = (keys.select("order", "unit", "row", "rendering", "domain", "env", "kind", "turns", "chars")
+                 .filter(keys["contaminated"].is_null() & ~pl.col("order").is_in(dropped.implode())))
     kept_rows = [kept_keys.filter(pl.col("unit") == u)["row"].to_numpy() for u in range(len(units))]
     pools = EnvPools()
     for unit_pool in map_units(unit_pools, [(unit.records_path, rows) for unit, rows in zip(units, kept_rows)]):

@@ -140,9 +140,14 @@ def near_matrices(frame: pl.DataFrame, config: DedupConfig) -> tuple[np.ndarray,
     return bands, sketch
 
 
+# What the dedup stages read of the key table; the rest (ids, file names) only for the map's rows.
+RANK_COLUMNS = ["order", "group", "exact", "not_upstream", "source_rank", "unknown", "unit", "row"]
+
+
 def _ranked(keys: pl.DataFrame) -> pl.DataFrame:
-    """The key table with `pos`, the position in keep-preference order (0 is the most preferred)."""
-    return (keys.sort(["not_upstream", "source_rank", "unknown", "order"])
+    """The dedup columns of the key table with `pos`, the position in keep-preference order (0 is
+    the most preferred)."""
+    return (keys.select(RANK_COLUMNS).sort(["not_upstream", "source_rank", "unknown", "order"])
             .with_row_index("pos").with_columns(pl.col("pos").cast(pl.Int64)))
 
 
@@ -347,9 +352,10 @@ def duplicates_table(keys: pl.DataFrame, records, config: DedupConfig = DedupCon
                           near_duplicates_table(unique, table, records, config, map_units).items()})
     if not found:
         return []
-    info = ranked.filter(pl.col("pos").is_in(list({p for pos, (k, _, _) in found.items() for p in (pos, k)})))
-    by_pos = {row["pos"]: row for row in info.select("pos", "order", "id", "source", "source_id",
-                                                     "source_file").iter_rows(named=True)}
+    involved = ranked.filter(pl.col("pos").is_in(list({p for pos, (k, _, _) in found.items() for p in (pos, k)})))
+    info = involved.select("pos", "order").join(keys.select("order", "id", "source", "source_id", "source_file"),
+                                                on="order")
+    by_pos = {row["pos"]: row for row in info.iter_rows(named=True)}
     rows = []
     for pos, (kept, match, sim) in found.items():
         r, k = by_pos[pos], by_pos[kept]
