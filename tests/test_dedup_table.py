@@ -9,7 +9,7 @@ import pytest
 
 from trajforge.pipeline.quality import dedup_table
 from trajforge.pipeline.quality.dedup import DedupConfig, dedup_tokens, deduplicate, jaccard, shingles
-from trajforge.pipeline.quality.dedup_table import (band_keys, candidate_pairs, deduplicate_in_memory, near_matrices,
+from trajforge.pipeline.quality.dedup_table import (band_keys, band_pairs, deduplicate_in_memory, near_matrices,
                                                     record_keys, resolve, sketch_similarity, verify_chunks)
 from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
 from trajforge.pipeline.quality.pools import EnvPools
@@ -40,6 +40,12 @@ def test_band_keys_equal_exactly_when_the_band_values_do():
     assert keys[0, 0] != keys[2, 0] and keys[0, 1] != keys[1, 1]
     # Order inside a band matters: (1, 2) is not (2, 1).
     assert keys[3, 0] != keys[0, 0] and keys[3, 1] != keys[0, 1]
+
+
+def candidate_pairs(groups, bands):
+    """Every band's candidate batches, as the build's band steps make them."""
+    for band in range(bands.shape[1]):
+        yield from band_pairs(groups, bands, band)
 
 
 def _pairs(groups: list[int], bands: list[list[int]]) -> list[tuple[int, int]]:

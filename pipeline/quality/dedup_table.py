@@ -10,7 +10,7 @@ verification by the true shingle Jaccard), split so that it scales:
 - Exact (`exact_duplicates`): a group-by on (group, hash); the preferred record of each group is kept.
 - Near (`near_duplicates_table`), among the records the exact stage kept: candidate pairs are
   records of the same group that share a band key, made band by band and bucket by bucket in
-  batches of at most `PAIR_BATCH` pairs (`candidate_pairs`), each pair once (in the first band it
+  batches of at most `PAIR_BATCH` pairs (`band_pairs`), each pair once (in the first band it
   shares). Each batch is screened by the sketches (numpy, `sketch_similarity`): only pairs that
   may reach the threshold get their shingle sets re-computed (`shingles_of`, from the staged
   records, a bounded number of records at a time) for the true Jaccard. The keep choice walks the
@@ -208,12 +208,6 @@ def _first_in(bands: np.ndarray, band: int, pending: list[tuple[np.ndarray, np.n
     a, b = np.concatenate([p[0] for p in pending]), np.concatenate([p[1] for p in pending])
     first = _first_shared_band(bands, band, a, b)
     return a[first], b[first]
-
-
-def candidate_pairs(groups: np.ndarray, bands: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """`band_pairs` of every band: each candidate pair once."""
-    for band in range(bands.shape[1]):
-        yield from band_pairs(groups, bands, band)
 
 
 def resolve(pairs: Iterable[tuple[int, int, float]], threshold: float) -> dict[int, tuple[int, float]]:
