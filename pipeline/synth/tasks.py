@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from trajforge.pipeline.registry import Registry, UnknownName
+from trajforge.pipeline.synth.envs import LOCAL_AGENTGYM
 
 # Script text that needs a package registry or the internet; the sandbox has no network, so a
 # task whose setup or reference solution needs one cannot pass offline and is marked, not faked.
@@ -111,6 +112,8 @@ def record_to_task(record: Any, source_file: str) -> Task:
         raise TaskFormatError(f"a task record is a JSON object, not {type(record).__name__}")
     env = record.get("env") or _infer_env(record)
     tid = str(record["id"]) if record.get("id") is not None else record_id(record, source_file)
+    if env in LOCAL_AGENTGYM:  # AgentGym's envs run in-process read AgentGym's task records
+        return _agentgym_task(record, tid, source_file, env)
     try:
         parse = TASK_FORMATS[env]
     except UnknownName as exc:
@@ -118,12 +121,12 @@ def record_to_task(record: Any, source_file: str) -> Task:
     return parse(record, tid, source_file)
 
 
-def _agentgym_task(record: dict, tid: str, source_file: str) -> Task:
+def _agentgym_task(record: dict, tid: str, source_file: str, env: str = "agentgym") -> Task:
     if not isinstance(record.get("description", ""), str):
         raise TaskFormatError("description must be a string")
     data = dict(record.get("data") or {})
     data.update({k: v for k, v in record.items() if k not in ("id", "env", "description", "data")})
-    return Task(tid, "agentgym", record.get("description", ""), data, source_file)
+    return Task(tid, env, record.get("description", ""), data, source_file)
 
 
 def _infer_env(record: dict) -> str:

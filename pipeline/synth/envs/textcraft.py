@@ -10,7 +10,7 @@ rebuilt and is refused.
 
 The game's rules and replies are the server's:
   `get N item`         -> `Got N item`; `Could not find item` for an item that is crafted, or
-                          that no command names
+                          that is neither an ingredient of a command nor a kind of one
   `craft N item using M a, K b`
                        -> `Crafted <count> minecraft:<item>` when the inventory holds the inputs
                           and a command takes exactly those inputs and counts (the count crafted
@@ -63,6 +63,11 @@ def item_id(name: str) -> str:
 
 def item_name(identifier: str) -> str:
     return identifier.replace("minecraft:", "").replace("_", " ")
+
+
+def of_kind(identifier: str, ingredient: str) -> bool:
+    """`identifier` is the ingredient or a kind of it (`minecraft:dark_oak_planks` of `minecraft:planks`)."""
+    return identifier == ingredient or identifier.endswith("_" + ingredient.removeprefix("minecraft:"))
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,7 @@ class TextCraftEnv(ClosingEnvironment):
         if found := re.match(r"get ([0-9]+) (.*)", command):
             count, name = int(found.group(1)), found.group(2)
             identifier = item_id(name)
-            if identifier in self._recipes or identifier not in self._ingredients:
+            if identifier in self._recipes or not any(of_kind(identifier, i) for i in self._ingredients):
                 raise ActionFailed(f"Could not find {name}")
             self._inventory[identifier] = self._inventory.get(identifier, 0) + count
             return f"Got {count} {name}", identifier
@@ -191,8 +196,7 @@ class TextCraftEnv(ClosingEnvironment):
         generic ingredient may be any kind of it (`dark oak planks` for `planks`)."""
         left = list(wanted)
         for ingredient, count in recipe.inputs:
-            kind = "_" + ingredient.removeprefix("minecraft:")
-            match = next((w for w in left if w[0] == ingredient or w[0].endswith(kind)), None)
+            match = next((w for w in left if of_kind(w[0], ingredient)), None)
             if match is None or match[1] != count:
                 return False
             left.remove(match)
