@@ -44,12 +44,12 @@ def test_registry_lists_known_names_and_is_a_key_and_value_error():
 
 @pytest.mark.parametrize("lookup, message", [
     (lambda: get_source("nope"), "unknown source 'nope'; known: agent_flan, agentinstruct"),
-    (lambda: make_env("nope"), "unknown environment 'nope'; known: agentgym, db, os"),
+    (lambda: make_env("nope"), "unknown environment 'nope'; known: agentgym, babyai, db, os, sciworld, textcraft"),
     (lambda: make_backend("nope", LLMConfig(model="m")), "unknown LLM backend 'nope'; known: openai, vllm"),
     (lambda: get_rewards(["format", "nope"]), "unknown reward 'nope'; known: accuracy, env, format"),
     (lambda: NegativesConfig(rates={"nope": 0.5}), "unknown negative type 'nope'; known: action_loop"),
     (lambda: DedupConfig(backend="nope"), "unknown MinHash backend 'nope'; known: datasketch, numpy"),
-    (lambda: EnvironmentFactory("nope"), "unknown environment 'nope'; known: agentgym, db, os"),
+    (lambda: EnvironmentFactory("nope"), "unknown environment 'nope'; known: agentgym, babyai, db, os, sciworld, textcraft"),
     (lambda: DIALECTS["nope"], "unknown dialect 'nope'; known: "),
     (lambda: GRAMMARS["nope"], "unknown grammar 'nope'; known: "),
     (lambda: FAMILIES["nope"], "unknown model family 'nope'; known: deepseek-r1, default, qwq"),
@@ -67,7 +67,7 @@ def test_every_registry_raises_the_one_error(lookup, message):
 def test_unknown_names_keep_their_domain_error_types():
     with pytest.raises(SourceError, match="unknown source 'nope'; known: "):
         get_source("nope")
-    with pytest.raises(TaskFormatError, match="unknown env 'chess'; known: agentgym, db, os"):
+    with pytest.raises(TaskFormatError, match="unknown env 'chess'; known: agentgym, babyai, db, os, sciworld, textcraft"):
         record_to_task({"env": "chess", "description": "x"}, "f")
 
 

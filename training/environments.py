@@ -23,7 +23,7 @@ import logging
 import threading
 from typing import Any
 
-from trajforge.pipeline.synth.envs import make_env
+from trajforge.pipeline.synth.envs import LOCAL_AGENTGYM, make_env
 from trajforge.pipeline.synth.envs.tool_calls import TOOLS, action_text
 from trajforge.pipeline.synth.tasks import coerce_task
 from trajforge.pipeline.registry import Registry
@@ -196,6 +196,9 @@ class AgentGymEnvironment(ToolEnvironment):
 
 ADAPTERS: Registry[type[ToolEnvironment]] = Registry("environment", {"os": OsEnvironment, "db": DbEnvironment,
                                                                      "agentgym": AgentGymEnvironment})
+# AgentGym's environments run in-process: the HTTP client's adapter (the `act` tool) on the local env.
+for _name in LOCAL_AGENTGYM:
+    ADAPTERS.register(_name, type(f"{_name.capitalize()}Environment", (AgentGymEnvironment,), {"environment": _name}))
 
 
 def tool_schemas(environment: str) -> list[dict]:

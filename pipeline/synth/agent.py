@@ -32,6 +32,7 @@ from trajforge.pipeline.synth.config import AgentConfig
 from trajforge.pipeline.synth.llm import ChatBackend, LLMError, family_of, prepare_messages
 from trajforge.pipeline.synth.reasoning import split_reasoning
 from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.pipeline.synth.envs import REGISTRY as ENV_REGISTRY, env_class
 from trajforge.pipeline.synth.envs.base import EnvFailure
 from trajforge.schemas.record import TrajectoryRecord, new_record
 from trajforge.sources.synthetic import Synthetic
@@ -122,6 +123,9 @@ def conversation_for(model: str, turns: list[dict]) -> list[dict]:
 
 def instructions_for(env_name: str, config: AgentConfig) -> str:
     text = config.instructions.get(env_name) or INSTRUCTIONS.get(env_name)
+    if text is None and env_name in ENV_REGISTRY:
+        # An environment with its benchmark's own instructions (AgentGym's in-process envs) says them.
+        text = getattr(env_class(env_name), "instructions", None)
     if text is None:
         raise KeyError(f"no agent instructions for env {env_name!r}; give them in AgentConfig.instructions")
     return text

@@ -7,8 +7,9 @@ beneficial, and (prefix + continuation) becomes training data. The failing remai
 
 Here the failures come from synthesis (`failures.parquet`: task id, env, the partial conversation)
 or from records that end without success (`success: false`), matched to a task of the task file by
-id or by description. Only envs that can replay an action sequence qualify: `os` (a fresh sandbox)
-and `db` (a fresh SQLite copy).
+id or by description. Only envs that can replay an action sequence qualify: `os` (a fresh sandbox),
+`db` (a fresh SQLite copy), and AgentGym's envs run in-process (`babyai`, `textcraft`, `sciworld`:
+the same seeded level, recipe set or simulator variation).
 
 For a failure with n actions the prefixes of k = n-1, n-2, ..., 1 actions are tried, longest first
 (it keeps the most expert actions), at most `max_prefixes` of them, and the first that leads to a
@@ -20,7 +21,7 @@ salvage run never spends more than it was given. Each failure ends in exactly on
     no_prefix_succeeded    every prefix tried failed (tried <= max_prefixes)
     budget_exhausted       the call budget ran out before a prefix succeeded
     no_prefix              fewer than two actions: there is no proper prefix to keep
-    env_not_replayable     the env cannot replay a trajectory (only os and db can)
+    env_not_replayable     the env cannot replay a trajectory (see REPLAYABLE_ENVS)
     no_task                the task is not in the task file
     not_a_task_failure     the run failed outside the model and task (llm_error, env_error, skipped)
     transient              a continuation hit an LLM or env error; the next run tries again
@@ -51,7 +52,7 @@ from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.salvage")
 
-REPLAYABLE_ENVS = ("os", "db")
+REPLAYABLE_ENVS = ("os", "db", "babyai", "textcraft", "sciworld")
 # Synthesis failures that say nothing about the task's solvability from a prefix.
 NOT_TASK_FAILURES = ("llm_error", "env_error", "skipped")
 

@@ -1,7 +1,7 @@
 """Task files for synthesis: AgentBench OS / DBBench records and plain JSONL, plus their scoring.
 
 A `Task` is what an environment's `reset` takes (as `task.as_dict()`): `env` names the
-environment (`os`, `db`, `agentgym`), `description` is the task text, and `data` holds the
+environment (`os`, `db`, `agentgym`, and AgentGym's envs run in-process), `description` is the task text, and `data` holds the
 env-specific fields, already normalised so that environments never look at upstream spellings:
 
 - `os`: `init` (list of scripts run as separate processes before the episode), `start` (a script
@@ -9,7 +9,9 @@ env-specific fields, already normalised so that environments never look at upstr
   plus `example`), `image`, `labels`. A script is `{"language": "bash"|"python", "code": str}`.
 - `db`: `tables` (`[{"name", "columns": [{"name", "type"}], "rows"}]`), `label`, `kind`
   (`select` | `modify`), `type`, `answer_md5` (INSERT/UPDATE/DELETE), `add_description`.
-- `agentgym`: whatever the server needs (`env_name`, `item_id`), passed through.
+- `agentgym`: whatever the server needs (`env_name`, `item_id`), passed through; the same for
+  `babyai`, `textcraft`, `sciworld` (their env reads `item_id`; TextCraft also the commands and goal
+  its description states).
 
 Ids are stable: file name + a hash of the record's canonical JSON, because the upstream index of a
 record in its file is not stable across selections (fixtures README).
@@ -20,6 +22,7 @@ environments call them, and so can anyone who holds an answer but no environment
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import math
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from trajforge.pipeline.registry import Registry, UnknownName
+from trajforge.pipeline.synth.envs import LOCAL_AGENTGYM
 
 # Script text that needs a package registry or the internet; the sandbox has no network, so a
 # task whose setup or reference solution needs one cannot pass offline and is marked, not faked.
@@ -118,12 +122,12 @@ def record_to_task(record: Any, source_file: str) -> Task:
     return parse(record, tid, source_file)
 
 
-def _agentgym_task(record: dict, tid: str, source_file: str) -> Task:
+def _agentgym_task(record: dict, tid: str, source_file: str, env: str = "agentgym") -> Task:
     if not isinstance(record.get("description", ""), str):
         raise TaskFormatError("description must be a string")
     data = dict(record.get("data") or {})
     data.update({k: v for k, v in record.items() if k not in ("id", "env", "description", "data")})
-    return Task(tid, "agentgym", record.get("description", ""), data, source_file)
+    return Task(tid, env, record.get("description", ""), data, source_file)
 
 
 def _infer_env(record: dict) -> str:
@@ -240,7 +244,9 @@ def _db_task(record: dict, tid: str, source_file: str) -> Task:
 
 
 # The task formats by env: a record's `env` (or the env its shape shows) picks its parser.
-TASK_FORMATS: Registry = Registry("env", {"os": _os_task, "db": _db_task, "agentgym": _agentgym_task})
+# AgentGym's envs run in-process read AgentGym's task records, under their own env name.
+TASK_FORMATS: Registry = Registry("env", {"os": _os_task, "db": _db_task, "agentgym": _agentgym_task, **{
+    name: functools.partial(_agentgym_task, env=name) for name in LOCAL_AGENTGYM}})
 
 
 _THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")

@@ -1,4 +1,4 @@
-"""Environments by name: `make_env("os" | "db" | "agentgym", **config)`.
+"""Environments by name: `make_env("os" | "db" | "agentgym" | "babyai" | "textcraft" | "sciworld", **config)`.
 
 Every environment implements `pipeline.envs.base.Environment`: `reset(task) -> first observation`
 (task: a `pipeline.tasks.Task`, its `as_dict()`, or a bare task record), `step(action_text) ->
@@ -17,10 +17,19 @@ from typing import Any
 from trajforge.pipeline.registry import Registry
 from trajforge.pipeline.synth.envs.base import EnvFailure, Environment, StepResult
 
+# AgentGym's environments in-process (no server): their tasks are AgentGym items like the
+# `agentgym` client's, and their action is AgentGym's action string (the `act` tool).
+LOCAL_AGENTGYM: Registry[str] = Registry("local AgentGym environment", {
+    "babyai": "trajforge.pipeline.synth.envs.babyai:BabyAIEnv",
+    "textcraft": "trajforge.pipeline.synth.envs.textcraft:TextCraftEnv",
+    "sciworld": "trajforge.pipeline.synth.envs.sciworld:SciWorldEnv",
+})
+
 REGISTRY: Registry[str] = Registry("environment", {
     "os": "trajforge.pipeline.synth.envs.os_sandbox:OsSandboxEnv",
     "db": "trajforge.pipeline.synth.envs.db:DbEnv",
     "agentgym": "trajforge.pipeline.synth.envs.agentgym:AgentGymEnv",
+    **LOCAL_AGENTGYM,
 })
 
 
@@ -34,4 +43,4 @@ def make_env(name: str, **config: Any) -> Environment:
     return env_class(name)(**config)
 
 
-__all__ = ["EnvFailure", "Environment", "StepResult", "REGISTRY", "env_class", "make_env"]
+__all__ = ["EnvFailure", "Environment", "StepResult", "LOCAL_AGENTGYM", "REGISTRY", "env_class", "make_env"]

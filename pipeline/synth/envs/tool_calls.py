@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from trajforge.pipeline.synth.envs import LOCAL_AGENTGYM
 from trajforge.pipeline.synth.envs.agentgym import extract_action
 from trajforge.pipeline.synth.envs.db import _DECLARED, _FINAL, _SQL_BLOCK
 from trajforge.pipeline.synth.envs.os_sandbox import parse_os_action
@@ -138,3 +139,6 @@ INSTRUCTIONS = {
                  "one action per turn, in the environment's own action syntax; the environment answers with "
                  "what happened."),
 }
+# AgentGym's environments run in-process take the same action, so the same tool, as its HTTP client.
+for _name in LOCAL_AGENTGYM:
+    TOOLS[_name], INSTRUCTIONS[_name] = TOOLS["agentgym"], INSTRUCTIONS["agentgym"]
