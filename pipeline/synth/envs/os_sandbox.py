@@ -358,11 +358,10 @@ class Sandbox:
         """`argv` run inside, through sandbox_enter: the episode's cgroup, namespaces and root, the
         seccomp filter, the kept capabilities, the limits, and `_SANDBOX_ENV` as its environment."""
         c = self.config
-        spec = {"pid": self.ns_pid, "seccomp_fd": self._seccomp_fd, "cwd": cwd, "env": _SANDBOX_ENV,
-                "rlimits": {"RLIMIT_AS": c.memory_bytes, "RLIMIT_CPU": c.cpu_seconds,
-                            "RLIMIT_FSIZE": c.file_bytes, "RLIMIT_CORE": 0}}
+        rlimits = f"AS={c.memory_bytes},CPU={c.cpu_seconds},FSIZE={c.file_bytes},CORE=0"
         return self._cgroup.wrap([  # type: ignore[union-attr]
-            sys.executable, "-I", "-S", sandbox_enter.__file__, json.dumps(spec), "--", *argv])
+            sys.executable, "-I", "-S", sandbox_enter.__file__, str(self.ns_pid), str(self._seccomp_fd), cwd,
+            rlimits, *_SANDBOX_ENV, "--", *argv])
 
     def spawn(self, argv: list[str], **popen) -> subprocess.Popen:
         if self._anchor is None or self._anchor.poll() is not None:

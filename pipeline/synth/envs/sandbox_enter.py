@@ -1,10 +1,12 @@
 """Starts one process inside a running `os` sandbox, its privileges dropped before any file of the
 sandbox is executed.
 
-Run as root, by path, with the host's Python (`python -I -S sandbox_enter.py SPEC -- COMMAND...`);
-standard library only. SPEC is a JSON object: `pid` (a process inside, whose namespaces and root we
-take), `seccomp_fd` (an inherited descriptor holding the compiled filter, see seccomp_filter),
-`cwd`, `rlimits` ({"RLIMIT_AS": bytes, ...}) and `env` (["NAME=value", ...], the whole environment).
+Run as root, by path, with the host's Python, standard library only:
+    python -I -S sandbox_enter.py PID SECCOMP_FD CWD RLIMITS [NAME=VALUE...] -- COMMAND...
+PID: a process inside, whose namespaces and root we take; SECCOMP_FD: an inherited descriptor that
+holds the compiled filter (see seccomp_filter); RLIMITS: `AS=bytes,CPU=seconds,...` (resource's
+RLIMIT_* names); NAME=VALUE...: the command's whole environment. It runs once per process started
+inside, so it imports little: json and signal (through enum) would triple its start-up time.
 
 Why one process and no chain of tools (nsenter, setpriv, prlimit, env): every program run after
 entering the sandbox's mount namespace comes from the sandbox's own root, which the agent may
@@ -22,11 +24,10 @@ loaded from the host before the first setns, and no module is loaded after it; t
 """
 from __future__ import annotations
 
+import _signal  # the signal module's C core
 import ctypes
-import json
 import os
 import resource
-import signal
 import sys
 
 # What root inside keeps (Docker's default set without MKNOD, NET_RAW, SETFCAP, SETPCAP, SYS_CHROOT
@@ -94,7 +95,7 @@ def _wait_and_pass_on(child: int) -> None:
     """Exit as the child did (its code, or the same signal), as nsenter does."""
     _, status = os.waitpid(child, 0)
     if os.WIFSIGNALED(status):
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        _signal.signal(os.WTERMSIG(status), _signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
@@ -112,15 +113,15 @@ def _exec(command: list[str], env: dict[str, str]) -> None:
     raise error
 
 
-def main(spec: dict, command: list[str]) -> None:
-    bpf = os.pread(spec["seccomp_fd"], os.fstat(spec["seccomp_fd"]).st_size, 0)
-    os.close(spec["seccomp_fd"])
+def main(pid: int, seccomp_fd: int, cwd: str, rlimits: dict[str, int], env: dict[str, str],
+         command: list[str]) -> None:
+    bpf = os.pread(seccomp_fd, os.fstat(seccomp_fd).st_size, 0)
+    os.close(seccomp_fd)
     with open("/proc/sys/kernel/cap_last_cap") as f:
         last_cap = int(f.read())
-    env = dict(entry.split("=", 1) for entry in spec["env"])
-    for name, value in spec["rlimits"].items():
-        resource.setrlimit(getattr(resource, name), (value, value))
-    namespaces, root = _open_namespaces(spec["pid"])
+    for name, value in rlimits.items():
+        resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (value, value))
+    namespaces, root = _open_namespaces(pid)
     # From here on no module may be loaded: inside, the interpreter's own paths name the sandbox's
     # files, which the agent may have written, and we still hold every capability.
     sys.path.clear()
@@ -135,16 +136,18 @@ def main(spec: dict, command: list[str]) -> None:
     os.fchdir(root)
     os.chroot(".")
     os.close(root)
-    os.chdir(spec["cwd"])
+    os.chdir(cwd)
     _drop_privileges(bpf, last_cap)
     # Python ignores these two at start-up; an ignored signal stays ignored across exec.
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    _signal.signal(_signal.SIGPIPE, _signal.SIG_DFL)
+    _signal.signal(_signal.SIGXFSZ, _signal.SIG_DFL)
     _exec(command, env)
 
 
 if __name__ == "__main__":
-    spec_json, separator, *argv = sys.argv[1:]
-    if separator != "--" or not argv:
-        sys.exit("usage: sandbox_enter.py SPEC -- COMMAND...")
-    main(json.loads(spec_json), argv)
+    end = sys.argv.index("--", 5) if "--" in sys.argv[5:] else len(sys.argv)
+    if end + 1 >= len(sys.argv):
+        sys.exit("usage: sandbox_enter.py PID SECCOMP_FD CWD RLIMITS [NAME=VALUE...] -- COMMAND...")
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
+         {name: int(value) for name, value in (limit.split("=") for limit in sys.argv[4].split(","))},
+         dict(entry.split("=", 1) for entry in sys.argv[5:end]), sys.argv[end + 1:])
