@@ -28,6 +28,7 @@ needs_sandbox = pytest.mark.skipif(
     bool(_missing) or os.geteuid() != 0,
     reason=f"sandbox unavailable: {'missing ' + ', '.join(_missing) if _missing else 'not root'} "
            "(apt-get install bubblewrap; run as root as CI does)")
+x86_64_only = pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64 system call numbers and ABIs")
 
 
 def bash(code: str) -> str:
@@ -398,6 +399,7 @@ print("getpid", "returned" if libc.syscall(39) == os.getpid() else "wrong")
 
 
 @needs_sandbox
+@x86_64_only
 def test_escape_seccomp_filter_refuses_keyrings_namespaces_and_kernel_surfaces(sandboxed):
     env = sandboxed()
     r = env.step(bash("grep '^Seccomp:' /proc/self/status; unshare -U true && echo USERNS; "
@@ -424,7 +426,7 @@ print("RETURNED", result)
 
 
 @needs_sandbox
-@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64's other system call ABIs")
+@x86_64_only
 def test_escape_other_system_call_abis_kill_the_process(sandboxed):
     # The filter checks x86_64 numbers; a call through the x32 or i386 ABI would bypass it.
     env = sandboxed()

@@ -30,10 +30,10 @@ import os
 import resource
 import sys
 
-# What root inside keeps (Docker's default set without MKNOD, NET_RAW, SETFCAP, SETPCAP, SYS_CHROOT
-# and AUDIT_WRITE), by capability number: file ownership and permissions (useradd -m, chown, chmod,
-# writing root's files), setuid/setgid (su, useradd), kill (other users' processes), and ports
-# below 1024 in the sandbox's own network namespace.
+# What root inside keeps, by capability number: file ownership and permissions (useradd -m, chown,
+# chmod, writing root's files), setuid/setgid (su, useradd), kill (other users' processes), ports
+# below 1024 in the sandbox's own network namespace. Docker's default set without MKNOD (host disk
+# devices), NET_RAW, SETFCAP, SETPCAP, SYS_CHROOT and AUDIT_WRITE (writes into the host's audit log).
 KEPT_CAPABILITIES = {"chown": 0, "dac_override": 1, "fowner": 3, "fsetid": 4, "kill": 5, "setgid": 6,
                      "setuid": 7, "net_bind_service": 10}
 # In nsenter's order.
