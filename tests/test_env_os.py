@@ -28,6 +28,7 @@ needs_sandbox = pytest.mark.skipif(
     bool(_missing) or os.geteuid() != 0,
     reason=f"sandbox unavailable: {'missing ' + ', '.join(_missing) if _missing else 'not root'} "
            "(apt-get install bubblewrap; run as root as CI does)")
+x86_64_only = pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64 system call numbers and ABIs")
 
 
 def bash(code: str) -> str:
@@ -310,6 +311,174 @@ def test_escape_parent_environment_is_not_visible(sandboxed, monkeypatch):
     r = env.step(bash("env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c TRAJFORGE_TEST_SECRET"))
     assert secret not in r.observation and "TRAJFORGE_TEST_SECRET=" not in r.observation
     assert r.observation.rstrip().endswith("0")
+
+
+def _inside(env, code: str, *args: str):
+    """Run a Python program inside the episode's sandbox as a check script runs (whole output)."""
+    return env.sandbox.run_script({"language": "python", "code": code}, list(args), timeout=20)
+
+
+# Kernel settings whose write access means the host (core_pattern, modprobe: a program the kernel
+# runs as host root). Only opened for writing, never written: nothing changes even unprotected.
+_KERNEL_SETTINGS = ("/proc/sys/kernel/core_pattern", "/proc/sys/kernel/modprobe", "/proc/sys/vm/drop_caches",
+                    "/proc/sysrq-trigger")
+_OPEN_FOR_WRITING = """
+import errno, os, sys
+for path in sys.argv[1:]:
+    try:
+        os.close(os.open(path, os.O_WRONLY))
+        print(path, "OPENED")
+    except OSError as e:
+        print(path, errno.errorcode[e.errno])
+"""
+
+
+@needs_sandbox
+def test_escape_kernel_settings_are_read_only_and_kernel_internals_masked(sandboxed):
+    paths = [p for p in _KERNEL_SETTINGS if os.path.exists(p)]
+    before = {p: Path(p).read_bytes() for p in paths if p.startswith("/proc/sys/kernel/")}
+    env = sandboxed()
+    run = _inside(env, _OPEN_FOR_WRITING, *paths)
+    assert run.stdout.split() == [w for p in paths for w in (p, "EROFS")], run.stdout + run.stderr
+    # The agent's own shell too, through the usual redirection.
+    r = env.step(bash("echo '|/bin/false' > /proc/sys/kernel/core_pattern"))
+    assert "Read-only file system" in r.observation and r.info["exit_code"] != 0
+    assert {p: Path(p).read_bytes() for p in before} == before
+    # Masked: the entries the kernel has here read as empty files or empty folders.
+    masked = [p for p in ("/proc/keys", "/proc/timer_list", "/proc/interrupts", "/proc/kcore", "/proc/sched_debug")
+              if os.path.exists(p)]
+    r = env.step(bash(f"cat {' '.join(masked)} | wc -c; ls -A /proc/acpi 2>/dev/null | wc -l"))
+    assert masked and r.observation == "0\n0\n", r.observation
+
+
+# System calls the filter refuses, with arguments that do nothing (or fail) when the call is let
+# through, so that the test changes nothing where the filter is missing: an unknown key type, a
+# read-only keyring query (create=0), a bad reboot magic number, invalid kexec flags...
+_FILTERED_CALLS = r"""
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+calls = [
+    ("add_key", 248, b"trajforge-no-such-type", b"d", None, 0, -3),
+    ("request_key", 249, b"trajforge-no-such-type", b"d", None, 0),
+    ("keyctl", 250, 0, -3, 0),                       # KEYCTL_GET_KEYRING_ID, session keyring, no create
+    ("clone3", 435, None, 0),                        # ENOSYS: the C library falls back to clone
+    ("setns", 308, -1, 0),
+    ("ptrace", 101, 0, 0, 0, 0),                     # PTRACE_TRACEME
+    ("process_vm_readv", 310, os.getpid(), None, 0, None, 0, 0),
+    ("bpf", 321, 1000, None, 0),
+    ("perf_event_open", 298, None, 0, -1, -1, 0),
+    ("io_uring_setup", 425, 1, None),
+    ("userfaultfd", 323, 0),
+    ("open_by_handle_at", 304, -1, None, 0),
+    ("personality", 135, 0x0040000),                 # ADDR_NO_RANDOMIZE
+    ("socket", 41, 40, 1, 0),                        # AF_VSOCK
+    ("syslog", 103, 10, None, 0),                    # SYSLOG_ACTION_SIZE_BUFFER
+    # Also refused for want of a capability; the filter refuses them first.
+    ("mount", 165, None, None, None, 0, None),
+    ("umount2", 166, b"/trajforge-no-such-mount", 0),
+    ("pivot_root", 155, None, None),
+    ("init_module", 175, None, 0, b""),
+    ("finit_module", 313, -1, b"", 0),
+    ("delete_module", 176, b"trajforge_no_such_module", 0),
+    ("reboot", 169, 0, 0, 0, None),
+    ("kexec_load", 246, 0, 0, None, 0x7FFF0000),
+    ("swapon", 167, None, 0),
+    ("acct", 163, b"/trajforge-no-such-dir/acct"),
+    ("clock_settime", 227, 0, None),
+]
+for name, number, *args in calls:
+    result = libc.syscall(number, *args)
+    print(name, errno.errorcode[ctypes.get_errno()] if result == -1 else f"returned-{result}")
+# Last, as it forks when let through: a child in a new user namespace (it exits at once).
+child = libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)   # clone(CLONE_NEWUSER | SIGCHLD)
+if child == 0:
+    os._exit(0)
+print("clone-newuser", errno.errorcode[ctypes.get_errno()] if child == -1 else "returned-pid")
+print("getpid", "returned" if libc.syscall(39) == os.getpid() else "wrong")
+"""
+
+
+@needs_sandbox
+@x86_64_only
+def test_escape_seccomp_filter_refuses_keyrings_namespaces_and_kernel_surfaces(sandboxed):
+    env = sandboxed()
+    r = env.step(bash("grep '^Seccomp:' /proc/self/status; unshare -U true && echo USERNS; "
+                      "unshare -r true && echo ROOT-IN-USERNS"))
+    assert r.observation.splitlines()[0].split() == ["Seccomp:", "2"]
+    assert "USERNS" not in r.observation and "Operation not permitted" in r.observation
+    run = _inside(env, _FILTERED_CALLS)
+    results = dict(line.split() for line in run.stdout.splitlines())
+    assert results.pop("clone3") == "ENOSYS" and results.pop("getpid") == "returned", run.stdout + run.stderr
+    assert results and set(results.values()) == {"EPERM"}, results
+
+
+_OTHER_ABI = r"""
+import ctypes, mmap, sys
+if sys.argv[1] == "x32":
+    result = ctypes.CDLL(None).syscall(0x40000000 | 39)          # getpid, x32 numbering
+else:
+    code = b"\xb8\x14\x00\x00\x00\xcd\x80\xc3"                   # mov eax, 20 (i386 getpid); int 0x80; ret
+    page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    page.write(code)
+    result = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))()
+print("RETURNED", result)
+"""
+
+
+@needs_sandbox
+@x86_64_only
+def test_escape_other_system_call_abis_kill_the_process(sandboxed):
+    # The filter checks x86_64 numbers; a call through the x32 or i386 ABI would bypass it.
+    env = sandboxed()
+    for abi in ("x32", "i386"):
+        run = _inside(env, _OTHER_ABI, abi)
+        assert "RETURNED" not in run.stdout and run.exit_code == -31, (abi, run)  # SIGSYS
+
+
+@needs_sandbox
+def test_escape_capabilities_inside_are_the_kept_few(sandboxed):
+    kept = {"chown": 0, "dac_override": 1, "fowner": 3, "fsetid": 4, "kill": 5, "setgid": 6, "setuid": 7,
+            "net_bind_service": 10}
+    mask = f"{sum(1 << bit for bit in kept.values()):016x}"
+    env = sandboxed()
+    r = env.step(bash("grep -E '^Cap(Inh|Prm|Eff|Bnd|Amb):' /proc/self/status"))
+    assert dict(line.split() for line in r.observation.splitlines()) == {
+        "CapInh:": "0" * 16, "CapPrm:": mask, "CapEff:": mask, "CapBnd:": mask, "CapAmb:": "0" * 16}
+
+
+@needs_sandbox
+def test_escape_init_process_shows_no_host_path(sandboxed, tmp_path, monkeypatch):
+    # Started from a folder of ours, with a folder of ours on PATH: neither may show inside.
+    marker = tmp_path / "host-only-bin"
+    marker.mkdir()
+    monkeypatch.setenv("PATH", f"{marker}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    env = sandboxed()
+    r = env.step(bash("wc -c < /proc/1/environ; readlink /proc/1/cwd; "
+                      "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c -F "
+                      f"-e {tmp_path} -e {REPO} -e {sys.prefix}"))
+    assert r.observation == "0\n/\n0\n", r.observation
+
+
+@needs_sandbox
+def test_escape_rewritten_programs_never_run_with_privileges(sandboxed):
+    # The agent is root inside and may replace any program. Whatever we run later in the sandbox
+    # (check scripts, Ctrl-C at a timeout) must never run one of its programs with more than the
+    # kept capabilities: the tools a privileged entry could use are replaced by recorders.
+    env = sandboxed(step_timeout=2)
+    tools = ("nsenter", "setpriv", "prlimit", "env", "setsid", "bash", "python3", "kill")
+    record = ("#!/root/recorder-shell\\ngrep CapEff /proc/self/status >> /root/ran-$(basename \"$0\")\\n"
+              "exec /root/real-$(basename \"$0\") \"$@\"\\n")
+    r = env.step(bash(f"cp /bin/sh /root/recorder-shell; for t in {' '.join(tools)}; do p=$(command -v $t) || continue; "
+                      f"cp \"$(readlink -f $p)\" /root/real-$t; printf '{record}' > $p.new; chmod 755 $p.new; "
+                      "mv $p.new $p; done; echo replaced"))
+    assert r.observation.endswith("replaced\n"), r.observation
+    env.step(bash("sleep 30"))  # times out: Ctrl-C is sent from a fresh process inside
+    end = env.step("Act: finish")
+    assert end.done
+    run = env.sandbox.run_script({"language": "bash", "code": "cat /root/ran-*"}, [], timeout=10)
+    caps = {line.split()[1] for line in run.stdout.splitlines()}
+    assert caps == {"00000000000004fb"}, run.stdout  # recorders ran, never with more
 
 
 @needs_sandbox

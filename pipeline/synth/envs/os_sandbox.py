@@ -14,13 +14,17 @@ The sandbox (one per episode), built from stock tools, needs root (as in CI):
   /sbin, /lib*, /var/lib/dpkg) with /etc's secrets whited out. The agent may write anywhere
   (useradd, /etc), the host never sees it, every byte counts against `disk_bytes`, and the mounts
   vanish with the namespace's last process. Nothing else of the host is there;
-- `bwrap` binds that tree as `/` with a fresh /proc, and new pid, net (loopback only, down), uts
-  and cgroup namespaces; its pid 1 and a `sleep infinity` are the anchor of the sandbox and die
-  with us (--die-with-parent);
-- every process we start inside (init scripts, the agent's shell, check scripts) enters those
-  namespaces with `nsenter`, keeps only a docker-like set of capabilities (no CAP_SYS_ADMIN,
-  MKNOD, DAC_READ_SEARCH, NET_ADMIN, PTRACE...) via `setpriv`, gets CPU-time, address-space,
-  file-size limits via `prlimit`, and an empty environment via `env -i` (no host variable leaks).
+- `bwrap` binds that tree as `/` with a fresh /proc (its kernel settings read-only, its kernel
+  memory, keys and timer entries masked: _PROC_READ_ONLY, _PROC_MASKED), and new pid, net
+  (loopback only, down), uts and cgroup namespaces; its pid 1 and a `sleep infinity` are the
+  anchor of the sandbox and die with us (--die-with-parent); it starts with an empty environment
+  in `/`, so /proc/1 inside shows nothing of the host's;
+- every process we start inside (init scripts, the agent's shell, check scripts) goes in through
+  `sandbox_enter`, one host-side Python process that joins the namespaces and the root, installs
+  the seccomp filter of `seccomp_filter` (a Docker-like allowlist: no keyrings, no new
+  namespaces, no mount, ptrace, bpf, modules...), keeps only a few capabilities (no CAP_SYS_ADMIN,
+  MKNOD, DAC_READ_SEARCH, NET_ADMIN, PTRACE...), sets CPU-time, address-space and file-size
+  limits, and execs the command with a fixed environment: no sandbox program ever runs with more.
 `close` kills every process of the cgroup, which also ends the namespaces and their mounts, then
 removes the cgroup and the temporary directory.
 
@@ -50,19 +54,22 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
-from trajforge.pipeline.synth.envs import sandbox_root
+from trajforge.pipeline.synth.envs import sandbox_enter, sandbox_root
 from trajforge.pipeline.synth.envs.base import ClosingEnvironment, EnvFailure, StepResult
 from trajforge.pipeline.synth.tasks import Task, coerce_task, os_match, task_prompt
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 TRUNCATION_NOTE = "\n[truncated because the output is too long]"
 
-# Docker's default capabilities minus those that matter without a device cgroup or seccomp
-# (MKNOD: device nodes of host disks; NET_RAW, SETFCAP, SETPCAP, SYS_CHROOT: not needed).
-_CAPS = "-all,+chown,+dac_override,+fowner,+fsetid,+kill,+setgid,+setuid,+net_bind_service,+audit_write"
+# Parts of /proc, after the OCI runtime spec's lists as Docker and runc apply them. Read-only: the
+# kernel settings, which are the host's (a writable kernel.core_pattern runs any program as host
+# root). Masked: kernel memory, other tenants' keys, timer and scheduler details, hardware.
+_PROC_READ_ONLY = ("bus", "fs", "irq", "sys", "sysrq-trigger")
+_PROC_MASKED = ("asound", "acpi", "interrupts", "kcore", "keys", "latency_stats", "timer_list", "timer_stats",
+                "sched_debug", "scsi")
 _SANDBOX_ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "USER=root",
                 "LOGNAME=root", "SHELL=/bin/bash", "TERM=dumb", "LANG=C.UTF-8"]
-_TOOLS = ("bwrap", "unshare", "nsenter", "setpriv", "prlimit", "env", "mount")
+_TOOLS = ("bwrap", "unshare")
 
 class SandboxUnavailable(EnvFailure):
     """The sandbox cannot be built here; nothing was run on the host."""
@@ -219,6 +226,34 @@ class _Cgroup:
 
 
 # --- sandbox -----------------------------------------------------------------------------------
+def _proc_cover(empty_file: str) -> list[str]:
+    """bwrap options, applied after it mounts /proc: the entries of _PROC_READ_ONLY bound read-only
+    over themselves (from the host's /proc: the same kernel objects, and each reader sees its own
+    namespaces' values), those of _PROC_MASKED hidden (an empty read-only file over a file, an empty
+    read-only tmpfs over a folder). Only entries this kernel has. bwrap's own cover of /proc/sys is
+    not enough: it binds only what a write-access check passes, which fails on /proc/sys."""
+    args: list[str] = []
+    for name in _PROC_READ_ONLY:
+        if os.path.lexists(f"/proc/{name}"):
+            args += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
+    for name in _PROC_MASKED:
+        if os.path.isdir(f"/proc/{name}"):
+            args += ["--perms", "0555", "--tmpfs", f"/proc/{name}", "--remount-ro", f"/proc/{name}"]
+        elif os.path.lexists(f"/proc/{name}"):
+            args += ["--ro-bind", empty_file, f"/proc/{name}"]
+    return args
+
+
+def _seccomp_memfd() -> int:
+    """A descriptor holding the compiled seccomp filter (libseccomp is needed only here, so that the
+    rest of this module, the action parser included, imports without it)."""
+    try:
+        from trajforge.pipeline.synth.envs import seccomp_filter
+        return seccomp_filter.memfd()
+    except (ImportError, RuntimeError, OSError) as e:
+        raise SandboxUnavailable(f"the seccomp filter could not be built (install libseccomp2 and pyseccomp): {e}")
+
+
 @dataclass
 class ScriptRun:
     exit_code: int | None   # None: killed at timeout
@@ -231,7 +266,8 @@ class Sandbox:
 
     def __init__(self, config: SandboxConfig | None = None):
         self.config = config or SandboxConfig()
-        missing = [t for t in _TOOLS if shutil.which(t) is None]
+        self._tools = {t: shutil.which(t) for t in _TOOLS}
+        missing = [t for t, path in self._tools.items() if path is None]
         if missing:
             raise SandboxUnavailable(f"missing tools: {', '.join(missing)} (install bubblewrap and util-linux)")
         if os.geteuid() != 0:
@@ -239,12 +275,15 @@ class Sandbox:
         self.name = f"trajforge-{secrets.token_hex(6)}"
         self._procs: list[subprocess.Popen] = []  # the anchor first, then everything spawned
         self._cgroups: list[_Cgroup] = []
+        self._fds: list[int] = []
         self._dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
         # Runs on close(), on garbage collection, or at interpreter exit, whichever comes first.
-        self._release = weakref.finalize(self, _release, self._procs, self._cgroups, self._dir)
+        self._release = weakref.finalize(self, _release, self._procs, self._cgroups, self._fds, self._dir)
         self._cgroup: _Cgroup | None = None
         self._anchor: subprocess.Popen | None = None
         try:
+            self._seccomp_fd = _seccomp_memfd()
+            self._fds.append(self._seccomp_fd)
             self._cgroup = _Cgroup(self.name, self.config, _cgroup_roots())
             self._cgroups.append(self._cgroup)
             self._start()
@@ -256,22 +295,26 @@ class Sandbox:
         c, d = self.config, str(self._dir)
         read_fd, write_fd = os.pipe()
         # --dev-bind, not --bind: bwrap would remount everything below nodev, /dev/null included.
-        bwrap = ["bwrap", "--dev-bind", f"{d}/root", "/", "--proc", "/proc",
+        bwrap = [self._tools["bwrap"], "--dev-bind", f"{d}/root", "/", "--proc", "/proc",
+                 *_proc_cover(f"{d}/{sandbox_root.EMPTY_FILE}"),
                  "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
                  "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL",
-                 "--info-fd", str(write_fd), "--",
-                 # Runs once bwrap has finished building the root: "ready" means nsenter may enter.
+                 "--seccomp", str(self._seccomp_fd), "--info-fd", str(write_fd), "--",
+                 # Runs once bwrap has finished building the root: "ready" means we may enter.
                  "sh", "-c", "echo ready && exec sleep infinity"]
         # The IPC namespace is unshare's (not bwrap's): its SysV shm limits are set while we still
         # hold CAP_SYS_ADMIN, and bwrap's child keeps it.
-        argv = ["unshare", "--mount", "--ipc", "--propagation", "private", "--",
+        argv = [self._tools["unshare"], "--mount", "--ipc", "--propagation", "private", "--",
                 sys.executable, "-I", "-S", sandbox_root.__file__, d, str(c.disk_bytes - c.shm_bytes),
                 str(c.shm_bytes), "--", *bwrap]
         assert self._cgroup is not None
         try:
+            # No host variable and no host folder: bwrap becomes the sandbox's pid 1, and what it
+            # starts with is what /proc/1/environ shows inside.
             self._anchor = subprocess.Popen(self._cgroup.wrap(argv), stdin=subprocess.DEVNULL,
-                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(write_fd,),
-                                            start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            pass_fds=(write_fd, self._seccomp_fd), start_new_session=True,
+                                            cwd="/", env={})
             self._procs.append(self._anchor)
         finally:
             os.close(write_fd)
@@ -312,19 +355,19 @@ class Sandbox:
         return None
 
     def inner_argv(self, argv: list[str], cwd: str = "/root") -> list[str]:
+        """`argv` run inside, through sandbox_enter: the episode's cgroup, namespaces and root, the
+        seccomp filter, the kept capabilities, the limits, and `_SANDBOX_ENV` as its environment."""
         c = self.config
+        rlimits = f"AS={c.memory_bytes},CPU={c.cpu_seconds},FSIZE={c.file_bytes},CORE=0"
         return self._cgroup.wrap([  # type: ignore[union-attr]
-            "nsenter", "-t", str(self.ns_pid), "-m", "-u", "-i", "-n", "-p", "-r", "-w", "--",
-            "setpriv", "--bounding-set", _CAPS, "--inh-caps", "-all", "--",
-            "prlimit", f"--as={c.memory_bytes}", f"--cpu={c.cpu_seconds}", f"--fsize={c.file_bytes}",
-            "--core=0", "--",
-            "env", "-i", "-C", cwd, *_SANDBOX_ENV, *argv])
+            sys.executable, "-I", "-S", sandbox_enter.__file__, str(self.ns_pid), str(self._seccomp_fd), cwd,
+            rlimits, *_SANDBOX_ENV, "--", *argv])
 
     def spawn(self, argv: list[str], **popen) -> subprocess.Popen:
         if self._anchor is None or self._anchor.poll() is not None:
             raise RuntimeError("the sandbox is closed")
-        proc = subprocess.Popen(self.inner_argv(argv), start_new_session=True,
-                                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, **popen)
+        proc = subprocess.Popen(self.inner_argv(argv), start_new_session=True, pass_fds=(self._seccomp_fd,),
+                                cwd="/", env={}, **popen)
         self._procs.append(proc)
         return proc
 
@@ -370,7 +413,7 @@ class Sandbox:
         self.close()
 
 
-def _release(procs: list[subprocess.Popen], cgroups: list[_Cgroup], directory: Path) -> None:
+def _release(procs: list[subprocess.Popen], cgroups: list[_Cgroup], fds: list[int], directory: Path) -> None:
     """Free everything a sandbox holds. The anchor goes first: its death (--die-with-parent) takes
     the pid namespace's init with it, and the kernel kills every process inside at once; the
     cgroup then catches stragglers (our host-side nsenter helpers) and anything forked meanwhile."""
@@ -387,6 +430,9 @@ def _release(procs: list[subprocess.Popen], cgroups: list[_Cgroup], directory: P
             if stream:
                 stream.close()
     procs.clear()
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
     if directory.exists():
         # Only ever an empty mount point on the host side: the tmpfs lived in the namespace.
         directory.rmdir()

@@ -1,6 +1,6 @@
 """Builds the root filesystem of one `os` sandbox, then execs bwrap on it.
 
-Run as root, by path (`python -I -S sandbox_root.py DIR TMPFS_BYTES SHM_BYTES -- bwrap ...`), in
+Run as root, by path (`python -I -S sandbox_root.py DIR TMPFS_BYTES SHM_BYTES -- /usr/bin/bwrap ...`), in
 the fresh mount and IPC namespaces that `unshare --mount --ipc` gave it; standard library only. One
 process that makes its mounts and files with syscalls: a shell script doing the same runs ~90
 programs (0.36 s per episode on a busy 2-core host, against 0.09 s for this script).
@@ -15,7 +15,9 @@ an empty directory):
 - in /etc, whatever other users may not read on the host (shadow, gshadow, private keys, database
   auth files...) is whited out; shadow and gshadow are replaced by copies whose password fields are
   locked (useradd, passwd and chpasswd need the files). The checkout we run from is whited out too,
-  should it lie inside a visible tree.
+  should it lie inside a visible tree;
+- DIR/EMPTY_FILE, an empty read-only file outside the sandbox's root, for bwrap to bind over the
+  /proc files it masks.
 The IPC namespace's SysV shared memory (shmmax, shmall) is capped at SHM_BYTES.
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ _LINKS = (("var/run", "/run"), ("var/lock", "/run/lock"), ("dev/ptmx", "pts/ptmx
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 # Host files replaced by a copy whose password field is locked.
 _LOCKED_COPIES = {"/etc/shadow": "*", "/etc/gshadow": "!"}
+EMPTY_FILE = "empty"
 _CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 _MS_NODEV, _MS_BIND = 4, 4096
@@ -131,6 +134,7 @@ def build(base: str, tmpfs_bytes: int, shm_bytes: int) -> str:
     root = f"{base}/root"
     for directory in (root, f"{base}/upper", f"{base}/work"):
         os.mkdir(directory)
+    os.close(os.open(f"{base}/{EMPTY_FILE}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444))
     for name, mode in _EMPTY_DIRS:
         os.mkdir(f"{root}/{name}")
         os.chmod(f"{root}/{name}", mode)
@@ -154,9 +158,11 @@ def build(base: str, tmpfs_bytes: int, shm_bytes: int) -> str:
 if __name__ == "__main__":
     directory, tmpfs, shm, separator, *command = sys.argv[1:]
     if separator != "--" or not command:
-        sys.exit("usage: sandbox_root.py DIR TMPFS_BYTES SHM_BYTES -- COMMAND...")
+        sys.exit("usage: sandbox_root.py DIR TMPFS_BYTES SHM_BYTES -- /ABSOLUTE/COMMAND ARGS...")
     try:
         build(directory, int(tmpfs), int(shm))
     except OSError as e:
         sys.exit(f"building the sandbox's root failed: {e}")
-    os.execvp(command[0], command)
+    # An empty environment: the command (bwrap) becomes the sandbox's pid 1, whose environment
+    # anyone inside can read in /proc/1/environ.
+    os.execve(command[0], command, {})
