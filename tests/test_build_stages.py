@@ -120,7 +120,7 @@ def test_a_record_arrow_refuses_to_stage_is_a_drop_of_the_stage_stage(tmp_path):
     unit = process_unit("synthetic", synthetic, tmp_path / "b", BuildConfig())
 
     assert_tallies_add_up(unit)
-    assert unit.stages[-1] == {"stage": "stage", "in": 3, "kept": 2, "dropped": {"internal_error": 1}}
+    assert unit.stages[-1] == {"stage": "stage", "in": 5, "kept": 4, "dropped": {"internal_error": 1}}
     (entry,) = pq.read_table(unit.quarantine_path).to_pylist()
     assert entry["reason"] == "internal_error" and entry["source_id"] == negative["source_id"]
     assert json.loads(entry["raw"])["reward"] == "high" and entry["detail"].startswith("Arrow")
