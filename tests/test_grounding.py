@@ -222,3 +222,17 @@ def test_the_sft_labels_leave_a_masked_step_untrained(fixtures_build):
     assert turns[5]["content"] in tokenizer.decode(out["input_ids"])
     assert "Action:\nget end stone brick stairs" not in trained and turns[5]["thought"] not in trained
     assert turns[9]["content"] in trained  # `get 4 end stone`, the recovery
+
+
+def test_the_report_and_the_card_show_the_grounded_steps_per_env(fixtures_build):
+    figures = json.loads((fixtures_build / "report.json").read_text())["validation_by_env"]
+    assert figures["textcraft"]["refused"] == {"textcraft.arguments": 1, "textcraft.command": 3, "textcraft.failed": 4,
+                                               "unparsed_assistant_turn": 1}
+    assert (figures["textcraft"]["records_masked"], figures["textcraft"]["steps_masked"]) == (3, 9)
+    assert figures["db"]["refused"] == {"db.sql_error": 26} and figures["db"]["records_masked"] == 0  # all quarantined
+    html = (fixtures_build / "report.html").read_text()
+    card = (fixtures_build / "README.md").read_text()
+    assert "<td>alfworld</td><td>1</td><td>2</td><td>alfworld.command 2</td><td>-</td><td>-</td>" in html
+    assert "| textcraft | 3 | 9 | textcraft.arguments 1, textcraft.command 3, textcraft.failed 4, " \
+           "unparsed_assistant_turn 1 | - | - |" in card
+    assert "Steps grounded in the environment's answers" in card
