@@ -71,6 +71,9 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rl-tasks", action="append", metavar="FILE",
                    help="a task file (AgentBench OS/DB, JSONL of {env, description, ...}; repeatable) whose tasks "
                         "join the `grpo_env` config for multi-turn GRPO")
+    p.add_argument("--invalid-steps", metavar="mask|drop|keep",
+                   help="a step the env refused inside an episode: kept as context with loss false (mask), its "
+                        "record quarantined (drop), or trained on (keep); default: the validate stage's")
     p.add_argument("--dedup-threshold", type=float, metavar="J",
                    help="shingle Jaccard similarity from which two trajectories are near duplicates "
                         "(stages.dedup.threshold; default: the dedup stage's)")
@@ -94,7 +97,7 @@ def _build_run(args: argparse.Namespace) -> BuildRun:
             run.sources[name] = location
     if run.out is None:
         raise SourceError("build: no output folder; give --out DIR (or `out:` in the --config file)")
-    stages = {"rendering": getattr(args, "rendering", None),
+    stages = {"rendering": getattr(args, "rendering", None), "invalid_steps": getattr(args, "invalid_steps", None),
               "dedup": {"threshold": args.dedup_threshold} if "dedup_threshold" in args else {},
               "decontaminate": getattr(args, "decontaminate", None) and os.path.abspath(args.decontaminate),
               "rl_tasks": [os.path.abspath(path) for path in args.rl_tasks] if "rl_tasks" in args else None}

@@ -36,7 +36,7 @@ from trajforge.pipeline.publish.report import report_extras, stage_counts, write
 from trajforge.pipeline.publish.shards import ShardConfig, write_config_from_file
 from trajforge.pipeline.stages import Dropped, StageTally, in_order, merge_tallies
 from trajforge.pipeline.synth.tasks import load_tasks
-from trajforge.pipeline.ingest.validate import ValidateConfig, merge_env_figures, tally_env, validate_record
+from trajforge.pipeline.ingest.validate import ValidateConfig, check_record, merge_env_figures, tally_env
 from trajforge.schemas import arrow_schema
 from trajforge.sources import RawRow, SourceFile, get_source, iter_rows
 
@@ -47,6 +47,8 @@ class BuildConfig:
     rendering: str = NormalizeConfig.rendering
     max_turn_chars: int = NormalizeConfig.max_turn_chars
     max_total_chars: int = ValidateConfig.max_total_chars
+    # What a step the env refused inside an episode does: mask | drop | keep (pipeline/ingest/validate.py).
+    invalid_steps: str = ValidateConfig.invalid_steps
     progress_every: int = 1000
     shards: ShardConfig = ShardConfig()
     dedup: DedupConfig = DedupConfig()
@@ -58,13 +60,16 @@ class BuildConfig:
     # trajectories' own resettable tasks.
     rl_tasks: tuple[str, ...] = ()
 
+    def __post_init__(self):
+        ValidateConfig(invalid_steps=self.invalid_steps)  # a bad value fails here, not mid-build
+
     @property
     def normalize(self) -> NormalizeConfig:
         return NormalizeConfig(rendering=self.rendering, max_turn_chars=self.max_turn_chars)
 
     @property
     def validate(self) -> ValidateConfig:
-        return ValidateConfig(max_total_chars=self.max_total_chars)
+        return ValidateConfig(max_total_chars=self.max_total_chars, invalid_steps=self.invalid_steps)
 
 
 @dataclass
@@ -130,15 +135,16 @@ def normalize_stage(raw: RawRow, source, file: SourceFile, config: NormalizeConf
 
 
 def validate_stage(record: dict, config: ValidateConfig, envs: dict[str, dict]) -> dict | Dropped:
-    """A positive record that breaks no rule; negatives pass unchecked (their faults are the point).
-    Positives also count into `envs`, the per-env validation figures of the unit."""
+    """A positive record that breaks no rule, as validation writes it (refused steps masked, per
+    `invalid_steps`); negatives pass unchecked (their faults are the point). Positives also count
+    into `envs`, the per-env validation figures of the unit."""
     if record["kind"] != "positive":
         return record
-    violation = validate_record(record, config)
-    tally_env(envs, record, violation)
-    if violation is not None:
-        return Dropped(violation.reason, violation.detail, record["source_id"])
-    return record
+    checked = check_record(record, config)
+    tally_env(envs, record, checked)
+    if checked.violation is not None:
+        return Dropped(checked.violation.reason, checked.violation.detail, record["source_id"])
+    return checked.record
 
 
 MapStage = Callable[[object], object]  # one item in; its next form, or a Dropped

@@ -11,7 +11,7 @@ import pytest
 from trajforge.pipeline.ingest.grammars import GRAMMARS, grammar_for
 from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
 from trajforge.pipeline.ingest.normalize import normalize_row
-from trajforge.pipeline.ingest.validate import action_contexts, validate_record
+from trajforge.pipeline.ingest.validate import ValidateConfig, action_contexts, validate_record
 from trajforge.sources import get_source, iter_rows
 from trajforge.sources.agentinstruct import SPLITS
 from trajforge.sources.agenttraj_l import ENVS
@@ -147,7 +147,10 @@ def test_the_issue_cases_are_caught(records):
     for db in ("agentinstruct/db_291", "agentinstruct/db_314"):
         violation = validate_record(records[db])
         assert violation.reason == "incomplete_episode" and "Operation" in violation.detail, violation
-    violation = validate_record(records["agentinstruct/alfworld_53"])
+    # `End of the task.` mid-episode: ALFWorld answered `Nothing happens.`, the agent recovered. Masked
+    # by default; under `invalid_steps: drop` the record goes, naming the action and the rule.
+    assert validate_record(records["agentinstruct/alfworld_53"]) is None
+    violation = validate_record(records["agentinstruct/alfworld_53"], ValidateConfig(invalid_steps="drop"))
     assert violation.reason == "invalid_action" and violation.rule == "alfworld.command"
     assert "End of the task." in violation.detail and "alfworld.command" in violation.detail
 

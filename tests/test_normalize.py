@@ -161,8 +161,10 @@ def test_react_build_of_every_fixture_validates(tmp_path):
     for record in records:
         assert validate_record(record) is None, record["id"]
     renderings = Counter(r["rendering"] for r in records)
-    # Only the JSON / dict tool-call rows, whose prompts ask for JSON, stay native.
-    assert {r["env"] for r in records if r["rendering"] == "native"} == {"toolbench"}
+    # Only the JSON / dict tool-call rows, whose prompts ask for JSON, stay native, and textcraft_205,
+    # whose prose turn (TextCraft refused it; validation masks it) has no Think/Act form.
+    native = {r["env"] if r["env"] == "toolbench" else r["id"] for r in records if r["rendering"] == "native"}
+    assert native == {"toolbench", "agenttraj_l/textcraft_205"}
     assert renderings["react"] > 0.9 * len(records)
 
 

@@ -33,9 +33,12 @@ def test_validation_figures_per_env(fixtures_build):
         assert e["grammar"] and 0 <= e["actions_valid"] <= e["actions_checked"], env
     # Every fixture quarantine comes from validation, so the per-env rules add up to the total.
     assert sum(n for e in figures.values() for n in e["quarantined"].values()) == report["total"]["quarantined"]
-    assert figures["alfworld"]["quarantined"] == {"alfworld.command": 1}
     assert figures["db"]["quarantined"] == {"action_loop": 2, "incomplete_episode": 4}
-    assert figures["alfworld"]["actions_checked"] - figures["alfworld"]["actions_valid"] == 2  # alfworld_53
+    # alfworld_53: two `End of the task.` that ALFWorld answered `Nothing happens.`, masked, the record kept.
+    assert figures["alfworld"]["actions_checked"] - figures["alfworld"]["actions_valid"] == 2
+    assert figures["alfworld"]["refused"] == {"alfworld.command": 2} and figures["alfworld"]["quarantined"] == {}
+    assert (figures["alfworld"]["records_masked"], figures["alfworld"]["steps_masked"]) == (1, 2)
+    assert figures["mind2web"]["unconfirmed"] == {"mind2web.operation": 1}
     html = (fixtures_build / "report.html").read_text()
     assert "Validation per environment" in html
     for env, e in figures.items():

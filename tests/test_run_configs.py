@@ -40,10 +40,12 @@ def test_example_config_loads_and_states_the_defaults():
 def test_flags_override_the_file(monkeypatch):
     monkeypatch.chdir(REPO)
     run = _build_run(build_args("--config", str(EXAMPLE), "--out", "elsewhere", "--dedup-threshold", "0.9",
-                                "--workers", "2", "--rendering", "react", "--source", "agentinstruct=x"))
+                                "--workers", "2", "--rendering", "react", "--source", "agentinstruct=x",
+                                "--invalid-steps", "drop"))
     assert (run.out, run.workers, run.sources) == ("elsewhere", 2, {"agentinstruct": "x"})
     config = stage_config(run.stages, "test")
     assert config.dedup == DedupConfig(threshold=0.9) and config.rendering == "react"
+    assert config.invalid_steps == "drop" and config.validate.invalid_steps == "drop"
     assert config.negatives == BuildConfig().negatives  # the file's other stage settings stay
 
 
@@ -73,6 +75,7 @@ def test_bad_values_name_the_key(tmp_path: Path, text, says):
     ({"dedup": {"threshold": 2.0}}, "stages.dedup: threshold must be in (0, 1], not 2.0"),
     ({"max_turn_chars": "many"}, "stages.max_turn_chars must be int"),
     ({"dedup": {"threshold": True}}, "stages.dedup.threshold must be float, not bool"),
+    ({"invalid_steps": "skip"}, "stages: invalid_steps must be one of mask, drop, keep, not 'skip'"),
 ])
 def test_stage_settings_are_checked(stages, says):
     with pytest.raises(ConfigError) as err:

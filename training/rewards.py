@@ -25,7 +25,7 @@ import logging
 import re
 from typing import Callable
 
-from trajforge.pipeline.ingest.dialects import DIALECTS, FREE_TEXT, extract_answer, parse_literal, parse_turn
+from trajforge.pipeline.ingest.dialects import DIALECTS, FREE_TEXT, extract_answer, parse_answer_list, parse_turn
 from trajforge.pipeline.registry import Registry, UnknownName
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def _norm(value) -> str:
 
 
 def answers_match(predicted: str, reference: str) -> bool:
-    pred_list, ref_list = parse_literal(predicted, list), parse_literal(reference, list)
+    pred_list, ref_list = parse_answer_list(predicted), parse_answer_list(reference)
     if pred_list is not None and ref_list is not None:
         return sorted(map(_norm, pred_list)) == sorted(map(_norm, ref_list))
     if ref_list is not None and len(ref_list) == 1:  # `Final Answer: 28` against `[28]`

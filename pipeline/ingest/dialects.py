@@ -213,9 +213,9 @@ _ANSWER_PATTERNS = (
 )
 
 
-def parse_literal(text: str, expected: type) -> object | None:
+def parse_literal(text: str, expected: type | tuple[type, ...]) -> object | None:
     """`text` as a JSON value, or as the Python literal some upstream rows write instead; None unless it
-    parses to an `expected` (dict for tool arguments, list for answers)."""
+    parses to an `expected` (dict for tool arguments, list or tuple for answers)."""
     for parse in (json.loads, ast.literal_eval):
         try:
             value = parse(text)
@@ -223,6 +223,16 @@ def parse_literal(text: str, expected: type) -> object | None:
             continue
         return value if isinstance(value, expected) else None
     return None
+
+
+def parse_answer_list(text: str) -> list | None:
+    """A final answer written as a list: JSON (`[null]`, `[true]`, `[1.5e3]`) or Python (`[None]`,
+    the tuple `(1, 2)`), as a list; None when it is no list. The one parser every reader of a final
+    answer uses (grammars, the DB env, rewards, DB scoring). Only a bracketed text is a list: `1,000`
+    is a number, not the tuple Python would make of it."""
+    text = text.strip()
+    value = parse_literal(text, (list, tuple)) if text.startswith(("[", "(")) else None
+    return None if value is None else list(value)
 
 
 def extract_answer(action: str | None, dialect: str) -> str | None:

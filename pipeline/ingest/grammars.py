@@ -11,6 +11,12 @@ parses out of a turn, pipeline/ingest/dialects.py), and how an episode of it end
   None for envs that end on their own (ALFWorld, WebShop, the games).
 - `breaks(action, context)` edits a valid action so that it breaks one named rule each: what the
   `invalid_action` negatives are made from, so a negative is wrong for a stated reason.
+- `replies` says how the env answers an action (`Replies`): the words it uses when it did not carry
+  an action out (`refused`, by name: TextCraft `Could not execute ...`, BabyAI `The action is not
+  recognized...`, DBBench's MySQL errors, ...), when it did and nothing changed (`no_op`), and which
+  replies report progress even when they repeat word for word (TextCraft `Crafted ...`). Validation
+  grounds its verdicts in them (pipeline/ingest/validate.py): what the env refused is not trained on,
+  a repeat the env reports as progress is no loop.
 
 Where the rules come from (each grammar's `source`): the environments' own code and prompts.
 AgentBench's task prompts (OS, DBBench, KG, WebShop, ALFWorld as AgentInstruct carries them), the
@@ -22,13 +28,12 @@ not checked against a prompt of ours; its records are counted as unchecked.
 """
 from __future__ import annotations
 
-import ast
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
-from trajforge.pipeline.ingest.dialects import parse_literal
+from trajforge.pipeline.ingest.dialects import parse_answer_list, parse_literal
 from trajforge.pipeline.synth.envs.os_sandbox import parse_os_action
 from trajforge.pipeline.registry import Registry
 
@@ -50,6 +55,40 @@ class Breach:
     detail: str
 
 
+# Where an env's wrapper puts its own words before the reply (AgentGym tool envs `Observation: `,
+# TextCraft `Instruction:\n`); the reply patterns below read what follows.
+_LEAD = r"^(?:(?:Observation|Instruction)\s*:\s*)?"
+
+
+def _starts(*texts: str) -> re.Pattern:
+    """A reply that starts (after the wrapper's lead) with one of `texts`, each a regex."""
+    return re.compile(_LEAD + "(?:" + "|".join(texts) + ")")
+
+
+@dataclass(frozen=True)
+class Replies:
+    """How an env answers an action, in its own words (its code, or its real rows where the code is
+    out of reach): `refused` by name, the replies of an action it did not carry out; `no_op`, carried
+    out and nothing changed; `progress`, a reply that reports a change even when it repeats word for
+    word. A reply none of them matches is a normal answer, and a reply equal to the observation
+    before the action shows a state the action did not change."""
+    refused: dict[str, re.Pattern] = field(default_factory=dict)
+    no_op: re.Pattern | None = None
+    progress: re.Pattern | None = None
+
+    def refusal(self, reply: str) -> str | None:
+        """The name of the refusal `reply` is, or None."""
+        return next((name for name, pattern in self.refused.items() if pattern.search(reply)), None)
+
+    def stuck(self, reply: str, before: str) -> bool:
+        """`reply` shows the action got nowhere: refused, a no-op, or the state unchanged (and it does
+        not report progress)."""
+        if self.progress is not None and self.progress.search(reply):
+            return False
+        return (reply == before or self.refusal(reply) is not None
+                or (self.no_op is not None and self.no_op.search(reply) is not None))
+
+
 @dataclass(frozen=True)
 class Grammar:
     name: str
@@ -62,6 +101,7 @@ class Grammar:
     # ToolBench: a final prose reply ends the episode like `Finish`, and a row with a single call
     # and no observation is a one-step instruction (Agent-FLAN toolbench_instruct_j1s1), complete.
     tool_replies: bool = False
+    replies: Replies = Replies()
 
 
 # --- command grammars: a list of templates, `{slot}` standing for an argument -----------------
@@ -121,7 +161,7 @@ def break_commands(name: str, table: list[Template], action: str) -> dict[str, s
 def command_grammar(name: str, source: str, table: list[Template], terminal=None,
                     extra: Callable[[str, Context], Breach | None] | None = None,
                     extra_breaks: Callable[[str, Context], dict[str, str]] | None = None,
-                    extra_rules: dict[str, str] | None = None) -> Grammar:
+                    extra_rules: dict[str, str] | None = None, replies: Replies = Replies()) -> Grammar:
     def check(action: str, context: Context) -> Breach | None:
         return check_commands(name, table, action) or (extra(action.strip(), context) if extra else None)
 
@@ -137,7 +177,7 @@ def command_grammar(name: str, source: str, table: list[Template], terminal=None
         rules[f"{name}.arguments"] = "its arguments fit the verb's template: " + "; ".join(
             t.text for t in sorted(table, key=lambda t: t.text))
     rules.update(extra_rules or {})
-    return Grammar(name, source, rules, check, breaks, terminal)
+    return Grammar(name, source, rules, check, breaks, terminal, replies=replies)
 
 
 # --- ALFWorld ---------------------------------------------------------------------------------
@@ -149,6 +189,8 @@ ALFWORLD = templates(
     "toggle {obj}", "use {obj}", "clean {obj} with {recep}", "heat {obj} with {recep}",
     "cool {obj} with {recep}", "examine {obj}", "look", "inventory")
 _AVAILABLE = re.compile(r"AVAILABLE ACTIONS:\s*(.+)\s*$", re.S)
+# TextWorld answers a command it cannot carry out (unknown, or impossible here) with `Nothing happens.`
+ALFWORLD_REPLIES = Replies({"alfworld.nothing_happens": _starts(r"Nothing happens\.")})
 
 
 def _alfworld_available(action: str, context: Context) -> Breach | None:
@@ -172,6 +214,8 @@ def _alfworld_breaks(action: str, context: Context) -> dict[str, str]:
 # --- WebShop ----------------------------------------------------------------------------------
 WEBSHOP = templates({"keywords": r"[^\[\]\n]*\S[^\[\]\n]*", "value": r"[^\[\]\n]*\S[^\[\]\n]*"},
                     "search[{keywords}]", "click[{value}]")
+# WebShop has no refusal text: an action it cannot perform changes nothing and the same page comes
+# back (web_agent_text_env.step), which validation reads as the state unchanged.
 
 
 def _webshop_clickable(action: str, context: Context) -> Breach | None:
@@ -240,6 +284,8 @@ KG_FUNCTIONS = {"get_relations": 1, "get_neighbors": 2, "intersection": 2, "get_
 _KG_CALL = re.compile(r"(?P<name>\w+)\((?P<args>.*)\)", re.S)
 _KG_FINAL = re.compile(r"Final Answer:\s*(?P<var>#\d+)\s*")
 _KG_VAR = re.compile(r"#\d+")
+# AgentBench KG: `get_relations(x) cannot be executed. You may make a mistake and need to fix it.`
+KG_REPLIES = Replies({"kg.cannot_execute": re.compile(r"\) cannot be executed\.")})
 
 
 def _kg_args(name: str, args: str) -> list[str]:
@@ -290,6 +336,10 @@ def _kg_breaks(action: str, context: Context) -> dict[str, str]:
 
 
 # --- OS (AgentBench OS) -----------------------------------------------------------------------
+# Our OS env answers an action it cannot parse with `Invalid action: ...` (os_sandbox). A command
+# that runs and fails (`No such file or directory`) is the shell's answer, not a refusal: exploring
+# with it is part of the task.
+OS_REPLIES = Replies({"os.invalid_action": _starts(r"Invalid action: ")})
 def _os_check(action: str, context: Context) -> Breach | None:
     kind, why = parse_os_action(action)
     if kind != "invalid":
@@ -316,6 +366,10 @@ def _os_terminal(action: str) -> bool:
 
 # --- DB (AgentBench DBBench) ------------------------------------------------------------------
 _DB_OPERATION = re.compile(r"Operation\s*\n\s*```sql\s*\n.*\S.*```\s*", re.S | re.I)
+# DBBench shows MySQL's errors (`1054 (42S22): Unknown column ...`), our DB env SQLite's (`Error: ...`)
+# and `Invalid action: ...` for a turn it cannot parse.
+DB_REPLIES = Replies({"db.sql_error": _starts(r"\d{4} \([0-9A-Z]{5}\): ", r"Error: "),
+                      "db.invalid_action": _starts(r"Invalid action: ")})
 _DB_ANSWER = re.compile(r"Answer\s*\nFinal Answer:\s*(?P<answer>.*\S)\s*", re.S)
 
 
@@ -326,10 +380,7 @@ def _db_check(action: str, context: Context) -> Breach | None:
             "db.sql_block", f"{text[:120]!r}: `Operation` needs one ```sql code block")
     if text.startswith("Answer"):
         m = _DB_ANSWER.fullmatch(text)
-        try:
-            ok = m is not None and isinstance(ast.literal_eval(m["answer"]), list)
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
-            ok = False
+        ok = m is not None and parse_answer_list(m["answer"]) is not None
         return None if ok else Breach("db.final_answer",
                                       f"{text[:120]!r}: `Answer` needs `Final Answer: [...]`, a list")
     return Breach("db.command", f"{text[:120]!r} is neither `Operation` + SQL nor `Answer` + `Final Answer`")
@@ -372,6 +423,12 @@ BABYAI = templates(
      "opendoor": rf"(?:{_COLOR}) open door \d+", "shutdoor": rf"(?:{_COLOR}) (?:closed|locked) door \d+"},
     "turn left", "turn right", "move forward", "drop", "toggle", "go to goal", "check available actions",
     "go to {obj}", "go to {door}", "pickup {obj}", "go through {opendoor}", "toggle and go through {shutdoor}")
+# agentenv-babyai (check_action_is_valid, postprocess_obs): an action outside the room's action space
+# is `not recognized`, one the room rules out is `You cannot ...` / `... you can't move forward.`;
+# an action with nothing to do answers `No change in state.`
+BABYAI_REPLIES = Replies({"babyai.not_recognized": _starts(r"The action is not recognized"),
+                          "babyai.cannot": _starts(r"You cannot ", r"There is a barrier in front of you")},
+                         no_op=_starts(r"No change in state\."))
 # ScienceWorld: the action list in the AgentGym prompt; `drop` is accepted by the env too (an
 # upstream row drops an object and the env moves it), and a number answers its "Ambiguous request"
 # question.
@@ -383,6 +440,10 @@ SCIWORLD = templates(
     "read {obj}", "move {obj} to {obj}", "pick up {obj}", "put down {obj}", "drop {obj}",
     "pour {obj} into {obj}", "dunk {obj} into {obj}", "mix {obj}", "go to {loc}", "eat {obj}", "flush {obj}",
     "focus on {obj}", "wait", "wait1", "task", "inventory")
+# ScienceWorld's parser: `No known action matches that input.`; a done thing: `The door is already open.`
+SCIWORLD_REPLIES = Replies({"sciworld.no_known_action": _starts(r"No known action matches that input",
+                                                                r"Unknown action\.")},
+                           no_op=_starts(r"The .+ is already (?:open|closed|activated|deactivated)\."))
 
 
 def _sciworld_check(action: str, context: Context) -> Breach | None:
@@ -394,8 +455,17 @@ def _sciworld_check(action: str, context: Context) -> Breach | None:
 # TextCraft: agentenv-textcraft's action regexes (`get N item`, `craft X using N a, M b`, `inventory`).
 TEXTCRAFT = templates({"n_item": r"\d+ \S.*", "target": r"\S.*", "ingredients": r"\d+ [^,]+(?:, *\d+ [^,]+)*"},
                       "get {n_item}", "craft {target} using {ingredients}", "inventory")
+# agentenv-textcraft's ActionFailed messages; `Crafted N x` / `Got N x` add to the inventory each time,
+# so the same action met with the same words is progress there, not a loop.
+TEXTCRAFT_REPLIES = Replies({"textcraft.could_not_execute": _starts(r"Could not execute "),
+                             "textcraft.failed": _starts(r"Could not find ", r"Could not extract recipe ",
+                                                         r"Wrong item format: ")},
+                            progress=_starts(r"Crafted \d+ ", r"Got \d+ "))
+# The maze has no refusal text: a move into a wall leaves the position the reply states unchanged.
 MAZE = templates({}, "move up", "move down", "move left", "move right")
 _WORDLE = re.compile(r"[a-z]( [a-z]){4}")
+# agentenv-lmrlgym answers a guess the game does not take with `invalid word`.
+WORDLE_REPLIES = Replies({"wordle.invalid_word": _starts(r"invalid word\s*$")})
 
 
 def _wordle_check(action: str, context: Context) -> Breach | None:
@@ -501,6 +571,12 @@ def break_tool_call(action: str, context: Context) -> dict[str, str]:
     return out
 
 
+# agentenv-tool: a turn it cannot parse gets `Format error, please response in the format of ...`, a
+# call that raises `ERROR | <exception>`. ToolBench's API replies carry a non-empty `error` field.
+AGENTGYM_TOOL_REPLIES = Replies({"tool.format_error": _starts(r"Format error, please response in the format"),
+                                 "tool.error": _starts(r"ERROR \| ")})
+TOOLBENCH_REPLIES = Replies({"tool.api_error": re.compile(r"""^\s*\{\s*["']error["']\s*:\s*["'](?!["'])""")})
+
 TOOL_RULES = {"tool.syntax": "a tool call: `name with Action Input: {...}`, ToolBench `Action:`/`Action Input:`, "
                              "or a JSON/dict call",
               "tool.unknown_tool": "the tool is one the prompt offers",
@@ -508,9 +584,10 @@ TOOL_RULES = {"tool.syntax": "a tool call: `name with Action Input: {...}`, Tool
               "tool.parameters": "every argument is a parameter the prompt lists for the tool (AgentGym lists them)"}
 
 
-def _tool_grammar(name: str, source: str, terminal: Callable[[str], bool], ends: str,
+def _tool_grammar(name: str, source: str, terminal: Callable[[str], bool], ends: str, replies: Replies,
                   tool_replies: bool = False) -> Grammar:
-    return Grammar(name, source, TOOL_RULES, check_tool_call, break_tool_call, terminal, ends, tool_replies)
+    return Grammar(name, source, TOOL_RULES, check_tool_call, break_tool_call, terminal, ends, tool_replies,
+                   replies)
 
 
 def _agentgym_finish(action: str) -> bool:
@@ -529,7 +606,8 @@ GRAMMARS: Registry[Grammar] = Registry("grammar", {g.name: g for g in [
                     "prompts use them; AgentGym's AVAILABLE ACTIONS list", ALFWORLD,
                     extra=_alfworld_available, extra_breaks=_alfworld_breaks,
                     extra_rules={"alfworld.available":
-                                 "when the observation lists AVAILABLE ACTIONS, the action is one of them"}),
+                                 "when the observation lists AVAILABLE ACTIONS, the action is one of them"},
+                    replies=ALFWORLD_REPLIES),
     command_grammar("webshop", "AgentBench/AgentGym WebShop prompt: `search[keywords]`, `click[value]`, the value "
                     "one of the page's clickables", WEBSHOP, extra=_webshop_clickable, extra_breaks=_webshop_breaks,
                     extra_rules={"webshop.click_target": "a clicked value is a `[SEP]` item of the page"}),
@@ -546,33 +624,38 @@ GRAMMARS: Registry[Grammar] = Registry("grammar", {g.name: g for g in [
              "kg.arguments": "the function's number of arguments (intersection: two variables)",
              "kg.variable": "a #id variable an earlier observation defined",
              "kg.final_answer": "`Final Answer: #<id>`"},
-            _kg_check, _kg_breaks, lambda a: a.strip().startswith("Final Answer:"), "with `Final Answer: #id`"),
+            _kg_check, _kg_breaks, lambda a: a.strip().startswith("Final Answer:"), "with `Final Answer: #id`",
+            replies=KG_REPLIES),
     Grammar("os", "AgentBench OS prompt: `bash` + a ```bash block, `answer(...)`, `finish` "
             "(pipeline/synth/envs/os_sandbox.parse_os_action)",
             {"os.command": "bash, answer(...) or finish",
              "os.bash_block": "`bash` is followed by a ```bash code block",
              "os.answer": "`answer(` is closed"},
-            _os_check, _os_breaks, _os_terminal, "with `answer(...)` or `finish`"),
+            _os_check, _os_breaks, _os_terminal, "with `answer(...)` or `finish`", replies=OS_REPLIES),
     Grammar("db", "AgentBench DBBench prompt: `Operation` + a ```sql block, or `Answer` + `Final Answer: [...]`",
             {"db.command": "Operation or Answer",
              "db.sql_block": "`Operation` is followed by a ```sql code block",
              "db.final_answer": "`Answer` is followed by `Final Answer:` and a list"},
-            _db_check, _db_breaks, _db_terminal, "with `Action: Answer` + `Final Answer: [...]`"),
+            _db_check, _db_breaks, _db_terminal, "with `Action: Answer` + `Final Answer: [...]`", replies=DB_REPLIES),
     Grammar("sqlgym", "AgentGym SQLGym: one ```sql block per turn", {"sqlgym.sql_block": "one ```sql code block"},
             _sqlgym_check, _sqlgym_breaks),
-    command_grammar("babyai", "agentenv-babyai's action space (environment.py postprocess_obs)", BABYAI),
+    command_grammar("babyai", "agentenv-babyai's action space (environment.py postprocess_obs)", BABYAI,
+                    replies=BABYAI_REPLIES),
     Grammar("sciworld", "the AgentGym SciWorld prompt's action list, plus the env's `drop` and numbered choices",
             command_grammar("sciworld", "", SCIWORLD).rules, _sciworld_check,
-            lambda action, context: break_commands("sciworld", SCIWORLD, action)),
-    command_grammar("textcraft", "agentenv-textcraft's action regexes (environment.py)", TEXTCRAFT),
+            lambda action, context: break_commands("sciworld", SCIWORLD, action), replies=SCIWORLD_REPLIES),
+    command_grammar("textcraft", "agentenv-textcraft's action regexes (environment.py)", TEXTCRAFT,
+                    replies=TEXTCRAFT_REPLIES),
     command_grammar("maze", "the AgentGym LMRL-Gym maze prompt: move up/down/left/right", MAZE),
     Grammar("wordle", "the AgentGym LMRL-Gym wordle prompt: a 5-letter guess as space-separated letters",
-            {"wordle.guess": "five lowercase letters separated by spaces"}, _wordle_check, _wordle_breaks),
-    *(_tool_grammar(env, _AGENTGYM_TOOLS_SOURCE, _agentgym_finish, "with `finish with Action Input: {...}`")
+            {"wordle.guess": "five lowercase letters separated by spaces"}, _wordle_check, _wordle_breaks,
+            replies=WORDLE_REPLIES),
+    *(_tool_grammar(env, _AGENTGYM_TOOLS_SOURCE, _agentgym_finish, "with `finish with Action Input: {...}`",
+                    AGENTGYM_TOOL_REPLIES)
       for env in ("movie", "todo", "weather", "academia", "sheet")),
     _tool_grammar("toolbench", "ToolBench / Agent-FLAN: the functions the prompt lists (and `Finish`), arguments "
                   "that parse; a single-call instruction row may end on its call", _toolbench_finish,
-                  "with `Finish` or a final reply in prose", tool_replies=True),
+                  "with `Finish` or a final reply in prose", TOOLBENCH_REPLIES, tool_replies=True),
 ]})
 
 

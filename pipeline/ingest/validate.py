@@ -2,16 +2,31 @@
 
 Every failure has a reason code (the first rule that fails), so the quarantine and the report
 can count them. `validate_record` returns None for a valid record; it never raises on data.
+
+Verdicts on actions are grounded in what the environment answered (`ground_steps`): each trained
+step that breaks its env's grammar, or that the env refused in its own words (grammars.Replies), is
+
+- refused: the env's reply is one of its refusals, or, for an action the grammar breaks, shows the
+  state unchanged (WebShop performs nothing and shows the same page);
+- grammar-only: the grammar breaks but the env answered normally: the env accepted the action, so
+  the record is kept and the step trained as it is; the count is how a grammar gets fixed;
+- unconfirmed: the grammar breaks and no observation follows (the final action): `invalid_action`.
+
+`ValidateConfig.invalid_steps` says what a refused step inside an episode does: `mask` (default)
+keeps it in context with `loss: false` and names it in meta `masked_steps`, so the model sees the
+error and the recovery but is never trained to send what the env refused; `drop` quarantines the
+record (`invalid_action`); `keep` trains on it as upstream does. An episode whose every trained
+step was refused is quarantined (`all_steps_refused`) whatever the option.
 """
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn
-from trajforge.pipeline.ingest.grammars import GRAMMARS, Breach, Context, grammar_for
+from trajforge.pipeline.ingest.grammars import GRAMMARS, Breach, Context, Replies, grammar_for
 from trajforge.pipeline.registry import Registry
 from trajforge.schemas import first_error
 
@@ -20,11 +35,20 @@ _MODEL_OBSERVATION = re.compile(
     r"^(?:Observation:|The output of the OS:|\[?Observation\]?\s*:)", re.M)
 
 
+INVALID_STEPS = ("mask", "drop", "keep")
+
+
 @dataclass(frozen=True)
 class ValidateConfig:
     max_total_chars: int = 1_000_000
     max_turns: int = 400
     min_trainable_turns: int = 1
+    # A refused step inside an episode: mask (context, loss false) | drop (quarantine) | keep (train).
+    invalid_steps: str = "mask"
+
+    def __post_init__(self):
+        if self.invalid_steps not in INVALID_STEPS:
+            raise ValueError(f"invalid_steps must be one of {', '.join(INVALID_STEPS)}, not {self.invalid_steps!r}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +80,11 @@ def _final_turn(record: dict, config: ValidateConfig) -> Violation | None:
     if record["conversations"][-1]["role"] != "assistant":
         return Violation("final_turn_not_assistant", "the trajectory ends on an observation")
     return None
+
+
+def masked_turns(record: dict) -> set[int]:
+    """The turns validation masked in a written record (meta `masked_steps`)."""
+    return {step["turn"] for step in json.loads(record["meta"]).get("masked_steps", [])}
 
 
 def _assistant_turns_parse(record: dict, config: ValidateConfig) -> Violation | None:
@@ -108,10 +137,23 @@ def _length(record: dict, config: ValidateConfig) -> Violation | None:
     return None
 
 
-# The same action this many times in a row, with the same observation in between, is a loop. Three
-# happen in an accepted upstream row (AgentInstruct db_314 re-runs an INSERT that returns []), so the
-# rule starts at four; db_326 sends the same failing INSERT five times and is caught.
+# The same action this many times in a row, each attempt before it met with a refusal, a no-op or
+# an unchanged state, is a loop. AgentInstruct db_314 re-runs an INSERT that returns [] three times
+# in an accepted row, so the rule starts at four; db_326 sends the same failing INSERT six times and
+# is caught.
 LOOP_REPEATS = 4
+
+REFUSED, GRAMMAR_ONLY, UNCONFIRMED = "refused", "grammar_only", "unconfirmed"
+VERDICTS = (REFUSED, GRAMMAR_ONLY, UNCONFIRMED)
+
+
+@dataclass(frozen=True)
+class Step:
+    """A trained assistant turn that breaks its env's grammar or that the env refused."""
+    turn: int
+    verdict: str   # one of VERDICTS
+    rule: str      # the grammar rule it breaks; else the env's refusal (`db.sql_error`), or the unparsed turn
+    detail: str
 
 
 def action_contexts(record: dict) -> Iterator[tuple[int, dict, Context]]:
@@ -124,6 +166,16 @@ def action_contexts(record: dict) -> Iterator[tuple[int, dict, Context]]:
         elif turn["action"] is not None:
             observation = turns[i - 1]["content"] if i and turns[i - 1]["role"] == "user" else ""
             yield i, turn, Context(seen, observation, turn["dialect"])
+
+
+def reply_to(turns: list[dict], i: int) -> str | None:
+    """The environment's answer to assistant turn `i`: the user turn after it, None at the end."""
+    return turns[i + 1]["content"] if i + 1 < len(turns) and turns[i + 1]["role"] == "user" else None
+
+
+def replies_of(env: str) -> Replies:
+    grammar = grammar_for(env)
+    return grammar.replies if grammar is not None else Replies()
 
 
 def grammar_breaches(record: dict) -> tuple[int, list[tuple[int, str, Breach]]]:
@@ -141,31 +193,68 @@ def grammar_breaches(record: dict) -> tuple[int, list[tuple[int, str, Breach]]]:
     return checked, breaches
 
 
+def ground_steps(record: dict, breaches: list[tuple[int, str, Breach]] | None = None) -> list[Step]:
+    """Every trained step that breaks the grammar or that the env refused, with its verdict (module
+    doc), in turn order. `breaches`: the record's `grammar_breaches`, when already known."""
+    turns = record["conversations"]
+    replies = replies_of(record["env"])
+    breached = {i: breach for i, _, breach in (grammar_breaches(record)[1] if breaches is None else breaches)}
+    steps = []
+    for i, turn in enumerate(turns):
+        if turn["role"] != "assistant" or not turn["loss"]:
+            continue
+        reply = reply_to(turns, i)
+        refusal = replies.refusal(reply) if reply is not None else None
+        breach = breached.get(i)
+        if turn["action"] is None:
+            # A turn in no dialect that the env answered with a refusal (AgentGym sends the whole turn).
+            if refusal is not None and turn["dialect"] == FREE_TEXT:
+                steps.append(Step(i, REFUSED, "unparsed_assistant_turn", f"the env answered {refusal}"))
+            continue
+        before = turns[i - 1]["content"] if i and turns[i - 1]["role"] == "user" else ""
+        if breach is None:
+            if refusal is not None:
+                steps.append(Step(i, REFUSED, refusal, f"{turn['action'][:120]!r}: the env answered {refusal}"))
+        elif reply is None:
+            steps.append(Step(i, UNCONFIRMED, breach.rule, breach.detail))
+        elif refusal is not None or reply == before:
+            steps.append(Step(i, REFUSED, breach.rule, f"{breach.detail}; the env answered "
+                                                      f"{refusal or 'with the state unchanged'}"))
+        else:
+            steps.append(Step(i, GRAMMAR_ONLY, breach.rule, f"{breach.detail}; the env answered normally"))
+    return steps
+
+
 def _action_grammar(record: dict, config: ValidateConfig) -> Violation | None:
-    """Every trained action follows its env's grammar (pipeline/ingest/grammars.py)."""
-    breaches = grammar_breaches(record)[1]
-    if not breaches:
-        return None
-    i, action, breach = breaches[0]
-    return Violation("invalid_action", f"turn {i}: {action[:120]!r} breaks {breach.rule}: {breach.detail}", breach.rule)
+    """No trained action breaks its env's grammar unconfirmed (the final one, which no observation
+    follows); under `invalid_steps: drop` none was refused either."""
+    for step in ground_steps(record):
+        if step.verdict == UNCONFIRMED or (step.verdict == REFUSED and config.invalid_steps == "drop"):
+            action = record["conversations"][step.turn]["action"] or ""
+            return Violation("invalid_action", f"turn {step.turn}: {action[:120]!r} breaks {step.rule} "
+                                               f"({step.verdict}): {step.detail}", step.rule)
+    return None
 
 
 def _action_loop(record: dict, config: ValidateConfig) -> Violation | None:
-    """The agent repeats an action although the environment answered the same each time."""
+    """The agent repeats an action although the env refused it, did nothing, or left the state as it
+    was each time; a repeat the env reports as progress (TextCraft `Crafted ...`) is no loop. A masked
+    step still counts as an attempt: the loop is in the episode either way."""
     turns = record["conversations"]
-    run, previous, seen = 0, None, None
+    replies = replies_of(record["env"])
+    masked = masked_turns(record)
+    run, previous, stuck = 0, None, False
     for i, turn in enumerate(turns):
         if turn["role"] != "assistant" or turn["action"] is None:
             continue
-        observation = turns[i - 1]["content"]
-        if turn["action"] == previous:
-            run = run + 1 if run >= 2 and observation == seen else 2
-            seen = observation
-        else:
-            run = 1
+        run = run + 1 if turn["action"] == previous and stuck else 1
+        if run >= LOOP_REPEATS and (turn["loss"] or i in masked):
+            return Violation("action_loop", f"turn {i}: the same action {run} times, the env refusing it, doing "
+                                            "nothing or leaving the state unchanged each time")
         previous = turn["action"]
-        if run >= LOOP_REPEATS and turn["loss"]:
-            return Violation("action_loop", f"turn {i}: the same action {run} times with the same observation")
+        reply = reply_to(turns, i)
+        before = turns[i - 1]["content"] if i and turns[i - 1]["role"] == "user" else ""
+        stuck = reply is not None and replies.stuck(reply, before)
     return None
 
 
@@ -236,28 +325,79 @@ RULES: Registry[Callable[[dict, ValidateConfig], Violation | None]] = Registry("
 })
 
 
-def validate_record(record: dict, config: ValidateConfig = ValidateConfig()) -> Violation | None:
-    """The first violated rule (in registration order) of a positive record, or None when it is valid."""
-    for rule in RULES.values():
-        violation = rule(record, config)
-        if violation is not None:
-            return violation
-    return None
+@dataclass(frozen=True)
+class Checked:
+    """A validated record: as it is written (refused steps masked under `invalid_steps: mask`), its
+    first violation, and what grounding found: trained actions checked and how many break the grammar,
+    the steps of `ground_steps`, and how many of them were masked."""
+    record: dict
+    violation: Violation | None
+    checked: int = 0
+    breached: int = 0
+    steps: list[Step] = field(default_factory=list)
+    masked: int = 0
 
 
-def tally_env(figures: dict[str, dict], record: dict, violation: Violation | None) -> None:
-    """Count one validated record into per-env figures (in place): records, trained actions
-    checked and valid by the env's grammar, and quarantined records by rule (the grammar rule for
-    `invalid_action`, the reason otherwise)."""
-    entry = figures.setdefault(record["env"], {"grammar": record["env"] in GRAMMARS, "records": 0,
-                                               "actions_checked": 0, "actions_valid": 0, "quarantined": {}})
-    checked, breaches = grammar_breaches(record)
-    entry["records"] += 1
-    entry["actions_checked"] += checked
-    entry["actions_valid"] += checked - len(breaches)
+def mask_steps(record: dict, steps: list[Step]) -> dict:
+    """`record` with each of `steps` kept as context (`loss: false`) and named in meta `masked_steps`."""
+    turns = [dict(t) for t in record["conversations"]]
+    for step in steps:
+        turns[step.turn]["loss"] = False
+    meta = json.loads(record["meta"])
+    meta["masked_steps"] = [{"turn": s.turn, "rule": s.rule} for s in steps]
+    return {**record, "conversations": turns, "meta": json.dumps(meta, sort_keys=True, ensure_ascii=False)}
+
+
+def check_record(record: dict, config: ValidateConfig = ValidateConfig()) -> Checked:
+    """Validate a positive record, grounding its steps in the env's answers (module doc)."""
+    violation = _schema(record, config)
     if violation is not None:
-        key = violation.rule or violation.reason
-        entry["quarantined"][key] = entry["quarantined"].get(key, 0) + 1
+        return Checked(record, violation)
+    checked, breaches = grammar_breaches(record)
+    steps = ground_steps(record, breaches)
+    refused = [s for s in steps if s.verdict == REFUSED]
+    trained = [i for i, t in enumerate(record["conversations"]) if t["role"] == "assistant" and t["loss"]]
+    if refused and len(refused) == len(trained):
+        return Checked(record, Violation("all_steps_refused", f"the env refused each of the {len(trained)} trained "
+                                                              f"steps: {', '.join(s.rule for s in refused)}"),
+                       checked, len(breaches), steps)
+    mask = refused if config.invalid_steps == "mask" else []
+    written = mask_steps(record, mask) if mask else record
+    return Checked(written, next(filter(None, (rule(written, config) for rule in RULES.values())), None),
+                   checked, len(breaches), steps, len(mask))
+
+
+def validate_record(record: dict, config: ValidateConfig = ValidateConfig()) -> Violation | None:
+    """The first violated rule (in registration order) of a positive record, or None when it is valid
+    (as `check_record` writes it)."""
+    return check_record(record, config).violation
+
+
+def _env_entry() -> dict:
+    return {"records": 0, "actions_checked": 0, "actions_valid": 0, "quarantined": {},
+            "records_masked": 0, "steps_masked": 0, **{verdict: {} for verdict in VERDICTS}}
+
+
+def _add(into: dict[str, int], key: str, n: int = 1) -> None:
+    into[key] = into.get(key, 0) + n
+
+
+def tally_env(figures: dict[str, dict], record: dict, checked: Checked) -> None:
+    """Count one validated record into per-env figures (in place): records, trained actions checked
+    and valid by the env's grammar, steps refused / grammar-only / unconfirmed by rule, records
+    written with masked steps and the steps masked, and quarantined records by rule (the grammar
+    rule for `invalid_action`, the reason otherwise)."""
+    entry = figures.setdefault(record["env"], {"grammar": record["env"] in GRAMMARS, **_env_entry()})
+    entry["records"] += 1
+    entry["actions_checked"] += checked.checked
+    entry["actions_valid"] += checked.checked - checked.breached
+    for step in checked.steps:
+        _add(entry[step.verdict], step.rule)
+    if checked.violation is not None:
+        _add(entry["quarantined"], checked.violation.rule or checked.violation.reason)
+    elif checked.masked:
+        entry["records_masked"] += 1
+        entry["steps_masked"] += checked.masked
 
 
 def merge_env_figures(parts: list[dict[str, dict]]) -> dict[str, dict]:
@@ -265,10 +405,10 @@ def merge_env_figures(parts: list[dict[str, dict]]) -> dict[str, dict]:
     total: dict[str, dict] = {}
     for part in parts:
         for env, entry in part.items():
-            into = total.setdefault(env, {"grammar": entry["grammar"], "records": 0, "actions_checked": 0,
-                                          "actions_valid": 0, "quarantined": {}})
-            for key in ("records", "actions_checked", "actions_valid"):
+            into = total.setdefault(env, {"grammar": entry["grammar"], **_env_entry()})
+            for key in ("records", "actions_checked", "actions_valid", "records_masked", "steps_masked"):
                 into[key] += entry[key]
-            for rule, n in entry["quarantined"].items():
-                into["quarantined"][rule] = into["quarantined"].get(rule, 0) + n
+            for key in ("quarantined", *VERDICTS):
+                for rule, n in entry[key].items():
+                    _add(into[key], rule, n)
     return dict(sorted(total.items()))

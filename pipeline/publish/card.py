@@ -23,7 +23,8 @@ from datasets.utils.metadata import MetadataConfigs
 from huggingface_hub import DatasetCardData
 
 from trajforge.pipeline.atomic import write_text
-from trajforge.pipeline.publish.report import VALIDATION_HEADER, validation_rows
+from trajforge.pipeline.publish.report import (GROUNDING_HEADER, GROUNDING_NOTE, VALIDATION_HEADER, grounding_rows,
+                                               validation_rows)
 from trajforge.pipeline.publish.shards import layout
 from trajforge.schemas import load_schema
 from trajforge.sources import REGISTRY
@@ -151,6 +152,13 @@ def _provenance_rows(provenance: list[dict], licenses: dict[str, list[str]]) -> 
     return rows
 
 
+def _grounding_lines(figures: dict | None) -> list[str]:
+    rows = grounding_rows(figures or {})
+    if not rows:
+        return []
+    return ["### Steps grounded in the environment's answers", "", GROUNDING_NOTE, ""] + _table(GROUNDING_HEADER, rows) + [""]
+
+
 def _dedup_lines(dup: dict | None) -> list[str]:
     if not dup:
         return []
@@ -204,6 +212,7 @@ def render_card(out: Path, report: dict, provenance: list[dict], build: str, cod
                   "Every trained action is checked against its environment's action grammar, and every "
                   "episode against its env's end rule (trajforge `pipeline/ingest/grammars.py`).", ""]
         lines += _table(VALIDATION_HEADER, validation_rows(report["validation_by_env"])) + [""]
+    lines += _grounding_lines(report.get("validation_by_env"))
     lines += _dedup_lines(report.get("duplicates")) + _negative_lines(report.get("negatives"))
     lines += ["## Schema", "", f"Record schema `trajectory` {load_schema('trajectory').get('version', '')} "
               "(JSON Schema in the trajforge repository, `schemas/trajectory.schema.json`).", ""]

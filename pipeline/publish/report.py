@@ -100,6 +100,27 @@ def validation_rows(figures: dict[str, dict]) -> list[list]:
     return rows
 
 
+GROUNDING_HEADER = ["env", "records kept with masked steps", "steps masked", "refused by rule",
+                    "grammar-only by rule", "unconfirmed by rule"]
+GROUNDING_NOTE = ("Each trained step checked against what the environment answered (pipeline/ingest/validate.py): "
+                  "refused (the env said so; masked, loss false, when the episode goes on), grammar-only (our "
+                  "grammar breaks, the env answered normally: kept and trained), unconfirmed (the grammar breaks "
+                  "and no observation follows: quarantined as invalid_action). A refused step is counted under "
+                  "the grammar rule it breaks, or else under the env's refusal reply.")
+
+
+def _by_rule(counts: dict[str, int]) -> str:
+    return ", ".join(f"{rule} {n}" for rule, n in sorted(counts.items())) or "-"
+
+
+def grounding_rows(figures: dict[str, dict]) -> list[list]:
+    """One row per env of `report["validation_by_env"]` that had a step refused, grammar-only or
+    unconfirmed: for the html report and the card."""
+    return [[env, e["records_masked"], e["steps_masked"], _by_rule(e["refused"]), _by_rule(e["grammar_only"]),
+             _by_rule(e["unconfirmed"])]
+            for env, e in sorted(figures.items()) if e["refused"] or e["grammar_only"] or e["unconfirmed"]]
+
+
 # --- plots ----------------------------------------------------------------------------------
 
 def _save(fig, out: Path, name: str) -> str:
@@ -252,6 +273,8 @@ def write_html(out: Path, report: dict, duplicates: list[dict], turns: list[int]
         "<h2>Validation per environment</h2><p>Every trained action checked against its env's grammar "
         "(pipeline/ingest/grammars.py); records quarantined per env by grammar rule or reason.</p>",
         _table(VALIDATION_HEADER, validation_rows(report.get("validation_by_env", {}))),
+        f"<h3>Steps grounded in the environment's answers</h3><p>{html.escape(GROUNDING_NOTE)}</p>",
+        _table(GROUNDING_HEADER, grounding_rows(report.get("validation_by_env", {}))),
     ]
     for title, src in plots.items():
         parts.append(f"<h2>{html.escape(title)}</h2><img src='{html.escape(src)}' alt='{html.escape(title)}'>")

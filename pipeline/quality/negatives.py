@@ -26,7 +26,7 @@ from typing import Callable
 
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn, render_turn
 from trajforge.pipeline.ingest.grammars import action_name, break_action, grammar_for
-from trajforge.pipeline.ingest.validate import LOOP_REPEATS, action_contexts, grammar_breaches
+from trajforge.pipeline.ingest.validate import LOOP_REPEATS, action_contexts, grammar_breaches, replies_of, reply_to
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.registry import Registry
 
@@ -240,7 +240,12 @@ def _final_answer(record: dict) -> tuple[int, dict] | None:
 
 
 def _breaks_grammar(record: dict, conversations: list[dict]) -> bool:
-    return bool(grammar_breaches({**record, "conversations": conversations})[1])
+    """Whether `conversations` break the env's grammar where the parent does not: a parent's step
+    that breaks our grammar but that the env accepted (grammar-only) is kept and trained, and is no
+    fault of the negative."""
+    parent = {(i, action) for i, action, _ in grammar_breaches(record)[1]}
+    return any((i, action) not in parent
+               for i, action, _ in grammar_breaches({**record, "conversations": conversations})[1])
 
 
 def make_wrong_answer(record: dict, pool: EnvPools, seed: int) -> dict | None:
@@ -286,12 +291,16 @@ def make_broken_format(record: dict, pool: EnvPools, seed: int) -> dict | None:
 
 
 def make_action_loop(record: dict, pool: EnvPools, seed: int) -> dict | None:
-    """The agent repeats an action although the environment keeps giving the same reply."""
+    """The agent repeats an action although the environment keeps giving the same reply: after the
+    first answer, the state stays as it was LOOP_REPEATS - 1 times, and the agent sends it again. A
+    reply the env words as progress (TextCraft `Got ...`) would make the repeats no loop."""
     turns = record["conversations"]
+    progress = replies_of(record["env"]).progress
     for i in _action_turns(record):
-        if i + 1 < len(turns) and turns[i + 1]["role"] == "user":
+        reply = reply_to(turns, i)
+        if reply is not None and (progress is None or not progress.search(reply)):
             repeat = {**turns[i], "loss": True}
-            loop = [repeat, turns[i + 1]] * (LOOP_REPEATS - 2) + [repeat]
+            loop = [repeat, turns[i + 1]] * (LOOP_REPEATS - 1) + [repeat]
             return _negative(record, "action_loop", turns[:i + 2] + loop)
     return None
 

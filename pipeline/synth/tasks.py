@@ -21,7 +21,6 @@ environments call them, and so can anyone who holds an answer but no environment
 """
 from __future__ import annotations
 
-import ast
 import functools
 import hashlib
 import json
@@ -31,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from trajforge.pipeline.ingest.dialects import parse_answer_list
 from trajforge.pipeline.registry import Registry, UnknownName
 from trajforge.pipeline.synth.envs import LOCAL_AGENTGYM
 
@@ -259,11 +259,8 @@ def _unpack(values: Iterable[Any]) -> list[Any]:
     out: list[Any] = []
     for v in values:
         if isinstance(v, str) and v.strip().startswith("[") and v.strip().endswith("]"):
-            try:
-                parsed = ast.literal_eval(v.strip())
-            except (ValueError, SyntaxError, MemoryError, RecursionError):
-                parsed = None
-            if isinstance(parsed, list):
+            parsed = parse_answer_list(v)
+            if parsed is not None:
                 out.extend(_unpack(parsed))
                 continue
         if isinstance(v, (list, tuple)):

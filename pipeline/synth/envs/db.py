@@ -15,11 +15,11 @@ Actions (DBBench dialect, the action part of the turn or the whole turn):
 """
 from __future__ import annotations
 
-import ast
 import re
 import sqlite3
 from typing import Any
 
+from trajforge.pipeline.ingest.dialects import parse_answer_list, parse_literal
 from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
 from trajforge.pipeline.synth.tasks import Task, coerce_task, db_answers_match, table_hash, task_prompt
 
@@ -74,11 +74,11 @@ def run_sql(conn: sqlite3.Connection, sql: str) -> str:
 def parse_answer(text: str) -> list[Any]:
     """`Final Answer: [...]` as a list; a bare value becomes a one-element list."""
     raw = text.strip()
-    try:
-        value = ast.literal_eval(raw)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
-        return [raw]
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+    listed = parse_answer_list(raw)
+    if listed is not None:
+        return listed
+    value = parse_literal(raw, (str, int, float, bool))
+    return [raw if value is None else value]
 
 
 class DbEnv(ClosingEnvironment):
