@@ -60,6 +60,7 @@ from trajforge.pipeline.synth.config import AgentConfig, SearchConfig, SynthConf
 from trajforge.pipeline.synth.envs import env_class, make_env
 from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
 from trajforge.pipeline.synth.job import _failure_row, episode_key, job_backend, job_tasks, write_outputs
+from trajforge.pipeline.synth.reasoning import split_reasoning
 from trajforge.pipeline.synth.llm import ChatBackend, ChatResult, JsonStore, LLMError, ServerUnreachable, sampling_params
 from trajforge.schemas import arrow_schema
 from trajforge.sources.synthetic import Synthetic
@@ -181,8 +182,11 @@ class JudgeValueModel:
                                  for t in turns if t["role"] != "system")
         result = await backend.chat([{"role": "system", "content": JUDGE_PROMPT},
                                      {"role": "user", "content": transcript}], sample=sample)
-        found = _RATING.search(result.choices[0].content or "")
-        return None if found is None else int(found.group(1)) / 10
+        choice = result.choices[0]
+        split = split_reasoning(choice.content, choice.reasoning_content)
+        # A reasoning model may leave the number at the end of its reasoning, with no answer after it.
+        ratings = _RATING.findall(split.content.strip() or split.reasoning or "")
+        return int(ratings[-1]) / 10 if ratings else None
 
 
 VALUE_MODELS: dict[str, Callable[[], ValueModel]] = {"judge": JudgeValueModel}
@@ -385,9 +389,11 @@ class TaskSearch:
             await getattr(self, self.search.strategy)(root)
         except Stop as stop:
             outcome, detail, transient = stop.reason, stop.detail, stop.transient
-        solved = any(n.success for n in self.nodes)
-        return {"task_id": self.task.id, "outcome": "solved" if solved else outcome, "detail": detail,
-                "transient": transient and not solved, "calls": self.backend.calls, "tokens": self.backend.tokens,
+        if not transient and any(n.success for n in self.nodes):
+            outcome = "solved"
+        # A search cut short by a transient error is run again (not journaled), even with a success in it.
+        return {"task_id": self.task.id, "outcome": outcome, "detail": detail,
+                "transient": transient, "calls": self.backend.calls, "tokens": self.backend.tokens,
                 "usage": dict(self.backend.usage),
                 "nodes": [asdict(n) for n in self.nodes], "records": {str(k): v for k, v in self.records.items()}}
 
