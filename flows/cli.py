@@ -221,7 +221,7 @@ def _sampling_arg(value: str) -> tuple[str, object]:
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
-    from trajforge.pipeline.synth.config import AgentConfig, SynthConfig
+    from trajforge.pipeline.synth.config import SEARCH_STRATEGIES, VALUE_MODELS, AgentConfig, SearchConfig, SynthConfig
     from trajforge.pipeline.synth.llm import LLMConfig
 
     # Options default to SUPPRESS: given, they override the --config file; the defaults shown are
@@ -266,6 +266,17 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-connection-failures", type=int, metavar="N",
                    help=f"stop the job after N requests in a row could not connect (0: never) "
                         f"(default: {LLMConfig.max_connection_failures})")
+    p.add_argument("--search", choices=SEARCH_STRATEGIES,
+                   help="grow a search tree per task instead of --n independent episodes; also writes the tree, step "
+                        "values and step pairs under OUT/search/ (default: no search)")
+    p.add_argument("--branch", type=int, metavar="K",
+                   help=f"candidate next steps proposed at a state (beam: its width) (default: {SearchConfig.branch})")
+    p.add_argument("--max-calls", type=int, metavar="N",
+                   help=f"LLM calls per task in a search (default: {SearchConfig.max_calls})")
+    p.add_argument("--max-task-tokens", type=int, metavar="N",
+                   help="completion tokens per task in a search (default: no limit)")
+    p.add_argument("--value-model", choices=VALUE_MODELS,
+                   help="score non-terminal states: judge asks the model itself (default: none)")
     p.set_defaults(func=_run_synth)
 
 

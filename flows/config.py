@@ -143,6 +143,8 @@ SYNTH_PARAMETERS = {
     "timeout_s": "llm.timeout_s", "max_retries": "llm.max_retries",
     "max_connection_failures": "llm.max_connection_failures",
     "max_turns": "agent.max_turns", "max_tokens": "agent.max_tokens", "seed": "agent.seed", "license": "agent.license",
+    "search": "search.strategy", "branch": "search.branch", "max_calls": "search.max_calls",
+    "max_task_tokens": "search.max_tokens", "value_model": "search.value_model",
 }
 # Set by the run, never by a file: the key is read from the environment, the gate is Prefect's.
 NOT_IN_FILES = {"llm.api_key": "name the environment variable that holds it with api_key_env",

@@ -49,13 +49,17 @@ def synthesize(tasks: str | None = None, env: str | None = None, model: str | No
                backend: str | None = None, api_key_env: str | None = None, license: str | None = None,
                env_kw: dict[str, Any] | None = None, timeout_s: float | None = None, max_retries: int | None = None,
                max_connection_failures: int | None = None, api_limit: str | None = None,
-               api_rate_limit: str | None = None, api_limit_strict: bool = False,
-               config: dict[str, Any] | None = None) -> dict | State:
+               api_rate_limit: str | None = None, api_limit_strict: bool = False, search: str | None = None,
+               branch: int | None = None, max_calls: int | None = None, max_task_tokens: int | None = None,
+               value_model: str | None = None, config: dict[str, Any] | None = None) -> dict | State:
     """Synthesize trajectories for the tasks of one env; writes OUT/data/synthetic/<env>.parquet and OUT/failures.parquet.
 
     `config` is a synth config (the shape of `pipeline.synth.config.SynthConfig`, as in
     configs/synth.yaml); the other parameters override it where given, and what neither sets keeps
     the dataclasses' default. tasks, env, model and out are required in one or the other.
+
+    `search` grows a tree per task instead of N independent episodes (pipeline/synth/search.py), with
+    `branch` proposals per state and `max_calls` / `max_task_tokens` per task.
 
     `api_limit` / `api_rate_limit` name Prefect global concurrency / rate limits held around every
     request to the model API, shared with every other run that names them (flows/limits.py);
@@ -66,7 +70,8 @@ def synthesize(tasks: str | None = None, env: str | None = None, model: str | No
                         concurrency=concurrency, episode_concurrency=episode_concurrency, max_turns=max_turns,
                         max_tokens=max_tokens, seed=seed, sampling=sampling, backend=backend, license=license,
                         env_kw=env_kw, timeout_s=timeout_s, max_retries=max_retries,
-                        max_connection_failures=max_connection_failures))
+                        max_connection_failures=max_connection_failures, search=search, branch=branch,
+                        max_calls=max_calls, max_task_tokens=max_task_tokens, value_model=value_model))
     job = synth_config(merge(config or {}, given), "synth config")
     job.llm.request_gate = model_api_limit(api_limit, api_rate_limit, strict=api_limit_strict)
     env, out = job.env, job.out

@@ -113,18 +113,47 @@ def _write_failures(rows: list[dict], path: Path) -> None:
     write_parquet(rows, FAILURE_SCHEMA, path)
 
 
-async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], None] | None = None) -> dict:
-    """The job; `progress(done, total)` is called as episodes finish (resumed ones included)."""
-    from trajforge.pipeline.synth.envs import make_env
+def job_tasks(config: SynthConfig) -> list[Any]:
+    """The tasks of the job's env in its task file."""
     from trajforge.pipeline.synth.tasks import load_tasks
 
-    out = Path(config.out)
-    state = out / ".synth"
     tasks = [t for t in load_tasks(config.tasks) if t.env == config.env]
     if not tasks:
         raise ValueError(f"{config.tasks}: no task for env {config.env!r}")
-    llm = LLMConfig(**{**asdict(config.llm), "cache_path": str(state / "requests.sqlite")})
-    backend = make_backend(config.backend, llm)
+    return tasks
+
+
+def job_backend(config: SynthConfig) -> Any:
+    """The job's model backend, its request cache in the output folder."""
+    llm = LLMConfig(**{**asdict(config.llm), "cache_path": str(Path(config.out) / ".synth" / "requests.sqlite")})
+    return make_backend(config.backend, llm)
+
+
+def write_outputs(out: Path, env: str, records: list[dict], failures: list[dict], report: dict) -> None:
+    """The env's records, its failures merged into every env's failures.parquet, its report merged into report.json."""
+    state = out / ".synth"
+    write_parquet(records, arrow_schema("trajectory"), out / "data" / "synthetic" / f"{env}.parquet")
+    # failures.parquet holds every env run into this folder: one part per env, merged.
+    _write_failures(failures, state / f"failures-{env}.parquet")
+    merged = [row for part in sorted(state.glob("failures-*.parquet")) for row in pq.read_table(part).to_pylist()]
+    _write_failures(merged, out / "failures.parquet")
+    reports = state / "reports"
+    write_json(reports / f"{env}.json", report)
+    write_json(out / "report.json", {p.stem: json.loads(p.read_text()) for p in sorted(reports.glob("*.json"))})
+
+
+async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], None] | None = None) -> dict:
+    """The job; `progress(done, total)` is called as episodes finish (resumed ones included)."""
+    from trajforge.pipeline.synth.envs import make_env
+
+    if config.search.strategy is not None:
+        from trajforge.pipeline.synth.search import search_async
+
+        return await search_async(config, progress)
+    out = Path(config.out)
+    state = out / ".synth"
+    tasks = job_tasks(config)
+    backend = job_backend(config)
     journal = EpisodeJournal(state / "episodes.sqlite")
     gate = asyncio.Semaphore(config.episode_concurrency)
     counts: Counter[str] = Counter()
@@ -184,11 +213,6 @@ async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], N
         unselected += [_failure_row(e, backend.model) | {"reason": "not_selected"} for e in rest]
     failures = [_failure_row(e, backend.model) for e in episodes if e.status == "failure"]
 
-    write_parquet(records, arrow_schema("trajectory"), out / "data" / "synthetic" / f"{config.env}.parquet")
-    # failures.parquet holds every env run into this folder: one part per env, merged.
-    _write_failures(failures, state / f"failures-{config.env}.parquet")
-    merged = [row for part in sorted(state.glob("failures-*.parquet")) for row in pq.read_table(part).to_pylist()]
-    _write_failures(merged, out / "failures.parquet")
     if config.keep == "best":
         _write_failures(unselected, out / "unselected.parquet")
 
@@ -208,9 +232,7 @@ async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], N
                     "ignore the sampling parameters %s, so best-of-%d gains nothing (transformers serve samples "
                     "only when the model's generation config sets do_sample)", config.env, identical, len(by_task),
                     backend.params, config.n)
-    reports = out / ".synth" / "reports"
-    write_json(reports / f"{config.env}.json", report)
-    write_json(out / "report.json", {p.stem: json.loads(p.read_text()) for p in sorted(reports.glob("*.json"))})
+    write_outputs(out, config.env, records, failures, report)
     log.info("synth %s: %d tasks x %d: %d records, %d failures %s; %d calls answered of %d attempts, %d cache hits",
              config.env, len(tasks), config.n, len(records), len(failures), report["failure_reasons"], stats.calls,
              stats.attempts, stats.cache_hits)

@@ -19,6 +19,7 @@ language on the same engine, so that AgentTraj-L's BabyAI tasks run here without
 """
 from __future__ import annotations
 
+import copy
 from collections import deque
 from typing import Any
 
@@ -309,6 +310,14 @@ class BabyAIEnv(ClosingEnvironment):
         if self._done:
             info.update(score=1.0, success=True)
         return StepResult(text, reward=float(reward), done=self._done, info=info)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The episode's state (the level (minigrid engine, random generator included) and the view), for `restore`: tree search branches from it."""
+        return copy.deepcopy(vars(self))
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Go back to a `snapshot`; the snapshot stays usable (restoring copies it)."""
+        vars(self).update(copy.deepcopy(state))
 
     def close(self) -> None:
         if self._env is not None:

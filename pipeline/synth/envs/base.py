@@ -1,7 +1,8 @@
 """The environment protocol every synthesis environment implements.
 
 reset(task) -> first observation; step(action) -> StepResult; close() frees everything
-(processes, mounts, files, connections) and is safe to call twice.
+(processes, mounts, files, connections) and is safe to call twice. Optionally, snapshot() -> state and
+restore(state) let tree search (`pipeline.synth.search`) branch from a state without replaying it.
 """
 from __future__ import annotations
 

@@ -138,6 +138,20 @@ class DbEnv(ClosingEnvironment):
                 ref_conn.close()
         return float(current_table_hash(self._conn, table) == expected)
 
+    def snapshot(self) -> tuple[bytes, Task | None, bool]:
+        """The episode's state (a copy of the database), for `restore`: tree search branches from it."""
+        if self._conn is None:
+            raise RuntimeError("snapshot() before reset()")
+        return self._conn.serialize(), self._task, self._done
+
+    def restore(self, state: tuple[bytes, Task | None, bool]) -> None:
+        """Go back to a `snapshot`; the snapshot stays usable (restoring copies it)."""
+        data, task, done = state
+        self.close()
+        self._conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        self._conn.deserialize(data)
+        self._task, self._done = task, done
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()

@@ -29,6 +29,7 @@ also refuses to `get` a generic name that it has as a tag; here a named ingredie
 """
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -201,6 +202,14 @@ class TextCraftEnv(ClosingEnvironment):
                 return False
             left.remove(match)
         return not left
+
+    def snapshot(self) -> dict[str, Any]:
+        """The episode's state (the recipes, the goal and the inventory), for `restore`: tree search branches from it."""
+        return copy.deepcopy(vars(self))
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Go back to a `snapshot`; the snapshot stays usable (restoring copies it)."""
+        vars(self).update(copy.deepcopy(state))
 
     def close(self) -> None:
         self._started = False
