@@ -73,10 +73,45 @@ class DedupConfig:
         SIGNATURE_BACKENDS.check([self.backend])
 
 
+def _folded(text: str) -> str:
+    """The text whose tokens `fold` takes. Of `clean_text` only the escape codes matter here:
+    the rest of it changes whitespace, which no token holds, so it runs only on text with an
+    escape code (ESC or BEL) in it."""
+    if "\x1b" in text or "\x07" in text:
+        text = clean_text(text)
+    return _LITERAL_ESCAPE.sub(" ", text).lower()
+
+
 def fold(text: str) -> list[str]:
     """Tokens of a text with everything that differs between mirrors folded away."""
-    text = _LITERAL_ESCAPE.sub(" ", clean_text(text)).lower()
-    return _TOKEN.findall(text)
+    return _TOKEN.findall(_folded(text))
+
+
+def dedup_words(record: dict) -> tuple[list[str], list[str]]:
+    """(tokens, words) of a record: its `dedup_tokens`, and their word tokens (what shingles are
+    made of), from one pass over its text."""
+    tokens: list[str] = []
+    words: list[str] = []
+
+    def add(text: str) -> None:
+        folded = _folded(text)
+        tokens.extend(_TOKEN.findall(folded))
+        # A token is a run of word characters or one other character: the word runs of the text
+        # are its word tokens, in order.
+        words.extend(_WORD.findall(folded))
+
+    add(record["task"])
+    turns = record["conversations"]
+    start = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), len(turns))
+    for turn in turns[start:]:
+        tokens.append("\x1e")  # a turn boundary, so "a b" + "c" differs from "a" + "b c"
+        if turn["role"] == "assistant":
+            add(turn["thought"] or "")
+            tokens.append("\x1d")
+            add(turn["action"] or "")
+        else:
+            add(turn["content"])
+    return tokens, words
 
 
 def dedup_tokens(record: dict) -> list[str]:
@@ -87,31 +122,39 @@ def dedup_tokens(record: dict) -> list[str]:
     Thoughts count: two rows with the same prompt and the same single action but a different
     reasoning (AgentTraj-L's repeated `lmrlgym_maze_18`) are two training examples, not one.
     """
-    tokens = fold(record["task"])
-    turns = record["conversations"]
-    start = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), len(turns))
-    for turn in turns[start:]:
-        tokens.append("\x1e")  # a turn boundary, so "a b" + "c" differs from "a" + "b c"
-        if turn["role"] == "assistant":
-            tokens.extend(fold(turn["thought"] or ""))
-            tokens.append("\x1d")
-            tokens.extend(fold(turn["action"] or ""))
-        else:
-            tokens.extend(fold(turn["content"]))
-    return tokens
+    return dedup_words(record)[0]
 
 
-def exact_key(record: dict) -> str:
+def exact_key(record: dict, tokens: list[str] | None = None) -> str:
+    """The exact-dedup hash of a record (`tokens`: its `dedup_tokens`, when the caller has them)."""
     group = f"{record['kind']}:{record['negative_type'] or ''}"
-    return hashlib.sha1(("\x1f".join([group, *dedup_tokens(record)])).encode()).hexdigest()
+    tokens = dedup_tokens(record) if tokens is None else tokens
+    return hashlib.sha1(("\x1f".join([group, *tokens])).encode()).hexdigest()
 
 
 def shingles(tokens: Sequence[str], size: int) -> set[str]:
-    """Word shingles; a text shorter than one shingle is a single shingle of all its words."""
-    words = [t for t in tokens if _WORD.fullmatch(t)]
+    """Word shingles of tokens; a text shorter than one shingle is a single shingle of all its words."""
+    return word_shingles([t for t in tokens if _WORD.fullmatch(t)], size)
+
+
+def word_shingles(words: Sequence[str], size: int) -> set[str]:
     if len(words) <= size:
         return {" ".join(words)}
     return {" ".join(words[i:i + size]) for i in range(len(words) - size + 1)}
+
+
+class ShingleSets(Sequence):
+    """The `word_shingles` of many word lists, each set made only when it is read: the numpy
+    backend reads the hashes (`word_shingle_hashes`) instead."""
+
+    def __init__(self, docs: Sequence[Sequence[str]], size: int):
+        self.docs, self.size = docs, size
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i):
+        return word_shingles(self.docs[i], self.size)
 
 
 def jaccard(a: set, b: set) -> float:
@@ -134,34 +177,53 @@ def shingle_hashes(sets: Sequence[set[str]], seed: int) -> tuple[np.ndarray, np.
     return sizes, flat.hash(seed=seed).to_numpy()
 
 
+def word_shingle_hashes(docs: Sequence[Sequence[str]], size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """`shingle_hashes` of the `word_shingles` of word lists, the shingles made and hashed by
+    polars at once. A shingle that repeats in a document is hashed each time: MinHash and the
+    sketches keep minima, which a repeat does not change (`np.unique` of a document's hashes is
+    its set's)."""
+    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+    words = pl.Series([w for d in docs for w in d], dtype=pl.String)
+    long = lengths > size
+    # Shingle k of a long document starts at its k-th word; a short one is all its words joined.
+    windows = pl.select(pl.concat_str([words.shift(-k) for k in range(size)], separator=" ")).to_series()
+    short = pl.Series([" ".join(d) for d, is_long in zip(docs, long.tolist()) if not is_long], dtype=pl.String)
+    hashed = pl.concat([windows, short]).hash(seed=seed).to_numpy()
+    sizes = np.where(long, lengths - size + 1, 1)
+    first = np.where(long, np.cumsum(lengths) - lengths, len(words) + np.cumsum(~long) - 1)
+    within = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    return sizes, hashed[np.repeat(first, sizes) + within]
+
+
 def _numpy_signatures(sets: Sequence[set[str]], num_perm: int, seed: int,
                       hashes: tuple[np.ndarray, np.ndarray] | None = None, chunk_shingles: int = 1 << 13) -> np.ndarray:
     """MinHash of many sets at once: one vectorized 64-bit hash of every shingle (polars), then
     `num_perm` affine permutations of its 32 high bits, (a*x + b) mod 2^32 with odd `a` (a
     bijection, the scheme datasketch calls affine32), and a per-set minimum (numpy).
 
-    The work runs in chunks of whole sets through one reused buffer of about 4 MB: small enough to
-    stay in cache, which matters more than the number of numpy calls.
+    The work runs in chunks of whole sets through one reused buffer of about 4 MB, a row per
+    permutation: each minimum then reads contiguous memory, several times faster than a row per
+    shingle.
     """
     sizes, hashed = hashes or shingle_hashes(sets, seed)
     hashed = (hashed >> np.uint64(32)).astype(np.uint32)
     gen = np.random.RandomState(seed)
     a = (gen.randint(0, 1 << 31, size=num_perm, dtype=np.uint64) * 2 + 1).astype(np.uint32)
     b = gen.randint(0, 1 << 32, size=num_perm, dtype=np.uint64).astype(np.uint32)
-    out = np.empty((len(sets), num_perm), dtype=np.uint32)
+    out = np.empty((num_perm, len(sets)), dtype=np.uint32)
     starts = np.concatenate([[0], np.cumsum(sizes)])
-    buf = np.empty((max(chunk_shingles, int(sizes.max())), num_perm), dtype=np.uint32)
+    buf = np.empty((num_perm, max(chunk_shingles, int(sizes.max()))), dtype=np.uint32)
     doc = 0
     while doc < len(sets):
         # Whole sets per chunk, so each minimum is taken within one chunk.
         end = max(doc + 1, int(np.searchsorted(starts, starts[doc] + chunk_shingles, side="right")) - 1)
         lo, hi = starts[doc], starts[end]
-        view = buf[:hi - lo]
-        np.multiply(hashed[lo:hi, None], a[None, :], out=view)
-        view += b
-        out[doc:end] = np.minimum.reduceat(view, starts[doc:end] - lo, axis=0)
+        view = buf[:, :hi - lo]
+        np.multiply(a[:, None], hashed[None, lo:hi], out=view)
+        view += b[:, None]
+        out[:, doc:end] = np.minimum.reduceat(view, starts[doc:end] - lo, axis=1)
         doc = end
-    return out
+    return np.ascontiguousarray(out.T)
 
 
 SIGNATURE_BACKENDS = Registry("MinHash backend", {"numpy": _numpy_signatures, "datasketch": _datasketch_signatures})

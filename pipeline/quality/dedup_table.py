@@ -38,8 +38,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import polars as pl
 
-from trajforge.pipeline.quality.dedup import (DedupConfig, dedup_tokens, exact_key, shingle_hashes,
-                                              shingles, signatures)
+from trajforge.pipeline.quality.dedup import (DedupConfig, ShingleSets, dedup_words, exact_key, signatures,
+                                              word_shingle_hashes)
 from trajforge.pipeline.stages import in_order
 from trajforge.sources import keep_rank
 
@@ -109,13 +109,13 @@ def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig =
     """The key table rows of `records`, whose build order starts at `start_order`."""
     bands, rows = band_params(config)
     n = len(records)
-    sets = [shingles(dedup_tokens(r), config.shingle_size) for r in records]
-    hashes = shingle_hashes(sets, config.seed)
-    keys = band_keys(signatures(sets, config, hashes), bands, rows)
+    tokens, words = zip(*map(dedup_words, records)) if records else ((), ())
+    hashes = word_shingle_hashes(words, config.shingle_size, config.seed)
+    keys = band_keys(signatures(ShingleSets(words, config.shingle_size), config, hashes), bands, rows)
     columns = {
         "order": pl.Series(range(start_order, start_order + n), dtype=pl.Int64),
         "group": pl.Series([f"{r['kind']}:{r['negative_type'] or ''}" for r in records], dtype=pl.String),
-        "exact": pl.Series([exact_key(r) for r in records], dtype=pl.String),
+        "exact": pl.Series([exact_key(r, t) for r, t in zip(records, tokens)], dtype=pl.String),
         # The keep preference of dedup.keep_rank, as columns (smaller is kept).
         "not_upstream": pl.Series([r["loss_flags"] != "upstream" for r in records], dtype=pl.Boolean),
         "source_rank": pl.Series([int(keep_rank(r["source"])) for r in records], dtype=pl.Int8),
@@ -287,7 +287,7 @@ def verify_chunks(pairs: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
 def shingle_set_hashes(record: dict, shingle_size: int) -> np.ndarray:
     """A record's shingle set as its sorted 64-bit hashes: a tenth of the memory of the strings,
     and the same Jaccard unless two of its shingles collide (~n^2 / 2^64)."""
-    return np.unique(pl.Series(list(shingles(dedup_tokens(record), shingle_size)), dtype=pl.String).hash().to_numpy())
+    return np.unique(word_shingle_hashes([dedup_words(record)[1]], shingle_size, seed=0)[1])
 
 
 def hashed_jaccard(a: np.ndarray, b: np.ndarray) -> float:
