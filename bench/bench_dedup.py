@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trajforge.pipeline.build import BuildConfig, process_unit  # noqa: E402
-from trajforge.pipeline.quality.dedup import (DedupConfig, dedup_tokens, jaccard, near_duplicates,  # noqa: E402
+from trajforge.pipeline.quality.dedup import (DedupConfig, dedup_texts, jaccard, near_duplicates,  # noqa: E402
                                               shingle_hashes, shingles, signatures)
 from trajforge.pipeline.quality.dedup_table import (band_keys, band_params, resolve, screen_band,  # noqa: E402
                                                     sketches, write_near_table)
@@ -46,8 +46,7 @@ def real_texts(raw: Path, staging: Path) -> list[list[str]]:
     for name in SOURCES:
         for f in get_source(name).files(str(raw / name)):
             unit = process_unit(name, f, staging, BuildConfig())
-            for record in pq.read_table(unit.records_path).to_pylist():
-                words.append([t for t in dedup_tokens(record) if t.isalnum()])
+            words += [text.words.split() for text in dedup_texts(pq.read_table(unit.records_path).to_pylist())]
     return [w for w in words if len(w) >= 60]
 
 

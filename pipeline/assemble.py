@@ -136,10 +136,11 @@ def key_table(units, config) -> pl.DataFrame:
 
 
 def read_rows(paths: Sequence[str], wanted: dict[int, list[int]], columns: list[str] | None = None,
-              convert: Callable[[dict], object] = lambda record: record) -> dict[tuple[int, int], object]:
-    """`convert` of the staged records at {unit: [rows]} of the units' record files `paths`, by
-    (unit, row); reads only the row groups that hold them, one at a time (a record is converted
-    before the next group is read, so only what `convert` keeps stays in memory)."""
+              convert: Callable[[list[dict]], list] = lambda records: records) -> dict[tuple[int, int], object]:
+    """What `convert` makes of the staged records at {unit: [rows]} of the units' record files
+    `paths` (one result per record), by (unit, row); reads only the row groups that hold them, one
+    at a time (a group's records are converted together before the next group is read, so only
+    what `convert` keeps stays in memory)."""
     out = {}
     for u, rows in wanted.items():
         staged = pq.ParquetFile(paths[u])
@@ -150,7 +151,7 @@ def read_rows(paths: Sequence[str], wanted: dict[int, list[int]], columns: list[
         for g in np.unique(groups).tolist():
             inside = rows[groups == g]
             taken = staged.read_row_group(g, columns=columns).take(pa.array(inside - starts[g]))
-            out.update({(u, int(r)): convert(rec) for r, rec in zip(inside.tolist(), taken.to_pylist())})
+            out.update({(u, int(r)): value for r, value in zip(inside.tolist(), convert(taken.to_pylist()))})
     return out
 
 
@@ -175,7 +176,7 @@ class StagedRecords:
         for u, row in refs:
             wanted.setdefault(u, []).append(row)
         found = read_rows(self.records_paths, wanted, columns=["task", "conversations"],
-                          convert=lambda record: shingle_set_hashes(record, size))
+                          convert=lambda records: shingle_set_hashes(records, size))
         return [found[ref] for ref in refs]
 
 

@@ -3,6 +3,8 @@ ids with different content are not merged, the duplicate map explains every drop
 from __future__ import annotations
 
 import json
+import random
+import re
 from collections import Counter
 from dataclasses import replace
 
@@ -10,8 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
-from trajforge.pipeline.quality.dedup import (Contamination, DedupConfig, decontaminate, deduplicate, exact_key, jaccard,
-                            read_eval_tasks, shingles, signatures)
+from trajforge.pipeline.quality.dedup import (Contamination, DedupConfig, decontaminate, dedup_group, dedup_texts,
+                                              deduplicate, exact_key, fold, jaccard, read_eval_tasks, shingles,
+                                              signatures)
 from trajforge.schemas import validator
 from trajforge.sources import get_source
 from tests.conftest import FIXTURE_SOURCES
@@ -102,7 +105,8 @@ def test_near_duplicate_of_a_reworded_row_is_found(merged):
     first = next(i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"])
     turns[first] = {**turns[first], "thought": turns[first]["thought"] + " Let me be careful here."}
     edited = {**original, "id": "synthetic/sciworld_2200_edit", "source": "synthetic", "conversations": turns}
-    assert exact_key(edited) != exact_key(original)
+    edited_text, original_text = dedup_texts([edited, original])
+    assert exact_key(dedup_group(edited), edited_text) != exact_key(dedup_group(original), original_text)
     kept, dups = deduplicate([original, edited], DedupConfig(threshold=0.8))
     assert [d["id"] for d in dups] == [edited["id"]]
     assert dups[0]["match"] == "near" and 0.8 <= dups[0]["similarity"] < 1
@@ -169,3 +173,14 @@ def test_keep_rank_is_stated_by_every_source():
     assert [name for name, source in REGISTRY.items() if source.re_release] == ["openmanus_rl"]
     with pytest.raises(TypeError, match="must state its keep_rank"):
         type("Unranked", (Source,), {"name": "unranked"})
+
+
+def test_dedup_texts_tokenize_as_fold_does_on_every_kind_of_text():
+    """ASCII text is tokenized by polars' regex, other text by `fold`'s: the same tokens either way."""
+    rng = random.Random(0)
+    alphabet = [chr(c) for c in range(128)] + list("éİ²–ﬁ\u0301\u00a0\u2028")
+    tasks = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(3000)]
+    records = [{"task": task, "conversations": []} for task in tasks]
+    for task, text in zip(tasks, dedup_texts(records)):
+        assert text.tokens == "\x1f".join(fold(task))
+        assert text.words.split() == [t for t in fold(task) if re.fullmatch(r"\w+", t)]

@@ -8,7 +8,7 @@ import polars as pl
 import pytest
 
 from trajforge.pipeline.quality import dedup_table
-from trajforge.pipeline.quality.dedup import DedupConfig, dedup_tokens, deduplicate, jaccard, shingles
+from trajforge.pipeline.quality.dedup import DedupConfig, dedup_texts, deduplicate, jaccard, shingles
 from trajforge.pipeline.quality.dedup_table import (band_keys, band_pairs, deduplicate_in_memory, near_matrices,
                                                     record_keys, resolve, sketch_similarity, verify_chunks)
 from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
@@ -73,7 +73,7 @@ def test_sketches_estimate_the_jaccard_of_the_fixture_pairs(merged):
     config = DedupConfig()
     keys = record_keys(merged, 0, config)
     _, sketch = near_matrices(keys, config)
-    sets = [shingles(dedup_tokens(r), config.shingle_size) for r in merged]
+    sets = [shingles(t.words.split(), config.shingle_size) for t in dedup_texts(merged)]
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, len(merged), 3000), rng.integers(0, len(merged), 3000)
     similar = [(i, j) for i in range(len(merged)) for j in range(i + 1, len(merged))

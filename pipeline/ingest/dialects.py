@@ -14,6 +14,7 @@ terminal action (validation, negatives, the agent loop and the rewards all use i
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -193,6 +194,9 @@ DIALECTS: Registry[Dialect] = Registry("dialect", {d.name: d for d in [
 FREE_TEXT = "free_text"
 
 
+# A build parses each assistant turn when it normalizes the row and again when it validates the
+# record, right after: the second parse is a lookup. Bounded, so memory stays a few turns deep.
+@functools.lru_cache(maxsize=256)
 def parse_turn(text: str) -> ParsedTurn:
     """Parse one cleaned assistant turn. Never raises on prose: returns dialect `free_text`."""
     text = clean_text(text)

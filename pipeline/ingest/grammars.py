@@ -28,6 +28,7 @@ not checked against a prompt of ours; its records are counted as unchecked.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -483,6 +484,9 @@ _AGENTGYM_TOOL_LIST = re.compile(r"^Name:\s*([\w.\-]+)\(([^)]*)\)", re.M)
 _WORD = re.compile(r"[\w.\-]+")
 
 
+# Read four times per action (whether the tool is offered, its parameters; when validating and when
+# counting): one scan of the prompt. Callers only read the mapping.
+@functools.lru_cache(maxsize=64)
 def offered_tools(prompt: str) -> dict[str, list[str]]:
     """The tools an AgentGym tool prompt lists (`Name: get_tasks(project_id)`) with their parameters."""
     return {m.group(1): [p.strip() for p in m.group(2).split(",") if p.strip()]

@@ -29,7 +29,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 import polars as pl
@@ -73,45 +73,108 @@ class DedupConfig:
         SIGNATURE_BACKENDS.check([self.backend])
 
 
+def _folded(text: str) -> str:
+    """The text whose tokens `fold` takes. Of `clean_text` only the escape codes matter here:
+    the rest of it changes whitespace, which no token holds, so it runs only on text with an
+    escape code (ESC or BEL) in it."""
+    if "\x1b" in text or "\x07" in text:
+        text = clean_text(text)
+    return _LITERAL_ESCAPE.sub(" ", text).lower()
+
+
 def fold(text: str) -> list[str]:
     """Tokens of a text with everything that differs between mirrors folded away."""
-    text = _LITERAL_ESCAPE.sub(" ", clean_text(text)).lower()
-    return _TOKEN.findall(text)
+    return _TOKEN.findall(_folded(text))
 
 
-def dedup_tokens(record: dict) -> list[str]:
-    """The folded tokens of what makes a trajectory itself: its task, then every turn from the
-    first trained assistant turn on (thoughts, actions, observations). The instructions, the
-    acknowledgement and any upstream demonstration before it are boilerplate and left out.
+class DedupText(NamedTuple):
+    """What dedup compares of a record: its task, then every turn from the first trained
+    assistant turn on (thoughts, actions, observations). The instructions, the acknowledgement and
+    any upstream demonstration before it are boilerplate and left out.
 
     Thoughts count: two rows with the same prompt and the same single action but a different
     reasoning (AgentTraj-L's repeated `lmrlgym_maze_18`) are two training examples, not one.
     """
-    tokens = fold(record["task"])
-    turns = record["conversations"]
-    start = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), len(turns))
-    for turn in turns[start:]:
-        tokens.append("\x1e")  # a turn boundary, so "a b" + "c" differs from "a" + "b c"
-        if turn["role"] == "assistant":
-            tokens.extend(fold(turn["thought"] or ""))
-            tokens.append("\x1d")
-            tokens.extend(fold(turn["action"] or ""))
-        else:
-            tokens.extend(fold(turn["content"]))
-    return tokens
+    tokens: str  # the folded tokens, joined by \x1f
+    words: str  # the word tokens, joined by spaces: what shingles are made of
 
 
-def exact_key(record: dict) -> str:
-    group = f"{record['kind']}:{record['negative_type'] or ''}"
-    return hashlib.sha1(("\x1f".join([group, *dedup_tokens(record)])).encode()).hexdigest()
+# Python's `re` takes these four ASCII characters for whitespace, polars' (Rust) regex does not;
+# elsewhere on ASCII text the two agree on \w and \s.
+_PYTHON_ONLY_SPACE = "\x1c\x1d\x1e\x1f"
 
 
-def shingles(tokens: Sequence[str], size: int) -> set[str]:
+def _tokenized(texts: list[str]) -> tuple[list[str], list[str]]:
+    """(tokens joined by \x1f, words joined by spaces) of each folded text. ASCII text goes
+    through polars' regex at once, several times faster than `re` on its many small matches;
+    any other text through `fold`'s own patterns."""
+    tokens, words = [""] * len(texts), [""] * len(texts)
+    fast = [i for i, t in enumerate(texts) if t.isascii() and not any(c in t for c in _PYTHON_ONLY_SPACE)]
+    if fast:
+        found = pl.DataFrame({"text": [texts[i] for i in fast]}, schema={"text": pl.String}).select(
+            pl.col("text").str.extract_all(_TOKEN.pattern).list.join("\x1f").alias("tokens"),
+            pl.col("text").str.extract_all(_WORD.pattern).list.join(" ").alias("words"))
+        for i, t, w in zip(fast, found["tokens"].to_list(), found["words"].to_list()):
+            tokens[i], words[i] = t or "", w or ""
+    for i in sorted(set(range(len(texts))) - set(fast)):
+        tokens[i], words[i] = "\x1f".join(_TOKEN.findall(texts[i])), " ".join(_WORD.findall(texts[i]))
+    return tokens, words
+
+
+def dedup_texts(records: Sequence[dict]) -> list[DedupText]:
+    """The `DedupText` of each record, the texts of all of them tokenized at once."""
+    texts: list[str] = []
+    layouts: list[list[str | int]] = []  # per record: indices into texts, and the markers between
+    for record in records:
+        layout: list[str | int] = [len(texts)]
+        texts.append(_folded(record["task"]))
+        turns = record["conversations"]
+        start = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), len(turns))
+        for turn in turns[start:]:
+            layout.append("\x1e")  # a turn boundary, so "a b" + "c" differs from "a" + "b c"
+            if turn["role"] == "assistant":
+                layout += [len(texts), "\x1d", len(texts) + 1]
+                texts += [_folded(turn["thought"] or ""), _folded(turn["action"] or "")]
+            else:
+                layout.append(len(texts))
+                texts.append(_folded(turn["content"]))
+        layouts.append(layout)
+    tokens, words = _tokenized(texts)
+    return [DedupText("\x1f".join(part if isinstance(part, str) else tokens[part] for part in layout
+                                   if isinstance(part, str) or tokens[part]),
+                      " ".join(words[part] for part in layout if isinstance(part, int) and words[part]))
+            for layout in layouts]
+
+
+def dedup_group(record: dict) -> str:
+    """Only records of the same group are compared: the same kind and negative type."""
+    return f"{record['kind']}:{record['negative_type'] or ''}"
+
+
+def exact_key(group: str, text: DedupText) -> str:
+    """The exact-dedup hash of a record, from its group and its `DedupText`."""
+    return hashlib.sha1("\x1f".join([group, text.tokens] if text.tokens else [group]).encode()).hexdigest()
+
+
+def shingles(words: Sequence[str], size: int) -> set[str]:
     """Word shingles; a text shorter than one shingle is a single shingle of all its words."""
-    words = [t for t in tokens if _WORD.fullmatch(t)]
     if len(words) <= size:
         return {" ".join(words)}
     return {" ".join(words[i:i + size]) for i in range(len(words) - size + 1)}
+
+
+class ShingleSets(Sequence):
+    """The `shingles` of many `DedupText.words`, each set made only when it is read: the numpy
+    backend reads their hashes (`word_shingle_hashes`) instead."""
+
+    def __init__(self, words: Sequence[str], size: int):
+        self.words, self.size = words, size
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    def __getitem__(self, i):
+        return shingles(self.words[i].split(), self.size)
 
 
 def jaccard(a: set, b: set) -> float:
@@ -134,34 +197,54 @@ def shingle_hashes(sets: Sequence[set[str]], seed: int) -> tuple[np.ndarray, np.
     return sizes, flat.hash(seed=seed).to_numpy()
 
 
+def word_shingle_hashes(words: Sequence[str], size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """`shingle_hashes` of the `shingles` of `DedupText.words`, the shingles made and hashed by
+    polars at once. A shingle that repeats in a text is hashed each time: MinHash and the
+    sketches keep minima, which a repeat does not change (`np.unique` of a text's hashes is
+    its set's)."""
+    joined = pl.Series(words, dtype=pl.String)
+    split = joined.str.split(" ")
+    lengths = np.where(joined.str.len_bytes().to_numpy() == 0, 0, split.list.len().to_numpy()).astype(np.int64)
+    flat = split.filter(pl.Series(lengths > 0)).explode()
+    long = lengths > size
+    # Shingle k of a long text starts at its k-th word; a short one is all its words.
+    windows = pl.select(pl.concat_str([flat.shift(-k) for k in range(size)], separator=" ")).to_series()
+    hashed = pl.concat([windows, joined.filter(pl.Series(~long))]).hash(seed=seed).to_numpy()
+    sizes = np.where(long, lengths - size + 1, 1)
+    first = np.where(long, np.cumsum(lengths) - lengths, len(flat) + np.cumsum(~long) - 1)
+    within = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    return sizes, hashed[np.repeat(first, sizes) + within]
+
+
 def _numpy_signatures(sets: Sequence[set[str]], num_perm: int, seed: int,
                       hashes: tuple[np.ndarray, np.ndarray] | None = None, chunk_shingles: int = 1 << 13) -> np.ndarray:
     """MinHash of many sets at once: one vectorized 64-bit hash of every shingle (polars), then
     `num_perm` affine permutations of its 32 high bits, (a*x + b) mod 2^32 with odd `a` (a
     bijection, the scheme datasketch calls affine32), and a per-set minimum (numpy).
 
-    The work runs in chunks of whole sets through one reused buffer of about 4 MB: small enough to
-    stay in cache, which matters more than the number of numpy calls.
+    The work runs in chunks of whole sets through one reused buffer of about 4 MB, a row per
+    permutation: each minimum then reads contiguous memory, several times faster than a row per
+    shingle.
     """
     sizes, hashed = hashes or shingle_hashes(sets, seed)
     hashed = (hashed >> np.uint64(32)).astype(np.uint32)
     gen = np.random.RandomState(seed)
     a = (gen.randint(0, 1 << 31, size=num_perm, dtype=np.uint64) * 2 + 1).astype(np.uint32)
     b = gen.randint(0, 1 << 32, size=num_perm, dtype=np.uint64).astype(np.uint32)
-    out = np.empty((len(sets), num_perm), dtype=np.uint32)
+    out = np.empty((num_perm, len(sets)), dtype=np.uint32)
     starts = np.concatenate([[0], np.cumsum(sizes)])
-    buf = np.empty((max(chunk_shingles, int(sizes.max())), num_perm), dtype=np.uint32)
+    buf = np.empty((num_perm, max(chunk_shingles, int(sizes.max()))), dtype=np.uint32)
     doc = 0
     while doc < len(sets):
         # Whole sets per chunk, so each minimum is taken within one chunk.
         end = max(doc + 1, int(np.searchsorted(starts, starts[doc] + chunk_shingles, side="right")) - 1)
         lo, hi = starts[doc], starts[end]
-        view = buf[:hi - lo]
-        np.multiply(hashed[lo:hi, None], a[None, :], out=view)
-        view += b
-        out[doc:end] = np.minimum.reduceat(view, starts[doc:end] - lo, axis=0)
+        view = buf[:, :hi - lo]
+        np.multiply(a[:, None], hashed[None, lo:hi], out=view)
+        view += b[:, None]
+        out[:, doc:end] = np.minimum.reduceat(view, starts[doc:end] - lo, axis=1)
         doc = end
-    return out
+    return np.ascontiguousarray(out.T)
 
 
 SIGNATURE_BACKENDS = Registry("MinHash backend", {"numpy": _numpy_signatures, "datasketch": _datasketch_signatures})
@@ -223,16 +306,17 @@ def deduplicate(records: list[dict], config: DedupConfig = DedupConfig()) -> tup
     kept_by_key: dict[str, int] = {}
     dropped: dict[int, dict] = {}
     unique: list[int] = []
+    texts = dedup_texts(records)
     for i in order:
-        key = exact_key(records[i])
+        key = exact_key(dedup_group(records[i]), texts[i])
         if key in kept_by_key:
             dropped[i] = _dup_row(records[i], records[kept_by_key[key]], "exact", 1.0)
         else:
             kept_by_key[key] = i
             unique.append(i)
     if config.near and len(unique) > 1:
-        sets = [shingles(dedup_tokens(records[i]), config.shingle_size) for i in unique]
-        groups = [f"{records[i]['kind']}:{records[i]['negative_type'] or ''}" for i in unique]
+        sets = [shingles(texts[i].words.split(), config.shingle_size) for i in unique]
+        groups = [dedup_group(records[i]) for i in unique]
         for pos, hit in enumerate(near_duplicates(sets, groups, config)):
             if hit is not None:
                 i, (j, sim) = unique[pos], hit

@@ -38,8 +38,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import polars as pl
 
-from trajforge.pipeline.quality.dedup import (DedupConfig, dedup_tokens, exact_key, shingle_hashes,
-                                              shingles, signatures)
+from trajforge.pipeline.quality.dedup import (DedupConfig, ShingleSets, dedup_group, dedup_texts, exact_key,
+                                              signatures, word_shingle_hashes)
 from trajforge.pipeline.stages import in_order
 from trajforge.sources import keep_rank
 
@@ -109,13 +109,15 @@ def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig =
     """The key table rows of `records`, whose build order starts at `start_order`."""
     bands, rows = band_params(config)
     n = len(records)
-    sets = [shingles(dedup_tokens(r), config.shingle_size) for r in records]
-    hashes = shingle_hashes(sets, config.seed)
-    keys = band_keys(signatures(sets, config, hashes), bands, rows)
+    texts = dedup_texts(records)
+    groups = [dedup_group(r) for r in records]
+    words = [t.words for t in texts]
+    hashes = word_shingle_hashes(words, config.shingle_size, config.seed)
+    keys = band_keys(signatures(ShingleSets(words, config.shingle_size), config, hashes), bands, rows)
     columns = {
         "order": pl.Series(range(start_order, start_order + n), dtype=pl.Int64),
-        "group": pl.Series([f"{r['kind']}:{r['negative_type'] or ''}" for r in records], dtype=pl.String),
-        "exact": pl.Series([exact_key(r) for r in records], dtype=pl.String),
+        "group": pl.Series(groups, dtype=pl.String),
+        "exact": pl.Series([exact_key(g, t) for g, t in zip(groups, texts)], dtype=pl.String),
         # The keep preference of dedup.keep_rank, as columns (smaller is kept).
         "not_upstream": pl.Series([r["loss_flags"] != "upstream" for r in records], dtype=pl.Boolean),
         "source_rank": pl.Series([int(keep_rank(r["source"])) for r in records], dtype=pl.Int8),
@@ -284,10 +286,11 @@ def verify_chunks(pairs: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         start = end
 
 
-def shingle_set_hashes(record: dict, shingle_size: int) -> np.ndarray:
-    """A record's shingle set as its sorted 64-bit hashes: a tenth of the memory of the strings,
-    and the same Jaccard unless two of its shingles collide (~n^2 / 2^64)."""
-    return np.unique(pl.Series(list(shingles(dedup_tokens(record), shingle_size)), dtype=pl.String).hash().to_numpy())
+def shingle_set_hashes(records: Sequence[dict], shingle_size: int) -> list[np.ndarray]:
+    """Each record's shingle set as its sorted 64-bit hashes: a tenth of the memory of the
+    strings, and the same Jaccard unless two of its shingles collide (~n^2 / 2^64)."""
+    sizes, hashed = word_shingle_hashes([t.words for t in dedup_texts(records)], shingle_size, seed=0)
+    return [np.unique(part) for part in np.split(hashed, np.cumsum(sizes)[:-1])]
 
 
 def hashed_jaccard(a: np.ndarray, b: np.ndarray) -> float:
@@ -386,7 +389,7 @@ class RecordsInMemory:
         yield np.arange(table.height), *near_matrices(self.keys[table["row"].to_numpy()], self.config)
 
     def shingle_sets(self, refs: list[tuple[int, int]], size: int) -> list[np.ndarray]:
-        return [shingle_set_hashes(self.records[row], size) for _, row in refs]
+        return shingle_set_hashes([self.records[row] for _, row in refs], size)
 
 
 def deduplicate_in_memory(records: list[dict], config: DedupConfig = DedupConfig(),
