@@ -273,25 +273,57 @@ def first_reply(tokenizer, prompt: list[dict], tools: list, call: dict) -> tuple
     return head, full[len(head):]
 
 
-@needs_sandbox
-def test_two_grpo_steps_run_episodes_in_sqlite_and_the_os_sandbox(fixtures_build, tmp_path, monkeypatch):
-    torch = pytest.importorskip("torch")
+def write_grpo_env(rows: list[dict], folder: Path) -> Path:
+    """A release folder whose `grpo_env` config holds `rows`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from transformers import AutoTokenizer
 
-    from trajforge.pipeline.synth.envs.os_sandbox import OsSandboxEnv
     from trajforge.schemas import arrow_schema
-    from tiny_model import build_tiny_model, fit_texts, tool_chat_template
+
+    (folder / "data" / "grpo_env").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=arrow_schema("grpo_env")),
+                   folder / "data" / "grpo_env" / "train-00000-of-00001.parquet")
+    return folder
+
+
+def train_grpo_env(model: Path, data: Path, out: Path, *overrides: str, generate=None):
+    """(trainer, the batches it generated and scored) after training with grpo_env_tiny.yaml;
+    `generate` stands in for the model's sampling when given."""
     from trajforge.training.arguments import GRPOTrainConfig, parse
     from trajforge.training.grpo import build_trainer, close_environments
 
+    data_args, training_args, model_args = parse(GRPOTrainConfig, [
+        "--config", str(CONFIGS / "grpo_env_tiny.yaml"), "--model_name_or_path", str(model),
+        "--dataset_name", str(data), "--output_dir", str(out), *overrides])
+    trainer = build_trainer(data_args, training_args, model_args)
+    if generate is not None:
+        trainer.model.generate = generate
+    batches = []
+    score = trainer._generate_and_score_completions
+
+    def spy_score(inputs):
+        batches.append(score(inputs))
+        return batches[-1]
+
+    trainer._generate_and_score_completions = spy_score
+    try:
+        trainer.train()
+    finally:
+        close_environments(trainer)
+    return trainer, batches
+
+
+@needs_sandbox
+def test_two_grpo_steps_run_episodes_in_sqlite_and_the_os_sandbox(fixtures_build, tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoTokenizer
+
+    from trajforge.pipeline.synth.envs.os_sandbox import OsSandboxEnv
+    from tiny_model import build_tiny_model, fit_texts, tool_chat_template
+
     torch.set_num_threads(1)
     rows = [grpo_env_row(db_task(), "tasks"), grpo_env_row(os_task(), "tasks")]
-    data = tmp_path / "release"
-    (data / "data" / "grpo_env").mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=arrow_schema("grpo_env")),
-                   data / "data" / "grpo_env" / "train-00000-of-00001.parquet")
+    data = write_grpo_env(rows, tmp_path / "release")
     # A policy that has seen one tool call per task (as after SFT on the `tools` rendering), so
     # that its samples call the tools; a random one would never write a well-formed call. On the
     # DB task it submits the right answer, so the environment's score is not always 0.
@@ -326,22 +358,7 @@ def test_two_grpo_steps_run_episodes_in_sqlite_and_the_os_sandbox(fixtures_build
         return scores[self.environment][-1]
 
     monkeypatch.setattr(ToolEnvironment, "get_reward", spy_get_reward)
-    data_args, training_args, model_args = parse(GRPOTrainConfig, [
-        "--config", str(CONFIGS / "grpo_env_tiny.yaml"), "--model_name_or_path", str(policy),
-        "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"), "--temperature", "0.3"])
-    trainer = build_trainer(data_args, training_args, model_args)
-    batches = []
-    generate = trainer._generate_and_score_completions
-
-    def spy_generate(inputs):
-        batches.append(generate(inputs))
-        return batches[-1]
-
-    trainer._generate_and_score_completions = spy_generate
-    try:
-        trainer.train()
-    finally:
-        close_environments(trainer)
+    trainer, batches = train_grpo_env(policy, data, tmp_path / "out", "--temperature", "0.3")
     factories = trainer.environment_factories
     instances = [i for f in factories.values() for i in f.instances]
     # The model's calls reached both environments, and the environments answered.
@@ -459,21 +476,13 @@ class ScriptedPolicy:
 def test_multi_turn_grpo_episodes_read_the_observation_and_are_scored_by_the_env(fixtures_build, tmp_path,
                                                                                   monkeypatch):
     torch = pytest.importorskip("torch")
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from trajforge.schemas import arrow_schema
     from tiny_model import build_tiny_model, tool_chat_template
-    from trajforge.training.arguments import GRPOTrainConfig, parse
-    from trajforge.training.grpo import build_trainer, close_environments
 
     torch.set_num_threads(1)
     tasks = [t for t in load_tasks(DB_FILE) if t.description in (DB_SELECT, DB_DOVER)]
-    data = tmp_path / "release"
-    (data / "data" / "grpo_env").mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist([grpo_env_row(t, "tasks") for t in tasks], schema=arrow_schema("grpo_env")),
-                   data / "data" / "grpo_env" / "train-00000-of-00001.parquet")
+    data = write_grpo_env([grpo_env_row(t, "tasks") for t in tasks], tmp_path / "release")
     tiny = build_tiny_model(tmp_path / "tiny", fixtures_build, chat_template=tool_chat_template())
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     references = {r["description"]: r["sql"]["query"] for r in map(json.loads, DB_FILE.read_text().splitlines())
@@ -488,24 +497,8 @@ def test_multi_turn_grpo_episodes_read_the_observation_and_are_scored_by_the_env
         return episodes[-1][2]
 
     monkeypatch.setattr(ToolEnvironment, "get_reward", spy_get_reward)
-    data_args, training_args, model_args = parse(GRPOTrainConfig, [
-        "--config", str(CONFIGS / "grpo_env_tiny.yaml"), "--model_name_or_path", str(tiny),
-        "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"), "--environments", "db",
-        "--env_settings", "{}", "--max_turns", "3", "--max_completion_length", "1024"])
-    trainer = build_trainer(data_args, training_args, model_args)
-    monkeypatch.setattr(trainer.model, "generate", policy.generate)
-    batches = []
-    generate = trainer._generate_and_score_completions
-
-    def spy_generate(inputs):
-        batches.append(generate(inputs))
-        return batches[-1]
-
-    trainer._generate_and_score_completions = spy_generate
-    try:
-        trainer.train()
-    finally:
-        close_environments(trainer)
+    trainer, batches = train_grpo_env(tiny, data, tmp_path / "out", "--environments", "db", "--env_settings", "{}",
+                                      "--max_turns", "3", "--max_completion_length", "1024", generate=policy.generate)
     # Every episode queried, got the rows back, and answered from them; the env scored the answer:
     # the Capitol Square rows are its answer, the Dover reference query is wrong upstream (it counts
     # 2 listings, the task's answer is 17), so what the policy read there scores 0.
