@@ -139,8 +139,9 @@ def step_verdict(step: StepResult, action: str, observation: str, earlier: set[t
     """Why a replayed prefix step is dropped, None when it is kept: `refused` (the environment did
     not run it: `info.valid` false), `error` (it ran and failed: `info.error`, the env's error
     reply), `no_change` (the same action and observation as an earlier step of the replay).
-    The environments report refusals and errors in `info`; an environment whose refusals come back
-    as ordinary observations needs its own check here."""
+    Our environments (os, db) report refusals and errors in `info`; an environment whose refusals
+    come back only as observation text needs its own check here (the place for per-env refusal
+    replies such as those the ingest grammars know)."""
     info = step.info or {}
     if info.get("valid", True) is False:
         return "refused"
