@@ -15,17 +15,29 @@ run, its state and message.
 from __future__ import annotations
 
 import argparse
+import importlib
+import pkgutil
 from datetime import timedelta
 
-from prefect import get_client
+from prefect import Flow, get_client
 from prefect.events.actions import SendNotification
 from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
 
 AUTOMATION = "trajforge: notify on failed run"
-FLOWS = ["synthesize", "build-dataset", "build-units", "release", "build-and-release"]
 SUBJECT = "trajforge: {{ flow.name }} run {{ flow_run.name }} {{ flow_run.state.name }}"
 BODY = ("Flow run {{ flow_run.name }} of {{ flow.name }} ended {{ flow_run.state.name }}: "
         "{{ flow_run.state.message }}\nFlow run id: {{ flow_run.id }}")
+
+
+def trajforge_flows() -> list[str]:
+    """The name of every flow defined in trajforge.flows: a new flow is covered without a list to keep."""
+    import trajforge.flows
+
+    names = set()
+    for module in pkgutil.iter_modules(trajforge.flows.__path__):
+        found = vars(importlib.import_module(f"trajforge.flows.{module.name}")).values()
+        names.update(obj.name for obj in found if isinstance(obj, Flow))
+    return sorted(names)
 
 
 def failure_automation(block_document_id) -> AutomationCore:
@@ -34,7 +46,7 @@ def failure_automation(block_document_id) -> AutomationCore:
         description="Notify when a trajforge flow run fails or crashes (flows/notify.py).",
         trigger=EventTrigger(
             match={"prefect.resource.id": "prefect.flow-run.*"},
-            match_related={"prefect.resource.role": "flow", "prefect.resource.name": FLOWS},
+            match_related={"prefect.resource.role": "flow", "prefect.resource.name": trajforge_flows()},
             expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
             posture=Posture.Reactive, threshold=1, within=timedelta(0)),
         actions=[SendNotification(block_document_id=block_document_id, subject=SUBJECT, body=BODY)])

@@ -17,6 +17,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from trajforge.flows.build import build_dataset
+from trajforge.flows.limits import model_api_limit
 from trajforge.flows.synth import use_api_key_env
 from trajforge.pipeline.atomic import write_json
 from trajforge.pipeline.synth.agent import AgentConfig
@@ -46,9 +47,15 @@ def serve_and_synthesize(model_dir: str, command: list[str], config: SynthConfig
 def rft(sources: dict[str, str | None], tasks: str, env: str, base_model: str, out: str, rounds: int = 2,
         sft_args: list[str] | None = None, serve: str | list[str] = "transformers", n: int = 4,
         max_turns: int = 8, max_tokens: int | None = None, concurrency: int = 16, startup_timeout_s: float = 600.0,
-        sampling: dict | None = None, api_key_env: str | None = None) -> dict:
-    """ROUNDS rounds of build -> SFT -> serve -> synthesize on TASKS -> keep successes; see the module docstring."""
+        sampling: dict | None = None, api_key_env: str | None = None, api_limit: str | None = None,
+        api_rate_limit: str | None = None, api_limit_strict: bool = False) -> dict:
+    """ROUNDS rounds of build -> SFT -> serve -> synthesize on TASKS -> keep successes; see the module docstring.
+
+    `api_limit` / `api_rate_limit` name the Prefect global concurrency / rate limits the model API
+    calls share with every other run that names them, as in the synthesis flow (flows/limits.py).
+    """
     command = serve_command(serve)  # a server name no registry entry has fails here, before any round
+    gate = model_api_limit(api_limit, api_rate_limit, strict=api_limit_strict)
     logger = get_run_logger()
     root = Path(out)
     kept = root / "kept"
@@ -64,7 +71,8 @@ def rft(sources: dict[str, str | None], tasks: str, env: str, base_model: str, o
         folder = root / f"round-{round_no}"
         built = build(folder / "build")
         metrics = train_sft(base_model, str(folder / "build"), str(folder / "model"), list(sft_args or []))
-        llm = LLMConfig(model=str((folder / "model").resolve()), sampling=dict(sampling or {}), concurrency=concurrency)
+        llm = LLMConfig(model=str((folder / "model").resolve()), sampling=dict(sampling or {}), concurrency=concurrency,
+                        request_gate=gate)
         config = SynthConfig(tasks=tasks, env=env, out=str(folder / "synth"), n=n, llm=llm,
                              agent=AgentConfig(max_turns=max_turns, max_tokens=max_tokens))
         synthesized = serve_and_synthesize(str((folder / "model").resolve()), command, config, startup_timeout_s,

@@ -196,8 +196,12 @@ def test_label_mask_with_loss_on_critical_is_exactly_the_critical_turns(selected
         skipped_turns += sum(t["critical"] is False for t in record["conversations"])
     assert checked == report["judged"] and skipped_turns > 50
     _, stats = prepare_sft(Dataset.from_list(copy.deepcopy(records)), tok, None, loss_on="critical")
-    # Records the selector could not judge carry no loss under `critical`: dropped and counted.
-    assert (stats.kept, stats.dropped_no_loss) == (report["judged"], report["failed"])
+    # Records the selector could not judge carry no loss under `critical`: dropped and counted as such.
+    assert (stats.kept, stats.dropped_not_judged, stats.dropped_no_loss) == (report["judged"], report["failed"], 0)
+    failed = [r for r in records if not any(t["critical"] is not None for t in r["conversations"])]
+    with pytest.raises(ValueError, match=f"of {len(failed)} rows, {len(failed)} dropped: never judged by "
+                                         "`trajforge select-steps`"):
+        prepare_sft(Dataset.from_list(copy.deepcopy(failed)), tok, None, loss_on="critical")
     with pytest.raises(ValueError, match="loss_on"):
         prepare_sft(Dataset.from_list(records[:2]), tok, None, loss_on="critical_only")
 
@@ -211,3 +215,45 @@ def test_loss_on_is_a_launcher_option():
     assert parse(SFTTrainConfig, [*base, "--loss_on", "critical"])[1].loss_on == "critical"
     with pytest.raises(SystemExit):
         parse(SFTTrainConfig, [*base, "--loss_on", "critical_only"])
+
+
+def test_sft_launcher_trains_critical_steps_as_tool_calls(selected, fixtures_build, tmp_path):
+    """`loss_on: critical` with `action_format: tools` through `trajforge train sft`: the tool-call
+    rendering keeps the critical flags, and the records the selector could not judge are counted
+    in the metrics the run prints and writes."""
+    pytest.importorskip("trl")
+    torch = pytest.importorskip("torch")
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from tiny_model import build_tiny_model, tool_chat_template
+    from trajforge.flows.cli import main
+    from trajforge.training.data import IGNORE, prepare_sft, tools_rendering
+
+    out, report, _, _ = selected
+    records = _records(out)
+    tiny = build_tiny_model(tmp_path / "tiny", fixtures_build, chat_template=tool_chat_template())
+    torch.set_num_threads(1)
+    run = tmp_path / "sft"
+    assert main(["train", "sft", "--config", str(Path(__file__).resolve().parents[1] / "training" / "configs" /
+                                                  "sft_tiny.yaml"),
+                 "--model_name_or_path", str(tiny), "--dataset_name", str(out), "--output_dir", str(run),
+                 "--loss_on", "critical", "--action_format", "tools", "--max_length", "8192", "--eval_fraction", "0",
+                 "--max_steps", "2", "--save_strategy", "no"]) == 0
+    results = json.loads((run / "all_results.json").read_text())
+    rendered = [r for r in records if tools_rendering(r) is not None]
+    judged = [r for r in rendered if any(t["critical"] for t in r["conversations"])]
+    assert len(judged) > 10
+    assert results["sft_train_kept"] == len(judged)
+    assert results["sft_train_dropped_not_judged"] == len(rendered) - len(judged) > 0
+    assert results["sft_train_dropped_no_tool_call"] == len(records) - len(rendered)
+    assert results["sft_train_dropped_too_long"] == results["sft_train_dropped_no_loss"] == 0
+    assert json.loads((run / "data_results.json").read_text()) == {k: v for k, v in results.items()
+                                                                   if k.startswith("sft_")}
+    # The trained tokens are the critical calls, and only they.
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    data, _ = prepare_sft(Dataset.from_list(copy.deepcopy(judged[:5])), tokenizer, None, loss_on="critical",
+                          action_format="tools")
+    for record, labels in zip(judged[:5], data["labels"]):
+        trained = tokenizer.decode([t for t in labels if t != IGNORE])
+        assert trained.count("<tool_call>") == sum(bool(t["critical"]) for t in record["conversations"])

@@ -80,9 +80,14 @@ def test_prefect_yaml_deploys_and_an_adhoc_build_runs_on_a_worker(prefect_server
         "synthetic"] == found["build-and-release/weekly"]["parameters"]["synthetic"]
     assert found["build-dataset/after-synthesis"]["parameters"]["out"] == found["release/after-build"]["parameters"][
         "folder"]
-    # The triggers are automations on the server, one per chained step.
-    automations = {a["name"] for a in httpx.post(f"{api}/automations/filter", json={}, timeout=60).json()}
-    assert {"trajforge: build after synthesis", "trajforge: release after build"} <= automations
+    # The triggers are automations on the server, one per chained step; each starts its deployment
+    # on the folder the triggering run wrote (a template the server renders from that run).
+    automations = {a["name"]: a for a in httpx.post(f"{api}/automations/filter", json={}, timeout=60).json()}
+    assert {"trajforge: build after synthesis", "trajforge: release after build"} <= set(automations)
+    assert automations["trajforge: build after synthesis"]["actions"][0]["parameters"] == {
+        "synthetic": "{{ flow_run.parameters.out }}"}
+    assert automations["trajforge: release after build"]["actions"][0]["parameters"] == {
+        "folder": "{{ flow_run.parameters.out }}"}
 
     out = tmp_path / "adhoc"
     sources = json.dumps({"openmanus_rl": str(RAW / "openmanus_rl")})

@@ -110,8 +110,13 @@ def test_salvage_finishes_the_failures_prefix_in_a_fresh_env(synthesized, tmp_pa
     actions = [t["action"] for t in record["conversations"] if t["role"] == "assistant"]
     (failure,) = pq.read_table(out / "failures.parquet").to_pylist()
     failed = [t["action"] for t in json.loads(failure["conversations"]) if t["role"] == "assistant"]
-    # The kept prefix is the failure's own first actions; the continuation reaches the goal.
-    assert row["prefix_steps"] == 7 and actions[:7] == failed[:7] and actions[7:] and actions[7:] != failed[7:]
+    # The kept prefix is the failure's own first actions, less those that changed nothing (the stuck
+    # policy repeats itself); the continuation reaches the goal.
+    meta = json.loads(record["meta"]) if isinstance(record["meta"], str) else record["meta"]
+    kept, dropped = meta["prefix_from"], {int(i) for i in meta["dropped_steps"]}
+    assert row["prefix_steps"] == 7 and kept == sorted(kept) and set(kept) | dropped == set(range(7))
+    assert row["dropped_steps"] == len(dropped) and not set(kept) & dropped
+    assert actions[:len(kept)] == [failed[i] for i in kept] and actions[len(kept):]
 
 
 @pytest.mark.parametrize("env", ["babyai", "textcraft"])

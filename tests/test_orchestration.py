@@ -27,7 +27,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from conftest import FIXTURES, RAW
 from trajforge.flows.notify import install
 from hub_server import HubServer
-from openai_server import Server, fixture_policy
+from openai_server import CriticalStepPolicy, Server, fixture_policy
 from test_deployments import PREFECT, REPO, prefect_server, run  # noqa: F401 - prefect_server is a fixture
 
 pytestmark = pytest.mark.slow
@@ -127,12 +127,14 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
     with Server(fixture_policy(db_files=[DB_FILE]), latency_s=0.05) as model, HubServer(token=TOKEN) as hub:
         worker_env = {**env, "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0", "HF_TOKEN": TOKEN,
                       "PREFECT_WORKER_QUERY_SECONDS": "1"}
-        # Where the chained deployments read and write in this test (their defaults are synth/ and build/).
+        # What the chained deployments build and where to in this test. The folders they read are not
+        # set (their defaults, synth/ and build/, are removed): the triggers take them from the
+        # completed run that started them.
         after_synthesis = deployment_id(api, "build-dataset", "after-synthesis")
         after_build = deployment_id(api, "release", "after-build")
         for dep, params in [(after_synthesis, {"sources": {"openmanus_rl": str(RAW / "openmanus_rl")},
-                                               "synthetic": str(synth), "out": str(build)}),
-                            (after_build, {"folder": str(build), "repo": HUB_REPO, "tag": "v1"})]:
+                                               "out": str(build)}),
+                            (after_build, {"repo": HUB_REPO, "tag": "v1"})]:
             assert HTTP.patch(f"{api}/deployments/{dep}", json={"parameters": params}).status_code == 204
 
         synth_params = ["-p", f"tasks={tasks}", "-p", "env=db", "-p", "n=2", "-p", "concurrency=8",
@@ -170,6 +172,7 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
         assert synth_run["name"].startswith("synth db DeepSeek-R1 ")
         assert build_run["name"].startswith("build openmanus_rl+synthetic ")
         assert build_run["idempotency_key"] and release_run["idempotency_key"]
+        assert build_run["parameters"]["synthetic"] == str(synth) and release_run["parameters"]["folder"] == str(build)
         assert len(runs_of(api, after_synthesis)) == len(runs_of(api, after_build)) == 1
         logs = {run: " ".join(entry["message"] for entry in HTTP.post(f"{api}/logs/filter", json={
             "logs": {"flow_run_id": {"any_": [run]}}}).json()) for run in (synth_run["id"], adhoc, failing)}
@@ -235,3 +238,41 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
     # The notification names the failed run.
     text = webhook.received[0]["text"]
     assert "synthesize" in text and ("Failed" in text or "Crashed" in text), text
+
+
+def test_select_steps_salvage_and_rft_share_the_model_api_limit_and_notify_on_failure(prefect_server, fixtures_build,
+                                                                                      tmp_path):
+    """The flows that call a model besides synthesis hold the same global limit, and their failures
+    reach the notification (run in-process against the server, as `trajforge select-steps` runs them)."""
+    from trajforge.flows.rft import rft
+    from trajforge.flows.salvage import salvage
+    from trajforge.flows.select_steps import select_steps
+
+    api, env = prefect_server
+    run([PREFECT, "global-concurrency-limit", "create", LIMIT, "--limit", "1"], env)
+    shard = sorted((fixtures_build / "data" / "sft").glob("*.parquet"))[0]
+    missing = str(tmp_path / "missing.jsonl")
+    webhook = Webhook()
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        CustomWebhookNotificationBlock(name="trajforge", url=webhook.url,
+                                       json_data={"text": "{{subject}}\n{{body}}"}).save("trajforge-alerts")
+        install("custom-webhook/trajforge-alerts")
+        with Server(CriticalStepPolicy(), shapes=("reasoning_content", "think"), latency_s=0.05) as model:
+            report = select_steps(inputs=str(shard), out=str(tmp_path / "selected"), model="DeepSeek-R1",
+                                  base_url=model.base_url, concurrency=8, api_limit=LIMIT)
+        # Eight requests in flight of this run's own, one through the shared limit.
+        assert report["judged"] == model.calls > 4 and model.max_in_flight == 1
+        salvaged = salvage(failures=[missing], tasks=missing, out=str(tmp_path / "salvaged"), model="m",
+                           base_url=model.base_url, api_limit=LIMIT, return_state=True)
+        looped = rft(sources={}, tasks=missing, env="db", base_model="m", out=str(tmp_path / "rft"),
+                     api_limit="no-such-limit", api_limit_strict=True, return_state=True)
+        assert salvaged.is_failed() and looped.is_failed()
+        assert "global concurrency limit 'no-such-limit' does not exist" in looped.message
+    logs = " ".join(entry["message"] for entry in HTTP.post(f"{api}/logs/filter", json={
+        "logs": {"flow_run_id": {"any_": [str(salvaged.state_details.flow_run_id)]}}}).json())
+    assert f"share the concurrency limit '{LIMIT}' (1 slots)" in logs
+    deadline = time.monotonic() + 120
+    while len(webhook.received) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    texts = [m["text"] for m in webhook.received]
+    assert {t.split()[1] for t in texts} == {"salvage", "rft"}, texts

@@ -98,16 +98,90 @@ def test_salvage_keeps_the_beneficial_prefix_and_drops_the_failing_remainder(db_
             assert assistant[0]["content"] == failure.actions[0]["content"]
             assert not any("detour" in t["action"] for t in assistant)   # the failing remainder is not there
             assert all(t["loss"] for t in assistant) and row["record_id"] == record["id"]
-        # Tasks whose reference itself is wrong upstream cannot be salvaged: both prefixes tried, a reason kept.
+        # Tasks whose reference itself is wrong upstream cannot be salvaged: both prefixes tried, a
+        # reason kept; a reference that fails with an SQL error is dropped, leaving one prefix to try.
         unsalvaged = [r for r in rows.values() if r["outcome"] != "salvaged"]
         assert {r["outcome"] for r in unsalvaged} <= {"no_prefix_succeeded", "no_prefix"}
-        assert all(r["prefixes_tried"] == 2 for r in unsalvaged if r["outcome"] == "no_prefix_succeeded")
+        tried = [(r["prefixes_tried"], failures[r["id"]].observations[0].startswith("Error: "))
+                 for r in unsalvaged if r["outcome"] == "no_prefix_succeeded"]
+        assert {t for t, _ in tried} == {1, 2} and all(t == (1 if errored else 2) for t, errored in tried)
+        assert report["replay_mismatches"] == 0 and report["dropped_steps"] == {}
         assert report["llm"]["calls"] == calls == report["budget"]["spent"]
 
         again = _salvage(server, db_failures, DB_FILE, out, max_calls=None, max_prefixes=2)
         assert server.calls == calls and again["llm"]["calls"] == 0 and again["episodes_run"] == 0
         assert again["outcomes"] == report["outcomes"]
         assert _check_outcomes(out, db_failures)[0] == records
+
+
+NOISE = [("Let me try this.", lambda _obs: "Operation\nSELECT 1;"),                    # no SQL block: refused
+         ("Let me look at another table.", lambda _obs: "Operation\n```sql\nSELECT * FROM no_such_table;\n```")]
+
+
+def noisy_policy(policy: FixturePolicy) -> FixturePolicy:
+    """The detour policy with, after the reference query, a step the env refuses, one it answers
+    with an error, and the reference query again (the same answer: it changes nothing)."""
+    for script in detour_policy(policy).scripts.values():
+        script.steps[1:1] = [*NOISE, script.steps[0]]
+    return policy
+
+
+def test_salvage_drops_refused_failed_and_repeated_steps(db_solvable, tmp_path):
+    with Server(noisy_policy(fixture_policy(db_files=[DB_FILE]))) as server:
+        synthesize(SynthConfig(tasks=str(DB_FILE), env="db", out=str(tmp_path / "failed"), n=1, llm=_llm(server)))
+    failures_path = tmp_path / "failed" / "failures.parquet"
+    # The tasks answered by a query (a task that changes the table is judged by the table, which
+    # the detour does not touch, so there the longest prefix succeeds).
+    failures = {f.id: f for f in read_failures(failures_path)
+                if f.task_id in db_solvable and "```sql\nSELECT" in f.actions[0]["action"]}
+    assert len(failures) >= 2 and all(len(f.actions) == 6 for f in failures.values())
+    out = tmp_path / "salvaged"
+    with Server(fixture_policy(db_files=[DB_FILE])) as server:
+        report = _salvage(server, failures_path, DB_FILE, out, max_calls=None, max_prefixes=2)
+    records, rows = _check_outcomes(out, failures_path)
+    salvaged = {json.loads(r["meta"])["salvaged_from"]: r for r in records}
+    assert set(failures) <= set(salvaged)
+    for failure_id, failure in failures.items():
+        record, row = salvaged[failure_id], rows[failure_id]
+        meta = json.loads(record["meta"])
+        # Prefixes: the first five actions less the dropped ones (reference + detour: fails), then
+        # the first four (the reference alone: succeeds); the first three would keep the same steps.
+        assert (row["prefixes_tried"], meta["prefix_steps"], meta["prefix_from"], meta["beneficial_steps"]) == \
+            (2, 4, [0], [0])
+        assert meta["dropped_steps"] == {"1": "refused", "2": "error", "3": "no_change"} and row["dropped_steps"] == 3
+        actions = [t["action"] for t in record["conversations"] if t["role"] == "assistant"]
+        assert actions[0] == failure.actions[0]["action"] and len(actions) == 2
+        assert not any("SELECT 1;" in a or "no_such_table" in a for a in actions)
+        assert validate_record(record) is None
+    assert report["dropped_steps"]["refused"] == len(salvaged) and report["dropped_steps"]["error"] >= len(salvaged)
+    assert report["beneficial_steps"] == sum(len(json.loads(r["meta"])["prefix_from"]) for r in records)
+
+
+def test_salvage_requires_the_replay_to_agree_with_the_record(db_failures, db_solvable, tmp_path):
+    """A recorded observation the replay does not give back: the prefix stops before it, and the
+    disagreement is kept in the row; at the first step, nothing is salvaged."""
+    import pyarrow as pa
+
+    table = pq.read_table(db_failures)
+    rows = table.to_pylist()
+    first, second = sorted(f.id for f in read_failures(db_failures) if f.task_id in db_solvable and len(f.actions) == 3)[:2]
+    for row in rows:
+        turns = json.loads(row["conversations"])
+        observed = [i + 1 for i, t in enumerate(turns) if t["role"] == "assistant" and t.get("action")]
+        if row["id"] in (first, second):
+            turns[observed[0 if row["id"] == first else 1]]["content"] = "[('a table that has changed since',)]"
+        row["conversations"] = json.dumps(turns)
+    path = tmp_path / "failures.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path)
+    with Server(fixture_policy(db_files=[DB_FILE])) as server:
+        report = _salvage(server, path, DB_FILE, tmp_path / "out", max_calls=None, max_prefixes=2)
+    records, outcomes = _check_outcomes(tmp_path / "out", path)
+    assert outcomes[first]["outcome"] == "replay_mismatch" and outcomes[first]["prefixes_tried"] == 0
+    assert outcomes[first]["detail"].startswith("step 0: recorded \"[('a table that has changed since',)]\"")
+    assert outcomes[second]["outcome"] == "salvaged" and outcomes[second]["prefixes_tried"] == 1
+    assert outcomes[second]["replay_mismatch"].startswith("step 1: ")
+    assert first not in {json.loads(r["meta"])["salvaged_from"] for r in records}
+    assert report["replay_mismatches"] == 2 and report["outcomes"]["replay_mismatch"] == 1
 
 
 def test_budgets_hold(db_failures, tmp_path):
@@ -174,8 +248,11 @@ def test_os_salvage_in_the_real_sandbox(tmp_path):
         meta = json.loads(record["meta"])
         assert meta["beneficial_steps"] == [0] and validate_record(record) is None
         assert not any("detour" in (t["action"] or "") for t in record["conversations"])
+    # A task whose setup races a background job can show another output on replay: that failure
+    # is not salvaged on the recorded thoughts, and the row says which step disagreed.
     assert {r["outcome"] for r in rows.values()} <= {"salvaged", "no_prefix_succeeded", "no_prefix",
-                                                     "not_a_task_failure"}
+                                                     "not_a_task_failure", "replay_mismatch"}
+    assert all(r["detail"].startswith("step ") for r in rows.values() if r["outcome"] == "replay_mismatch")
 
 
 def test_salvage_cli_runs_the_flow(db_failures, tmp_path, capsys):

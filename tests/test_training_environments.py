@@ -273,25 +273,57 @@ def first_reply(tokenizer, prompt: list[dict], tools: list, call: dict) -> tuple
     return head, full[len(head):]
 
 
-@needs_sandbox
-def test_two_grpo_steps_run_episodes_in_sqlite_and_the_os_sandbox(fixtures_build, tmp_path, monkeypatch):
-    torch = pytest.importorskip("torch")
+def write_grpo_env(rows: list[dict], folder: Path) -> Path:
+    """A release folder whose `grpo_env` config holds `rows`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from transformers import AutoTokenizer
 
-    from trajforge.pipeline.synth.envs.os_sandbox import OsSandboxEnv
     from trajforge.schemas import arrow_schema
-    from tiny_model import build_tiny_model, fit_texts, tool_chat_template
+
+    (folder / "data" / "grpo_env").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=arrow_schema("grpo_env")),
+                   folder / "data" / "grpo_env" / "train-00000-of-00001.parquet")
+    return folder
+
+
+def train_grpo_env(model: Path, data: Path, out: Path, *overrides: str, generate=None):
+    """(trainer, the batches it generated and scored) after training with grpo_env_tiny.yaml;
+    `generate` stands in for the model's sampling when given."""
     from trajforge.training.arguments import GRPOTrainConfig, parse
     from trajforge.training.grpo import build_trainer, close_environments
 
+    data_args, training_args, model_args = parse(GRPOTrainConfig, [
+        "--config", str(CONFIGS / "grpo_env_tiny.yaml"), "--model_name_or_path", str(model),
+        "--dataset_name", str(data), "--output_dir", str(out), *overrides])
+    trainer = build_trainer(data_args, training_args, model_args)
+    if generate is not None:
+        trainer.model.generate = generate
+    batches = []
+    score = trainer._generate_and_score_completions
+
+    def spy_score(inputs):
+        batches.append(score(inputs))
+        return batches[-1]
+
+    trainer._generate_and_score_completions = spy_score
+    try:
+        trainer.train()
+    finally:
+        close_environments(trainer)
+    return trainer, batches
+
+
+@needs_sandbox
+def test_two_grpo_steps_run_episodes_in_sqlite_and_the_os_sandbox(fixtures_build, tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoTokenizer
+
+    from trajforge.pipeline.synth.envs.os_sandbox import OsSandboxEnv
+    from tiny_model import build_tiny_model, fit_texts, tool_chat_template
+
     torch.set_num_threads(1)
     rows = [grpo_env_row(db_task(), "tasks"), grpo_env_row(os_task(), "tasks")]
-    data = tmp_path / "release"
-    (data / "data" / "grpo_env").mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=arrow_schema("grpo_env")),
-                   data / "data" / "grpo_env" / "train-00000-of-00001.parquet")
+    data = write_grpo_env(rows, tmp_path / "release")
     # A policy that has seen one tool call per task (as after SFT on the `tools` rendering), so
     # that its samples call the tools; a random one would never write a well-formed call. On the
     # DB task it submits the right answer, so the environment's score is not always 0.
@@ -326,22 +358,7 @@ def test_two_grpo_steps_run_episodes_in_sqlite_and_the_os_sandbox(fixtures_build
         return scores[self.environment][-1]
 
     monkeypatch.setattr(ToolEnvironment, "get_reward", spy_get_reward)
-    data_args, training_args, model_args = parse(GRPOTrainConfig, [
-        "--config", str(CONFIGS / "grpo_env_tiny.yaml"), "--model_name_or_path", str(policy),
-        "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"), "--temperature", "0.3"])
-    trainer = build_trainer(data_args, training_args, model_args)
-    batches = []
-    generate = trainer._generate_and_score_completions
-
-    def spy_generate(inputs):
-        batches.append(generate(inputs))
-        return batches[-1]
-
-    trainer._generate_and_score_completions = spy_generate
-    try:
-        trainer.train()
-    finally:
-        close_environments(trainer)
+    trainer, batches = train_grpo_env(policy, data, tmp_path / "out", "--temperature", "0.3")
     factories = trainer.environment_factories
     instances = [i for f in factories.values() for i in f.instances]
     # The model's calls reached both environments, and the environments answered.
@@ -400,3 +417,136 @@ def test_sft_in_the_tools_format_trains_on_calls_not_on_observations(fixtures_bu
         assert trained.count("<tool_call>") == sum(m["role"] == "assistant" for m in example["messages"])
         assert "<tool_response>" not in trained and "# Tools" in untrained
         assert untrained.count("<tool_response>") == sum(m["role"] == "tool" for m in example["messages"])
+
+
+# --- multi-turn episodes: query, read the observation, answer -----------------------------------------
+DB_DOVER = "what is the total number of register listings from dover?"
+
+
+class ScriptedPolicy:
+    """Stands in for sampling in a real GRPO run (the network still computes every log-prob and
+    gradient): it reads the conversation it is given, as rendered so far, and writes the next reply
+    as the chat template renders it. First it calls `execute_sql` with the task's reference query;
+    after the result it calls `submit` with the values it read there (every second episode a wrong
+    value instead); after that it says it is done."""
+
+    def __init__(self, tokenizer, queries: dict[str, str]):
+        self.tokenizer, self.queries, self.submits = tokenizer, queries, 0
+        probe = EnvironmentFactory("db")()
+        self.tools = [probe.execute_sql, probe.submit]
+
+    def reply_text(self, message: dict) -> str:
+        head = self.tokenizer.apply_chat_template([{"role": "user", "content": "-"}], tools=self.tools,
+                                                  add_generation_prompt=True, tokenize=False)
+        full = self.tokenizer.apply_chat_template([{"role": "user", "content": "-"}, message], tools=self.tools,
+                                                  tokenize=False)
+        return full[len(head):]
+
+    def next_message(self, text: str) -> dict:
+        import ast
+        import re
+
+        results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.S)
+        if not results:
+            question = next(q for q in self.queries if q in text)
+            call = {"name": "execute_sql", "arguments": {"query": self.queries[question]}}
+        elif len(results) == 1:
+            values = [str(v) for row in ast.literal_eval(results[0]) for v in row]
+            self.submits += 1
+            answer = json.dumps(values if self.submits % 2 else ["0"])
+            call = {"name": "submit", "arguments": {"answer": answer}}
+        else:
+            return {"role": "assistant", "content": "Done."}
+        return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+
+    def generate(self, input_ids, attention_mask, **_):
+        import torch
+
+        replies = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            text = self.tokenizer.decode([t for t, m in zip(ids, mask) if m])
+            reply = self.reply_text(self.next_message(text))
+            replies.append(self.tokenizer(reply, add_special_tokens=False)["input_ids"])
+        width = max(map(len, replies))
+        pad = self.tokenizer.pad_token_id
+        tail = torch.tensor([r + [pad] * (width - len(r)) for r in replies], dtype=input_ids.dtype)
+        return torch.cat([input_ids, tail], dim=1)
+
+
+def test_multi_turn_grpo_episodes_read_the_observation_and_are_scored_by_the_env(fixtures_build, tmp_path,
+                                                                                  monkeypatch):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoTokenizer
+
+    from tiny_model import build_tiny_model, tool_chat_template
+
+    torch.set_num_threads(1)
+    tasks = [t for t in load_tasks(DB_FILE) if t.description in (DB_SELECT, DB_DOVER)]
+    data = write_grpo_env([grpo_env_row(t, "tasks") for t in tasks], tmp_path / "release")
+    tiny = build_tiny_model(tmp_path / "tiny", fixtures_build, chat_template=tool_chat_template())
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    references = {r["description"]: r["sql"]["query"] for r in map(json.loads, DB_FILE.read_text().splitlines())
+                  if r["description"] in (DB_SELECT, DB_DOVER)}
+    policy = ScriptedPolicy(tokenizer, references)
+
+    episodes: list[tuple[list[str], list[str], float]] = []
+    get_reward = ToolEnvironment.get_reward
+
+    def spy_get_reward(self):
+        episodes.append((list(self.actions), list(self.observations), get_reward(self)))
+        return episodes[-1][2]
+
+    monkeypatch.setattr(ToolEnvironment, "get_reward", spy_get_reward)
+    trainer, batches = train_grpo_env(tiny, data, tmp_path / "out", "--environments", "db", "--env_settings", "{}",
+                                      "--max_turns", "3", "--max_completion_length", "1024", generate=policy.generate)
+    # Every episode queried, got the rows back, and answered from them; the env scored the answer:
+    # the Capitol Square rows are its answer, the Dover reference query is wrong upstream (it counts
+    # 2 listings, the task's answer is 17), so what the policy read there scores 0.
+    assert len(episodes) == 8
+    for actions, observations, score in episodes:
+        assert len(actions) == 2 and actions[0].startswith("Action: Operation\n```sql\nSELECT")
+        assert actions[1].startswith("Action: Answer\nFinal Answer: ") and observations[1] == "Episode finished."
+        read = json.dumps([str(v) for row in __import__("ast").literal_eval(observations[0]) for v in row])
+        capitol = "skyscrapers_in_Columbus" in actions[0]
+        assert observations[0] == ("[('26',)]" if capitol else "[(2,)]")
+        assert score == (1.0 if capitol and actions[1].endswith(read) else 0.0), (actions, observations, score)
+    scores = [score for *_, score in episodes]
+    assert 1.0 in scores and 0.0 in scores
+    logged = [entry for entry in trainer.state.log_history if "rewards/DbEnvironment/mean" in entry]
+    assert [entry["rewards/DbEnvironment/mean"] for entry in logged] == pytest.approx(
+        [sum(scores[k:k + 4]) / 4 for k in (0, 4)])
+    # In each completion both calls are trained on, and both observations are masked out.
+    for batch in batches:
+        for ids, mask in zip(batch["completion_ids"], batch["tool_mask"]):
+            ids, mask = ids.tolist(), mask.tolist()
+            trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+            masked = tokenizer.decode([t for t, m in zip(ids, mask) if m == 0])
+            assert trained.count("<tool_call>") == 2 and "Done." in trained
+            assert "<tool_response>" not in trained and masked.count("<tool_response>") == 2
+            assert "Episode finished." in masked and ("[('26',)]" in masked or "[(2,)]" in masked)
+
+
+def test_max_prompt_tokens_counts_the_prompt_as_trl_renders_it_with_the_tools(tmp_path):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from tiny_model import build_tokenizer, tool_chat_template
+    from trajforge.training.grpo import limit_prompts, prompt_tokens
+
+    build_tokenizer(["SELECT Floors FROM x"] * 20, chat_template=tool_chat_template()).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    row = grpo_env_row(db_task(), "tasks")
+    probe = EnvironmentFactory("db")()
+    # TRL renders each prompt with its environment's public methods as tools, in name order.
+    rendered = len(tokenizer.apply_chat_template(row["prompt"], tools=[probe.execute_sql, probe.submit],
+                                                 add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"])
+    from trajforge.training.environments import tool_schemas
+
+    without = prompt_tokens(tokenizer, row["prompt"])
+    assert prompt_tokens(tokenizer, row["prompt"], tool_schemas("db")) == rendered > 2 * without
+    rows = Dataset.from_list([row])
+    assert len(limit_prompts(rows, tokenizer, rendered, with_tools=True)) == 1
+    with pytest.raises(ValueError, match="no GRPO row left"):
+        limit_prompts(rows, tokenizer, rendered - 1, with_tools=True)
+    assert len(limit_prompts(rows, tokenizer, rendered - 1)) == 1  # what the count without the tools let through

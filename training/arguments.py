@@ -46,7 +46,8 @@ class GRPOTrainConfig(GRPOConfig):
         metadata={"help": "Reward names from trajforge.training.rewards.REWARDS; weights in `reward_weights`."})
     max_prompt_tokens: int | None = field(
         default=None,
-        metadata={"help": "Drop (and count) prompts longer than this: cutting an agent prompt loses its "
+        metadata={"help": "Drop (and count) prompts longer than this, counted as TRL renders them (with the "
+                          "environment's tool schemas under `environments`): cutting an agent prompt loses its "
                           "instructions, and TRL 1.x has no prompt truncation of its own."})
     environments: list[str] | None = field(
         default=None,

@@ -9,8 +9,9 @@ turn's text and the template's end-of-turn marker, so the model learns to stop);
 that opens the turn (`<|im_start|>assistant\\n`) is the generation prompt and stays masked.
 
 `loss_on: critical` (ATLaS) narrows that further to the assistant turns `trajforge select-steps`
-flagged `critical`; a turn never judged (`critical` null) carries no loss then, so a record that
-was not annotated is dropped and counted as `dropped_no_loss`.
+flagged `critical`; a turn never judged (`critical` null) carries no loss then, so a record the
+selector could not judge is dropped and counted as `dropped_not_judged` (the launcher reports it
+with the run's metrics).
 """
 from __future__ import annotations
 
@@ -116,6 +117,16 @@ def turn_boundaries(tokenizer, messages: list[dict],
     return text, spans
 
 
+# Why a row is dropped (its `status`), as the warning and the error say it.
+DROP_REASONS = {
+    "too_long": "even the first trained turn is longer than max_length",
+    "no_loss": "no assistant turn carries loss (with loss_on: critical, none is flagged critical)",
+    "not_judged": "never judged by `trajforge select-steps` (critical is null; see its select_failures.parquet), "
+                  "so no turn carries loss with loss_on: critical",
+    "no_tool_call": "an action that maps to no tool call (action_format: tools)",
+}
+
+
 @dataclass
 class SFTStats:
     """What preparation did to the rows; nothing is cut or dropped without being counted here."""
@@ -124,9 +135,20 @@ class SFTStats:
     truncated: int = 0          # cut at a turn boundary to fit max_length
     dropped_too_long: int = 0   # even the first trained turn does not fit
     dropped_no_loss: int = 0    # no assistant turn with loss
+    dropped_not_judged: int = 0  # loss_on critical: the selector could not judge the record
     dropped_no_tool_call: int = 0  # action_format tools: an action that is no tool call
     trained_tokens: int = 0
     dropped_ids: list[str] = field(default_factory=list, repr=False)
+
+    def drops(self) -> dict[str, int]:
+        """Dropped rows per reason (the keys of DROP_REASONS), the reasons that dropped none left out."""
+        counts = {reason: getattr(self, f"dropped_{reason}") for reason in DROP_REASONS}
+        return {reason: n for reason, n in counts.items() if n}
+
+    def metrics(self, prefix: str) -> dict[str, int]:
+        """The counts as run metrics (`<prefix>_rows`, `<prefix>_dropped_not_judged`, ...)."""
+        return {f"{prefix}_{name}": getattr(self, name) for name in
+                ("rows", "kept", "truncated", *(f"dropped_{r}" for r in DROP_REASONS), "trained_tokens")}
 
 
 _MESSAGE_KEYS = ("role", "content", "tool_calls", "name")
@@ -175,16 +197,29 @@ def tools_rendering(row: dict) -> dict | None:
     return tool_messages(row, trajectory_prompt(row), tool_schemas(environment_of(row["env"])))
 
 
+def loss_status(turns: list[dict], loss_on: str) -> str | None:
+    """None when a turn carries loss; else why none does: `not_judged` (loss_on critical, a turn
+    with loss the selector never judged) or `no_loss`."""
+    if any(carries_loss(t, loss_on) for t in turns):
+        return None
+    if loss_on == "critical" and any(t["role"] == "assistant" and t.get("loss") and t.get("critical") is None
+                                     for t in turns):
+        return "not_judged"
+    return "no_loss"
+
+
 def _prepare_row(row: dict, tokenizer, max_length: int | None, loss_on: str = "all",
                  action_format: str = "react") -> dict:
     conversations, tools = row["conversations"], None
-    if not any(carries_loss(t, loss_on) for t in conversations):
-        return {"input_ids": [], "labels": [], "status": "no_loss", "trained": 0}
     if action_format == "tools":
         rendered = tools_rendering(row)
         if rendered is None:
             return {"input_ids": [], "labels": [], "status": "no_tool_call", "trained": 0}
         conversations, tools = rendered["messages"], rendered["tools"]
+    # Checked on what is tokenized: a rendering that lost a turn's flags shows here, not as too_long.
+    status = loss_status(conversations, loss_on)
+    if status is not None:
+        return {"input_ids": [], "labels": [], "status": status, "trained": 0}
     out = tokenize_trajectory(tokenizer, conversations, max_length, tools, loss_on)
     if out is None:
         return {"input_ids": [], "labels": [], "status": "too_long", "trained": 0}
@@ -207,19 +242,16 @@ def prepare_sft(dataset: Dataset, tokenizer, max_length: int | None,
                          desc="Tokenizing trajectories with per-turn labels")
     statuses = mapped["status"]
     ids = mapped["id"] if "id" in mapped.column_names else [str(i) for i in range(len(mapped))]
-    stats = SFTStats(rows=len(dataset), truncated=statuses.count("truncated"),
-                     dropped_too_long=statuses.count("too_long"), dropped_no_loss=statuses.count("no_loss"),
-                     trained_tokens=sum(mapped["trained"]),
-                     dropped_no_tool_call=statuses.count("no_tool_call"),
-                     dropped_ids=[i for i, s in zip(ids, statuses) if s in ("too_long", "no_loss", "no_tool_call")])
+    stats = SFTStats(rows=len(dataset), truncated=statuses.count("truncated"), trained_tokens=sum(mapped["trained"]),
+                     **{f"dropped_{reason}": statuses.count(reason) for reason in DROP_REASONS},
+                     dropped_ids=[i for i, s in zip(ids, statuses) if s in DROP_REASONS])
     kept = mapped.filter(lambda status: status in ("ok", "truncated"), input_columns="status")
     stats.kept = len(kept)
-    if stats.truncated or stats.dropped_too_long or stats.dropped_no_loss or stats.dropped_no_tool_call:
-        logger.warning("SFT data: %d rows, %d kept, %d truncated at a turn boundary to max_length=%s, "
-                       "%d dropped (first trained turn longer than max_length), %d dropped (no turn with loss), "
-                       "%d dropped (an action that is no tool call)",
-                       stats.rows, stats.kept, stats.truncated, max_length, stats.dropped_too_long,
-                       stats.dropped_no_loss, stats.dropped_no_tool_call)
+    drops = "; ".join(f"{n} dropped: {DROP_REASONS[reason]}" for reason, n in stats.drops().items())
+    if stats.truncated or drops:
+        logger.warning("SFT data: %d rows, %d kept, %d truncated at a turn boundary to max_length=%s%s",
+                       stats.rows, stats.kept, stats.truncated, max_length, f"; {drops}" if drops else "")
     if not stats.kept:
-        raise ValueError(f"no SFT row left after preparation: {stats}")
+        raise ValueError(f"no SFT row left after preparation (loss_on={loss_on}, action_format={action_format}, "
+                         f"max_length={max_length}): of {stats.rows} rows, {drops or 'none dropped'}")
     return kept.select_columns(["input_ids", "labels"]), stats

@@ -10,14 +10,16 @@ from trl import GRPOTrainer, get_peft_config
 
 from trajforge.training.arguments import GRPOTrainConfig, parse
 from trajforge.training.common import load_model, load_splits, load_tokenizer, run
-from trajforge.training.environments import make_factories
+from trajforge.training.environments import make_factories, tool_schemas
 from trajforge.training.rewards import get_rewards
 
 logger = logging.getLogger(__name__)
 
 
-def prompt_tokens(tokenizer, prompt: list[dict]) -> int:
-    return len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+def prompt_tokens(tokenizer, prompt: list[dict], tools: list[dict] | None = None) -> int:
+    """The prompt's length as TRL renders it: the chat template with the generation prompt and, in
+    the environments, the environment's tool schemas (often most of the prompt)."""
+    return len(tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True, tokenize=True,
                                              return_dict=True)["input_ids"])
 
 
@@ -30,11 +32,15 @@ def select_counted(dataset: Dataset, keep: list[int], dropped: str) -> Dataset:
     return dataset.select(keep)
 
 
-def limit_prompts(dataset: Dataset, tokenizer, max_prompt_tokens: int | None) -> Dataset:
-    """Drop prompts longer than max_prompt_tokens, counting them: a cut prompt loses its instructions."""
+def limit_prompts(dataset: Dataset, tokenizer, max_prompt_tokens: int | None, with_tools: bool = False) -> Dataset:
+    """Drop prompts longer than max_prompt_tokens, counting them: a cut prompt loses its instructions.
+    `with_tools`: rows of the `grpo_env` config, counted with their environment's tools."""
     if max_prompt_tokens is None:
         return dataset
-    keep = [i for i, p in enumerate(dataset["prompt"]) if prompt_tokens(tokenizer, p) <= max_prompt_tokens]
+    environments = dataset["environment"] if with_tools else [None] * len(dataset)
+    schemas = {name: tool_schemas(name) for name in set(environments) if name is not None}
+    keep = [i for i, (p, name) in enumerate(zip(dataset["prompt"], environments))
+            if prompt_tokens(tokenizer, p, schemas.get(name)) <= max_prompt_tokens]
     return select_counted(dataset, keep, f"prompts longer than max_prompt_tokens={max_prompt_tokens} dropped")
 
 
@@ -67,9 +73,9 @@ def build_trainer(data_args, training_args: GRPOTrainConfig, model_args, callbac
     train, evaluation = load_splits(data_args, "grpo_env" if factories else "grpo", training_args.seed)
     if factories:
         train, evaluation = (keep_environments(d, training_args.environments) for d in (train, evaluation))
-    train = limit_prompts(train, tokenizer, training_args.max_prompt_tokens)
+    train = limit_prompts(train, tokenizer, training_args.max_prompt_tokens, bool(factories))
     if evaluation is not None:
-        evaluation = limit_prompts(evaluation, tokenizer, training_args.max_prompt_tokens)
+        evaluation = limit_prompts(evaluation, tokenizer, training_args.max_prompt_tokens, bool(factories))
     if training_args.reward_weights is not None and len(training_args.reward_weights) != len(training_args.reward_funcs):
         raise ValueError(f"reward_weights {training_args.reward_weights} do not match reward_funcs "
                          f"{training_args.reward_funcs}")

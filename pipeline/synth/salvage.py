@@ -11,16 +11,28 @@ id or by description. Only envs that can replay an action sequence qualify: `os`
 `db` (a fresh SQLite copy), and AgentGym's envs run in-process (`babyai`, `textcraft`, `sciworld`:
 the same seeded level, recipe set or simulator variation).
 
+Before any model call, the failure's actions are replayed in a fresh environment (no model), which
+checks two things. The replay must agree with the record: each replayed observation must equal the
+recorded one (whitespace aside), since the record's thoughts were written about the recorded
+observations; the prefix ends before the first step that disagrees, and the disagreement is kept in
+the row (`replay_mismatch`). And a step is only worth keeping when it did something: a step the
+environment refused (an invalid action), one it answered with an error (a failed SQL statement, a
+non-zero exit), and one that changed nothing (the same action with the same observation as an
+earlier step) are dropped from the prefix (`dropped_steps`, by reason in the report).
+
 For a failure with n actions the prefixes of k = n-1, n-2, ..., 1 actions are tried, longest first
-(it keeps the most expert actions), at most `max_prefixes` of them, and the first that leads to a
-success is kept. Every LLM call goes through one budget (`max_calls`, cache hits are free), so a
-salvage run never spends more than it was given. Each failure ends in exactly one row of
-`salvage.parquet` with its outcome:
+(it keeps the most expert actions), at most `max_prefixes` of them, each without its dropped steps
+(two k that keep the same steps are one prefix), and the first that leads to a success is kept,
+once the observations of its replay in the episode match the record too. Every LLM call goes
+through one budget (`max_calls`, cache hits are free), so a salvage run never spends more than it
+was given. Each failure ends in exactly one row of `salvage.parquet` with its outcome:
 
     salvaged               a prefix of k actions + the continuation succeeded (a record was written)
     no_prefix_succeeded    every prefix tried failed (tried <= max_prefixes)
     budget_exhausted       the call budget ran out before a prefix succeeded
     no_prefix              fewer than two actions: there is no proper prefix to keep
+    no_useful_prefix       every step of the proper prefix was refused, an error, or changed nothing
+    replay_mismatch        the replay disagrees with the record from its first step (or in every prefix tried)
     env_not_replayable     the env cannot replay a trajectory (see REPLAYABLE_ENVS)
     no_task                the task is not in the task file
     not_a_task_failure     the run failed outside the model and task (llm_error, env_error, skipped)
@@ -44,7 +56,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.synth.agent import AgentConfig, Episode, run_episode
+from trajforge.pipeline.synth.agent import EMPTY_OBSERVATION, AgentConfig, Episode, run_episode
+from trajforge.pipeline.synth.envs.base import StepResult
 from trajforge.pipeline.atomic import write_json, write_parquet
 from trajforge.pipeline.synth.llm import ChatBackend, ChatResult, LLMConfig, LLMError, make_backend
 from trajforge.pipeline.synth.job import EpisodeJournal, episode_key
@@ -59,7 +72,8 @@ NOT_TASK_FAILURES = ("llm_error", "env_error", "skipped")
 OUTCOME_SCHEMA = pa.schema([
     ("id", pa.string()), ("task_id", pa.string()), ("env", pa.string()), ("failure_reason", pa.string()),
     ("outcome", pa.string()), ("detail", pa.string()), ("steps", pa.int64()), ("prefixes_tried", pa.int64()),
-    ("prefix_steps", pa.int64()), ("record_id", pa.string()),
+    ("prefix_steps", pa.int64()), ("record_id", pa.string()), ("dropped_steps", pa.int64()),
+    ("replay_mismatch", pa.string()),
 ])
 
 
@@ -107,9 +121,81 @@ class Failure:
     def actions(self) -> list[dict]:
         return [t for t in self.turns if t["role"] == "assistant" and t.get("action")]
 
+    @property
+    def observations(self) -> list[str | None]:
+        """Per action, the observation recorded right after it (None when the record ends there)."""
+        found = []
+        for i, turn in enumerate(self.turns):
+            if turn["role"] == "assistant" and turn.get("action"):
+                after = self.turns[i + 1] if i + 1 < len(self.turns) else None
+                found.append(after["content"] if after is not None and after["role"] == "user" else None)
+        return found
+
 
 def _space(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
+
+
+def step_verdict(step: StepResult, action: str, observation: str, earlier: set[tuple[str, str]]) -> str | None:
+    """Why a replayed prefix step is dropped, None when it is kept: `refused` (the environment did
+    not run it: `info.valid` false), `error` (it ran and failed: `info.error`, the env's error
+    reply), `no_change` (the same action and observation as an earlier step of the replay).
+    Our environments (os, db) report refusals and errors in `info`; an environment whose refusals
+    come back only as observation text needs its own check here (the place for per-env refusal
+    replies such as those the ingest grammars know)."""
+    info = step.info or {}
+    if info.get("valid", True) is False:
+        return "refused"
+    if info.get("error"):
+        return "error"
+    if (_space(action), _space(observation)) in earlier:
+        return "no_change"
+    return None
+
+
+@dataclass
+class ReplayedStep:
+    observation: str
+    verdict: str | None        # step_verdict; `ended` when the step ended the episode
+
+
+def replay_actions(make_env: Any, task: Any, actions: list[str], redact: Any) -> list[ReplayedStep]:
+    """Each action stepped in a fresh environment, without a model (blocking). Observations are
+    cleaned as the agent loop cleans them, so that they compare with a record's."""
+    env = make_env()
+    try:
+        env.reset(task)
+        steps: list[ReplayedStep] = []
+        earlier: set[tuple[str, str]] = set()
+        for action in actions:
+            result = env.step(action)
+            observation = redact(result.observation.strip()) or EMPTY_OBSERVATION
+            if result.done:
+                steps.append(ReplayedStep(observation, "ended"))
+                break
+            steps.append(ReplayedStep(observation, step_verdict(result, action, observation, earlier)))
+            earlier.add((_space(action), _space(observation)))
+        return steps
+    finally:
+        env.close()
+
+
+def first_mismatch(recorded: list[str | None], replayed: list[str]) -> tuple[int, str] | None:
+    """(index, description) of the first replayed observation that is not the recorded one."""
+    for i, (was, now) in enumerate(zip(recorded, replayed)):
+        if was is None or _space(was) != _space(now):
+            return i, f"step {i}: recorded {(was or '(nothing)')[:200]!r}, the replay gives {now[:200]!r}"
+    return None
+
+
+def episode_prefix_observations(episode: Episode, steps: int) -> list[str]:
+    """The observations after the first `steps` assistant turns of an episode (the replayed prefix)."""
+    found = []
+    for i, turn in enumerate(episode.turns):
+        if turn["role"] == "assistant" and len(found) < steps:
+            after = episode.turns[i + 1] if i + 1 < len(episode.turns) else None
+            found.append(after["content"] if after is not None and after["role"] == "user" else "")
+    return found
 
 
 def read_failures(path: str | Path) -> list[Failure]:
@@ -142,12 +228,17 @@ class SalvageConfig:
             raise ValueError("max_prefixes must be at least 1")
 
 
-def salvaged_record(episode: Episode, failure: Failure, prefix_steps: int) -> dict:
-    """The successful episode as a salvage record: its own id, and where its first actions came from."""
+def salvaged_record(episode: Episode, failure: Failure, prefix_steps: int, kept: list[int],
+                    dropped: dict[int, str]) -> dict:
+    """The successful episode as a salvage record: its own id, and where its first actions came from
+    (`prefix_from`: the indexes of the failure's actions it starts with; `dropped_steps`: the
+    failure's steps within the prefix that were left out, with why)."""
     record = dict(episode.record)
     meta = json.loads(record["meta"])
     meta.update(salvaged_from=failure.id, failure_reason=failure.reason, prefix_steps=prefix_steps,
-                beneficial_steps=list(range(prefix_steps)), failed_steps=len(failure.actions))
+                beneficial_steps=list(range(len(kept))), prefix_from=kept,
+                dropped_steps={str(i): reason for i, reason in sorted(dropped.items())},
+                failed_steps=len(failure.actions))
     record.update(id=f"{failure.id}~p{prefix_steps}" if failure.id.startswith("synthetic/")
                   else f"synthetic/{failure.id.replace('/', '_')}~p{prefix_steps}",
                   source_id=f"{failure.id}~p{prefix_steps}", meta=json.dumps(meta, sort_keys=True, ensure_ascii=False))
@@ -171,26 +262,31 @@ async def salvage_async(config: SalvageConfig) -> dict:
     gate = asyncio.Semaphore(config.episode_concurrency)
     counts: Counter[str] = Counter()
 
-    async def attempt(failure: Failure, task: Any, k: int) -> Episode:
+    async def attempt(failure: Failure, task: Any, prefix: list[dict]) -> Episode:
         # The prefix is part of the key: the same continuation of a different prefix is another episode.
-        prefix = failure.actions[:k]
         key = episode_key(task, 0, budget.model, {**budget.params, "salvage_prefix": prefix}, config.agent)
         done = journal.get(key)
         if done is not None:
             counts["episodes_resumed"] += 1
             return done
         async with gate:
-            episode = await run_episode(budget, lambda: make_env(task.env, **config.env_kw.get(task.env, {})),
-                                        task, 0, config.agent, prefix=prefix)
+            episode = await run_episode(budget, env_maker(task), task, 0, config.agent, prefix=prefix)
         counts["episodes_run"] += 1
         if not episode.transient:
             journal.put(key, episode)
         return episode
 
+    def env_maker(task: Any):
+        return lambda: make_env(task.env, **config.env_kw.get(task.env, {}))
+
+    async def replay(task: Any, actions: list[str]) -> list[ReplayedStep]:
+        async with gate:
+            return await asyncio.to_thread(replay_actions, env_maker(task), task, actions, budget.redact)
+
     async def salvage_one(failure: Failure) -> tuple[dict, dict | None]:
         row = {"id": failure.id, "task_id": failure.task_id, "env": failure.env, "failure_reason": failure.reason,
                "outcome": "", "detail": "", "steps": len(failure.actions), "prefixes_tried": 0,
-               "prefix_steps": None, "record_id": None}
+               "prefix_steps": None, "record_id": None, "dropped_steps": None, "replay_mismatch": None}
         task = by_id.get(failure.task_id) or by_description.get(_space(failure.task_id))
         if failure.env not in REPLAYABLE_ENVS:
             return {**row, "outcome": "env_not_replayable", "detail": f"env {failure.env}"}, None
@@ -200,18 +296,47 @@ async def salvage_async(config: SalvageConfig) -> dict:
             return {**row, "outcome": "no_task", "detail": f"{failure.task_id[:200]} is not in {config.tasks}"}, None
         if len(failure.actions) < 2:
             return {**row, "outcome": "no_prefix", "detail": f"{len(failure.actions)} action(s)"}, None
-        last_failure = ""
-        for k in range(len(failure.actions) - 1, 0, -1)[:config.max_prefixes]:
-            episode = await attempt(failure, task, k)
+        actions, recorded = failure.actions, failure.observations
+        try:
+            replayed = await replay(task, [a["action"] for a in actions[:-1]])
+        except Exception as exc:  # the env's failure, not the record's: the next run tries again
+            return {**row, "outcome": "transient", "detail": budget.redact(f"replay: {type(exc).__name__}: {exc}")[:1000]}, None
+        mismatch = first_mismatch(recorded, [step.observation for step in replayed])
+        agreeing = mismatch[0] if mismatch else len(replayed)
+        row["replay_mismatch"] = mismatch[1] if mismatch else None
+        if agreeing == 0:
+            return {**row, "outcome": "replay_mismatch", "detail": mismatch[1]}, None
+        verdicts = [step.verdict for step in replayed[:agreeing]]
+        prefixes: list[tuple[int, list[int]]] = []  # (k, the kept indexes among the first k), distinct
+        for k in range(agreeing, 0, -1):
+            kept = [i for i in range(k) if verdicts[i] is None]
+            if kept and (not prefixes or prefixes[-1][1] != kept):
+                prefixes.append((k, kept))
+        if not prefixes:
+            dropped = ", ".join(f"{i}: {v}" for i, v in enumerate(verdicts))
+            return {**row, "outcome": "no_useful_prefix", "detail": f"steps {dropped}"}, None
+        last_failure, mismatched = "", 0
+        for k, kept in prefixes[:config.max_prefixes]:
+            episode = await attempt(failure, task, [actions[i] for i in kept])
             row["prefixes_tried"] += 1
+            dropped = {i: verdicts[i] for i in range(k) if verdicts[i] is not None}
             if episode.status == "success":
-                record = salvaged_record(episode, failure, k)
-                return {**row, "outcome": "salvaged", "prefix_steps": k, "record_id": record["id"]}, record
+                again = first_mismatch([recorded[i] for i in kept], episode_prefix_observations(episode, len(kept)))
+                if again is not None:
+                    # A dropped step had an effect after all, or the env is not deterministic here.
+                    row["replay_mismatch"] = f"prefix of {k} actions, kept {kept}: {again[1]}"
+                    last_failure, mismatched = f"k={k}: replay_mismatch", mismatched + 1
+                    continue
+                record = salvaged_record(episode, failure, k, kept, dropped)
+                return {**row, "outcome": "salvaged", "prefix_steps": k, "dropped_steps": len(dropped),
+                        "record_id": record["id"]}, record
             if episode.reason == "llm_error:budget_exhausted":
                 return {**row, "outcome": "budget_exhausted", "detail": f"at the prefix of {k} actions"}, None
             if episode.transient:
                 return {**row, "outcome": "transient", "detail": f"{episode.reason}: {episode.detail}"[:1000]}, None
             last_failure = f"k={k}: {episode.reason}"
+        if mismatched == row["prefixes_tried"]:
+            return {**row, "outcome": "replay_mismatch", "detail": row["replay_mismatch"]}, None
         return {**row, "outcome": "no_prefix_succeeded", "detail": last_failure}, None
 
     try:
@@ -232,12 +357,15 @@ async def salvage_async(config: SalvageConfig) -> dict:
             write_parquet(records_by_env.get(env, []), arrow_schema("trajectory"), path)
     write_parquet(rows, OUTCOME_SCHEMA, out / "salvage.parquet")
     salvaged = [r for r in rows if r["outcome"] == "salvaged"]
+    salvaged_meta = [json.loads(r["meta"]) for v in records_by_env.values() for r in v]
     report = {
         "failures": len(rows), "outcomes": dict(sorted(Counter(r["outcome"] for r in rows).items())),
         "records": sum(len(v) for v in records_by_env.values()),
         "records_per_env": {env: len(v) for env, v in sorted(records_by_env.items())},
-        "beneficial_steps": sum(r["prefix_steps"] for r in salvaged),
+        "beneficial_steps": sum(len(m["prefix_from"]) for m in salvaged_meta),
         "steps_in_salvaged_failures": sum(r["steps"] for r in salvaged),
+        "dropped_steps": dict(sorted(Counter(v for m in salvaged_meta for v in m["dropped_steps"].values()).items())),
+        "replay_mismatches": sum(r["replay_mismatch"] is not None for r in rows),
         "prefixes_tried": sum(r["prefixes_tried"] for r in rows),
         "episodes_run": counts["episodes_run"], "episodes_resumed": counts["episodes_resumed"],
         "budget": {"max_calls": config.max_calls, "spent": budget.spent, "refused": budget.refused,

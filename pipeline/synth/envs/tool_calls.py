@@ -90,7 +90,8 @@ def tool_messages(record: dict, prompt: list[dict], tools: list[dict]) -> dict |
     before the first trained assistant turn, whose ReAct instructions no longer apply; each assistant turn becomes a
     `tool_calls` message (the thought kept as content), each observation after it a `tool` message.
     None when an action does not map to a tool call (the record keeps its ReAct rendering).
-    Assistant messages keep the turn's `loss` flag."""
+    Assistant messages keep the turn's `loss` and `critical` flags, which say what SFT trains on
+    (`loss_on: critical` reads the second)."""
     environment = environment_of(record["env"])
     turns = record["conversations"]
     first = first_trained(turns)
@@ -103,6 +104,7 @@ def tool_messages(record: dict, prompt: list[dict], tools: list[dict]) -> dict |
                 return None
             thought = _THINK.sub("", turn.get("thought") or "").strip()
             messages.append({"role": "assistant", "content": thought, "loss": bool(turn.get("loss", True)),
+                             "critical": turn.get("critical"),
                              "tool_calls": [{"type": "function", "function": call}]})
             pending = call["name"]
         elif turn["role"] == "user" and pending is not None:
