@@ -15,13 +15,13 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import polars as pl
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.assemble import (OUTPUTS, KeysWriter, first_task_rows, global_duplicates, key_table,
-                                        unit_pools, write_unit)
+                                        unique_ids, unit_pools, with_unique_ids, write_unit)
 from trajforge.pipeline.atomic import StreamingParquet, remove_stale_temp_files, write_json, write_parquet
 from trajforge.pipeline.publish.card import hub_revision, write_card
 from trajforge.pipeline.quality.dedup import DedupConfig
@@ -246,21 +246,6 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     return result
 
 
-def unique_ids(records: Iterable[dict]) -> list[dict]:
-    """Give a repeated id a stable `~n` suffix (n = 2, 3, ... in build order); never overwrite."""
-    seen: Counter[str] = Counter()
-    out = []
-    for record in records:
-        seen[record["id"]] += 1
-        if seen[record["id"]] > 1:
-            meta = json.loads(record["meta"])
-            meta["id_repeat"] = seen[record["id"]]
-            record = {**record, "id": f"{record['id']}~{seen[record['id']]}",
-                      "meta": json.dumps(meta, sort_keys=True)}
-        out.append(record)
-    return out
-
-
 def merge_counts(units: list[UnitResult]) -> dict:
     """Per source and total: read, written, quarantined, reasons."""
     per_source: dict[str, dict] = {}
@@ -300,6 +285,8 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     keys = key_table(units, config)
     duplicates = global_duplicates(keys, units, config, map_units, out / ".staging")
     dropped = pl.Series("order", [d["order"] for d in duplicates], dtype=pl.Int64)
+    keys = unique_ids(keys, keys["contaminated"].is_null() & ~keys["order"].is_in(dropped.implode()))
+    duplicates = with_unique_ids(duplicates, keys)
     kept_keys = (keys.select("order", "unit", "row", "rendering", "domain", "env", "kind", "turns", "chars")
                  .filter(keys["contaminated"].is_null() & ~pl.col("order").is_in(dropped.implode())))
     kept_rows = [kept_keys.filter(pl.col("unit") == u)["row"].to_numpy() for u in range(len(units))]

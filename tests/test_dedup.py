@@ -30,13 +30,17 @@ def build(fixtures_build):
 
 @pytest.fixture(scope="module")
 def merged(tmp_path_factory):
-    """Every valid fixture record before dedup (ids made unique as the build does)."""
-    from trajforge.pipeline.build import unique_ids
-
+    """Every valid fixture record before dedup, a repeated id suffixed `~n` in build order (the
+    build suffixes after dedup; the in-memory dedup only needs the ids unique)."""
     staging = tmp_path_factory.mktemp("staging")
     units = [process_unit(name, f, staging, BuildConfig())
              for name, location in FIXTURE_SOURCES.items() for f in get_source(name).files(location)]
-    return unique_ids([r for u in units for r in pq.read_table(u.records_path).to_pylist()])
+    seen: Counter[str] = Counter()
+    records = []
+    for record in (r for u in units for r in pq.read_table(u.records_path).to_pylist()):
+        seen[record["id"]] += 1
+        records.append({**record, "id": f"{record['id']}~{seen[record['id']]}"} if seen[record["id"]] > 1 else record)
+    return records
 
 
 def test_cross_source_pairs_are_found_and_the_upstream_row_is_kept(build):
