@@ -199,9 +199,11 @@ def render_card(out: Path, report: dict, provenance: list[dict], build: str, cod
     lines += _table(["config", "split", "rows", "shards", "what"], config_rows)
     lines += ["", "```python", "from datasets import load_dataset",
               'ds = load_dataset("<this repo or folder>", "sft", split="train")', "```", "", "## Counts", ""]
-    lines += _table(["source", "read", "written", "quarantined"],
-                    [[name, e["read"], e["written"], e["quarantined"]] for name, e in sorted(report["sources"].items())]
-                    + [["**total**", report["total"]["read"], report["total"]["written"], report["total"]["quarantined"]]])
+    counted = ["read", "written", "quarantined", "duplicates"]
+    lines += _table(["source", *counted],
+                    [[name, *(e[c] for c in counted)] for name, e in sorted(report["sources"].items())]
+                    + [["**total**", *(report["total"][c] for c in counted)]])
+    lines += ["", "Per source, read = written + quarantined + duplicates."]
     lines += ["", "## Quarantine", ""]
     reasons = report["total"].get("reasons", {})
     lines += (_table(["reason", "records"], [[f"`{r}`", n] for r, n in sorted(reasons.items())]) if reasons
