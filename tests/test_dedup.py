@@ -76,6 +76,22 @@ def test_nothing_else_is_merged(build):
     assert {r["loss_flags"] for r in sft if r["id"] in {d["kept_id"] for d in db}} == {"upstream"}
 
 
+def test_a_published_id_is_suffixed_only_after_published_twins(build):
+    """Ids are made unique after dedup: `x~n` is published only with x, x~2 ... x~(n-1), never
+    because a dropped copy of x was counted (the fixtures' AgentInstruct db rows in three files)."""
+    report, sft, dups = build
+    published = {r["id"] for r in sft}
+    for record_id in published:
+        base, _, n = record_id.rpartition("~")
+        if base and n.isdigit():
+            assert {base, *(f"{base}~{k}" for k in range(2, int(n)))} <= published, record_id
+    assert "agenttraj_l/lmrlgym_maze_18~2" in published  # two different trajectories, both kept
+    # The kept db rows (the copies with loss flags) have the plain ids; their dropped copies the suffixes.
+    db_35 = [d for d in dups if d["source_id"] == "db_35"]
+    assert {d["kept_id"] for d in db_35} == {"agentinstruct/db_35"} and "agentinstruct/db_35" in published
+    assert {d["id"] for d in db_35} == {"agentinstruct/db_35~2", "agentinstruct/db_35~3"}
+
+
 def test_duplicate_map_explains_every_drop_and_counts_add_up(build):
     report, sft, dups = build
     kept = {r["id"] for r in sft}
