@@ -38,7 +38,7 @@ from trajforge.pipeline.stages import Dropped, StageTally, in_order, merge_talli
 from trajforge.pipeline.synth.tasks import load_tasks
 from trajforge.pipeline.ingest.validate import ValidateConfig, check_record, merge_env_figures, tally_env
 from trajforge.schemas import arrow_schema
-from trajforge.sources import RawRow, SourceFile, get_source, iter_rows
+from trajforge.sources import RawRow, SourceFile, get_source, iter_rows, looks_like
 
 log = logging.getLogger("trajforge.build")
 
@@ -88,6 +88,8 @@ class UnitResult:
     envs: dict[str, dict] = field(default_factory=dict)
     # Something about the file itself worth a line in the report (an empty file).
     note: str | None = None
+    # The other source whose layout the file has (read as this source at the user's word, --source-as).
+    looks_like: str | None = None
     # The unit's key table (pipeline/assemble.py), staged next to its records.
     keys_path: str = ""
 
@@ -237,10 +239,12 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     records.close()
     quarantine.close()
     keys.close()
+    foreign = looks_like(source_name, file.path)
     result = UnitResult(source_name, name, str(records.path), str(quarantine.path), keys_path=str(keys.path),
                         stages=[tally.as_dict() for tally in [*tallies, writing]], envs=envs,
                         input_sha256=file_sha256(file.path), revision=hub_revision(file.path),
-                        note="empty file: no records" if file.path.stat().st_size == 0 else None)
+                        note="empty file: no records" if file.path.stat().st_size == 0 else None,
+                        looks_like=foreign[0] if foreign else None)
     log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, result.read, result.written,
              result.quarantined, result.reasons or "")
     return result
@@ -391,7 +395,7 @@ def write_release_files(out: Path, report: dict, units: list[UnitResult], config
     code = code_version()
     build = build_id([(u.source, u.source_file, u.input_sha256) for u in units], asdict(config), code)
     provenance = [{"source": u.source, "source_file": u.source_file, "sha256": u.input_sha256,
-                   "revision": u.revision} for u in units]
+                   "revision": u.revision, "looks_like": u.looks_like} for u in units]
     write_card(out, report, provenance, build, code)
     write_manifest(out, build, [*files, "README.md"])
     return build
