@@ -276,7 +276,8 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-retries", type=int, metavar="N",
                    help=f"retries of a request that failed for a transient reason (default: {LLMConfig.max_retries})")
     p.add_argument("--max-connection-failures", type=int, metavar="N",
-                   help=f"stop the job after N requests in a row could not connect (0: never) "
+                   help=f"stop the job after N requests in a row could not connect, or at the first refused "
+                        f"connection of a server that has not answered yet (0: never) "
                         f"(default: {LLMConfig.max_connection_failures})")
     p.add_argument("--search", choices=SEARCH_STRATEGIES,
                    help="grow a search tree per task instead of --n independent episodes; also writes the tree, step "
