@@ -31,7 +31,7 @@ from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_
 from trajforge.pipeline.registry import Registry
 from trajforge.pipeline.publish.manifest import code_version
 from trajforge.pipeline.publish.shards import read_marker, unit_fingerprint, unit_marker, write_marker
-from trajforge.sources import DEFAULT_SOURCES, SourceError, SourceFile, get_source
+from trajforge.sources import DEFAULT_SOURCES, SourceError, SourceFile, check_layout, get_source
 
 # The CLI offers the names of flows.config.RUNNERS without loading Prefect; the two must agree (tested).
 TASK_RUNNERS = Registry("runner")
@@ -93,9 +93,13 @@ def _worth_retrying(task, task_run, state) -> bool:
 
 
 @task(name="resolve-source", retries=2, retry_delay_seconds=5, retry_condition_fn=_worth_retrying)
-def resolve_source(name: str, location: str | None) -> list[SourceFile]:
-    """List a source's data files; downloads from the Hub when `location` is a repo id or None."""
-    return get_source(name).files(location)
+def resolve_source(name: str, location: str | None, check: bool = True) -> list[SourceFile]:
+    """List a source's data files; downloads from the Hub when `location` is a repo id or None.
+    `check`: refuse files in another source's layout (ForeignLayout), unless the user said otherwise."""
+    files = get_source(name).files(location)
+    if check:
+        check_layout(name, files)
+    return files
 
 
 def _unit_cache_key(context, parameters: dict) -> str:
@@ -173,7 +177,8 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str = "buil
                   runner: str = BuildRun.runner, address: str | None = None, workers: int = BuildRun.workers,
                   shard_rows: int | None = None, decontaminate: str | None = None,
                   dedup_threshold: float | None = None, synthetic: str | None = None,
-                  rl_tasks: list[str] | None = None, stages: dict | None = None) -> dict:
+                  rl_tasks: list[str] | None = None, stages: dict | None = None,
+                  source_as: list[str] | None = None) -> dict:
     """Build the dataset. `sources` maps a source name to a local path or Hub repo id (None: its Hub repo).
 
     `stages` is the stages' configuration (`pipeline.build.BuildConfig` as a nested mapping, the
@@ -186,6 +191,8 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str = "buil
     `decontaminate` is a file of evaluation tasks whose trajectories are quarantined;
     `dedup_threshold` the Jaccard similarity from which two trajectories are near duplicates.
     `rl_tasks` are task files whose tasks join the `grpo_env` config.
+    `source_as` names the sources whose files are read as that source although they look like
+    another's (`--source-as`); any other source in another's layout fails the run (ForeignLayout).
     """
     sources = dict(sources or {name: None for name in DEFAULT_SOURCES})
     if synthetic:
@@ -198,7 +205,8 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str = "buil
     staging = (out_dir / ".staging").resolve()
     staging.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(out_dir)
-    files = [(name, f) for name, location in sources.items() for f in resolve_source(name, location)]
+    files = [(name, f) for name, location in sources.items()
+             for f in resolve_source(name, location, check=name not in (source_as or ()))]
     api_url = str(FlowRunContext.get().client.api_url)
     report = build_units.with_options(task_runner=make_task_runner(runner, address, workers, api_url))(
         files, str(staging), str(out_dir), config)

@@ -15,7 +15,7 @@ from pathlib import Path
 from trajforge.flows.config import (RUNNERS, SYNTH_PARAMETERS, BuildRun, ConfigError, load_build_run, merge, nested,
                                      read_config, stage_config, synth_config)
 from trajforge.pipeline.registry import UnknownName
-from trajforge.sources import DEFAULT_SOURCES, REGISTRY, SourceError, UnknownSource, get_source
+from trajforge.sources import DEFAULT_SOURCES, REGISTRY, SourceError, UnknownSource, check_layout, get_source
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -50,6 +50,10 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
                         f"repo; NAME=PATH a local folder or file (a path that exists, whose first folder exists, or "
                         f"that starts with . / ~); NAME=ORG/REPO another Hub repo. Sources: {_source_names()}. "
                         f"Default: {', '.join(DEFAULT_SOURCES)} from the Hub")
+    p.add_argument("--source-as", action="append", metavar="NAME",
+                   help="read source NAME's files as NAME even where they look like another source's (file names, "
+                        "ids); without it such a build is refused, since it would publish one dataset under "
+                        "another's name and license (repeatable; replaces the config's source_as)")
     p.add_argument("--out", help="output folder: new, empty, or an earlier build (rebuilt); required here or in "
                                  "the config")
     p.add_argument("--overwrite", action="store_true",
@@ -95,6 +99,8 @@ def _build_run(args: argparse.Namespace) -> BuildRun:
             if name in run.sources:
                 raise SourceError(f"--source {name}: given twice; keep one")
             run.sources[name] = location
+    if "source_as" in args:
+        run.source_as = args.source_as
     if run.out is None:
         raise SourceError("build: no output folder; give --out DIR (or `out:` in the --config file)")
     stages = {"rendering": getattr(args, "rendering", None), "invalid_steps": getattr(args, "invalid_steps", None),
@@ -145,8 +151,14 @@ def _check_build_args(run: BuildRun) -> None:
     decontaminate = run.stages.get("decontaminate")
     if decontaminate and not os.path.isfile(decontaminate):
         raise SourceError(f"--decontaminate {decontaminate}: no such file; give a file of evaluation tasks")
-    for name, location in (run.sources or dict.fromkeys(DEFAULT_SOURCES)).items():
-        check_source(REGISTRY[name], location)
+    sources = run.sources or dict.fromkeys(DEFAULT_SOURCES)
+    for name in run.source_as:
+        if name not in sources:
+            raise SourceError(f"--source-as {name}: not a source of this build ({', '.join(sources)})")
+    for name, location in sources.items():
+        local_files = check_source(REGISTRY[name], location)
+        if local_files and name not in run.source_as:
+            check_layout(name, local_files)  # a Hub source's files are checked in the flow, once downloaded
 
 
 def _run_build(args: argparse.Namespace) -> int:
@@ -158,7 +170,7 @@ def _run_build(args: argparse.Namespace) -> int:
     from trajforge.pipeline.build import summary_lines
 
     report = build_dataset(sources=run.sources or None, out=run.out, runner=run.runner, address=run.address,
-                           workers=run.workers, stages=run.stages)
+                           workers=run.workers, stages=run.stages, source_as=run.source_as)
     print("\n".join(summary_lines(report)))
     print(f"dataset: {run.out}/data  quarantine: {run.out}/quarantine  report: {run.out}/report.json")
     return 0
@@ -264,7 +276,8 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-retries", type=int, metavar="N",
                    help=f"retries of a request that failed for a transient reason (default: {LLMConfig.max_retries})")
     p.add_argument("--max-connection-failures", type=int, metavar="N",
-                   help=f"stop the job after N requests in a row could not connect (0: never) "
+                   help=f"stop the job after N requests in a row could not connect, or at the first refused "
+                        f"connection of a server that has not answered yet (0: never) "
                         f"(default: {LLMConfig.max_connection_failures})")
     p.add_argument("--search", choices=SEARCH_STRATEGIES,
                    help="grow a search tree per task instead of --n independent episodes; also writes the tree, step "

@@ -111,6 +111,8 @@ class BuildRun:
     overwrite: bool = False
     # Source name -> local path or Hub repo id (null: its Hub repo); empty: the default sources.
     sources: dict[str, str | None] = field(default_factory=dict)
+    # Sources whose files are read as that source although they look like another's (the user's word).
+    source_as: list[str] = field(default_factory=list)
     runner: str = "processes"
     address: str | None = None   # Dask / Ray cluster address; None starts a local cluster
     workers: int = 4             # threads, or local cluster workers

@@ -4,10 +4,11 @@ Each unit stages, next to its records, a key table (`KeysWriter`, built where th
 per record the dedup keys (dedup_table.record_keys), and the fields the report counts.
 `build.finalize` then
 
-1. concatenates the key tables in build order, without the near-dedup columns (`key_table`), adds
-   the contamination verdict (the `task` column only) and makes ids unique (a group-by on `id`);
+1. concatenates the key tables in build order, without the near-dedup columns (`key_table`), and
+   adds the contamination verdict (the `task` column only);
 2. runs the global stages on that table: exact dedup (a group-by), near dedup (band screens and
-   Jaccard checks as steps, `StagedRecords` reading what the table leaves out; dedup_table);
+   Jaccard checks as steps, `StagedRecords` reading what the table leaves out; dedup_table), then
+   makes ids unique, the published records first (`unique_ids`, a window over `id`);
 3. fills the bounded per-env pools of the negative makers, one pool per unit of its kept positives
    (`unit_pools`, merged in unit order; pools.py);
 4. streams each unit's staged records once more (`write_unit`), skipping the dropped ones: each
@@ -118,8 +119,8 @@ class KeysWriter:
 
 def key_table(units, config) -> pl.DataFrame:
     """Every unit's key table in build order, without the near-dedup columns (`near_rows` loads
-    those for the records that need them), with the global `order`, the `unit` and its `row`, the
-    contamination verdict, and ids made unique as `build.unique_ids` does (`repeat` > 1 gets `~repeat`)."""
+    those for the records that need them), with the global `order`, the `unit` and its `row`, and
+    the contamination verdict. Ids are as read; `unique_ids` makes them unique after dedup."""
     near = set(band_columns(config.dedup)) | {"sketch"}
     frames, offset = [], 0
     for u, unit in enumerate(units):
@@ -128,11 +129,27 @@ def key_table(units, config) -> pl.DataFrame:
         frames.append(frame.with_columns(pl.col("order").alias("row"), (pl.col("order") + offset).alias("order"),
                                          pl.lit(u, dtype=pl.Int32).alias("unit")))
         offset += frame.height
-    keys = pl.concat(frames).with_columns(contamination(units, config))
-    repeat = pl.col("id").cum_count().over("id")
+    return pl.concat(frames).with_columns(contamination(units, config))
+
+
+def unique_ids(keys: pl.DataFrame, published: pl.Series) -> pl.DataFrame:
+    """`keys` with every repeated id given a stable `~n` suffix (`repeat` n = 2, 3, ...; never
+    overwritten), counted after the global stages: first over the `published` records (kept by
+    dedup and decontamination) in build order, then over the others. A published id so carries
+    `~n` only when n - 1 published records before it have the same upstream id, never because a
+    dropped copy was counted, and a dropped copy's id in the duplicates map is never a published one."""
+    repeat = pl.col("id").cum_count().over("id", order_by=[~published, "order"])
     return keys.with_columns(repeat.cast(pl.Int32).alias("repeat")).with_columns(
         pl.when(pl.col("repeat") > 1).then(pl.col("id") + "~" + pl.col("repeat").cast(pl.String))
         .otherwise(pl.col("id")).alias("id"))
+
+
+def with_unique_ids(duplicates: list[dict], keys: pl.DataFrame) -> list[dict]:
+    """The duplicates map with the ids `unique_ids` gave the dropped and the kept records (by the
+    build `order` of each)."""
+    involved = {o for d in duplicates for o in (d["order"], d["kept_order"])}
+    ids = dict(keys.filter(pl.col("order").is_in(list(involved))).select("order", "id").iter_rows())
+    return [{**d, "id": ids[d["order"]], "kept_id": ids[d["kept_order"]]} for d in duplicates]
 
 
 def read_rows(paths: Sequence[str], wanted: dict[int, list[int]], columns: list[str] | None = None,

@@ -15,13 +15,13 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import polars as pl
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.assemble import (OUTPUTS, KeysWriter, first_task_rows, global_duplicates, key_table,
-                                        unit_pools, write_unit)
+                                        unique_ids, unit_pools, with_unique_ids, write_unit)
 from trajforge.pipeline.atomic import StreamingParquet, remove_stale_temp_files, write_json, write_parquet
 from trajforge.pipeline.publish.card import hub_revision, write_card
 from trajforge.pipeline.quality.dedup import DedupConfig
@@ -38,7 +38,7 @@ from trajforge.pipeline.stages import Dropped, StageTally, in_order, merge_talli
 from trajforge.pipeline.synth.tasks import load_tasks
 from trajforge.pipeline.ingest.validate import ValidateConfig, check_record, merge_env_figures, tally_env
 from trajforge.schemas import arrow_schema
-from trajforge.sources import RawRow, SourceFile, get_source, iter_rows
+from trajforge.sources import RawRow, SourceFile, get_source, iter_rows, looks_like
 
 log = logging.getLogger("trajforge.build")
 
@@ -88,6 +88,8 @@ class UnitResult:
     envs: dict[str, dict] = field(default_factory=dict)
     # Something about the file itself worth a line in the report (an empty file).
     note: str | None = None
+    # The other source whose layout the file has (read as this source at the user's word, --source-as).
+    looks_like: str | None = None
     # The unit's key table (pipeline/assemble.py), staged next to its records.
     keys_path: str = ""
 
@@ -237,28 +239,15 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     records.close()
     quarantine.close()
     keys.close()
+    foreign = looks_like(source_name, file.path)
     result = UnitResult(source_name, name, str(records.path), str(quarantine.path), keys_path=str(keys.path),
                         stages=[tally.as_dict() for tally in [*tallies, writing]], envs=envs,
                         input_sha256=file_sha256(file.path), revision=hub_revision(file.path),
-                        note="empty file: no records" if file.path.stat().st_size == 0 else None)
+                        note="empty file: no records" if file.path.stat().st_size == 0 else None,
+                        looks_like=foreign[0] if foreign else None)
     log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, result.read, result.written,
              result.quarantined, result.reasons or "")
     return result
-
-
-def unique_ids(records: Iterable[dict]) -> list[dict]:
-    """Give a repeated id a stable `~n` suffix (n = 2, 3, ... in build order); never overwrite."""
-    seen: Counter[str] = Counter()
-    out = []
-    for record in records:
-        seen[record["id"]] += 1
-        if seen[record["id"]] > 1:
-            meta = json.loads(record["meta"])
-            meta["id_repeat"] = seen[record["id"]]
-            record = {**record, "id": f"{record['id']}~{seen[record['id']]}",
-                      "meta": json.dumps(meta, sort_keys=True)}
-        out.append(record)
-    return out
 
 
 def merge_counts(units: list[UnitResult]) -> dict:
@@ -300,6 +289,8 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     keys = key_table(units, config)
     duplicates = global_duplicates(keys, units, config, map_units, out / ".staging")
     dropped = pl.Series("order", [d["order"] for d in duplicates], dtype=pl.Int64)
+    keys = unique_ids(keys, keys["contaminated"].is_null() & ~keys["order"].is_in(dropped.implode()))
+    duplicates = with_unique_ids(duplicates, keys)
     kept_keys = (keys.select("order", "unit", "row", "rendering", "domain", "env", "kind", "turns", "chars")
                  .filter(keys["contaminated"].is_null() & ~pl.col("order").is_in(dropped.implode())))
     kept_rows = [kept_keys.filter(pl.col("unit") == u)["row"].to_numpy() for u in range(len(units))]
@@ -404,7 +395,7 @@ def write_release_files(out: Path, report: dict, units: list[UnitResult], config
     code = code_version()
     build = build_id([(u.source, u.source_file, u.input_sha256) for u in units], asdict(config), code)
     provenance = [{"source": u.source, "source_file": u.source_file, "sha256": u.input_sha256,
-                   "revision": u.revision} for u in units]
+                   "revision": u.revision, "looks_like": u.looks_like} for u in units]
     write_card(out, report, provenance, build, code)
     write_manifest(out, build, [*files, "README.md"])
     return build

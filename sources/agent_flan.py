@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trajforge.sources.agentinstruct import SPLITS, env_from_prompt
-from trajforge.sources.base import KeepRank, Source, file_stem
+from trajforge.sources.base import KeepRank, Source, file_stem, row_ids
 
 FILES = (
     "agent_instruct_react", "agent_instruct_tflan", "toolbench_instruct_j1s1_3k", "toolbench_negative",
@@ -36,4 +36,10 @@ class AgentFlan(Source):
             return ("tool", "toolbench")
         if split.startswith("agent_instruct") or split in SPLITS:
             return SPLITS.get(source_id.split("_")[0]) or SPLITS.get(split) or env_from_prompt(prompt)
+        return None
+
+    def recognizes(self, path, rows):
+        split = self.split_of(path)
+        if split in FILES and row_ids(rows, "id"):
+            return f"Agent-FLAN's file name `{split}`"
         return None

@@ -1,7 +1,9 @@
 """THUDM/AgentInstruct: one parquet file per split, rows {conversations[{from, loss, value}], id}."""
 from __future__ import annotations
 
-from trajforge.sources.base import KeepRank, Source
+import re
+
+from trajforge.sources.base import KeepRank, Source, row_ids
 
 SPLITS = {
     "os": ("os", "os"),
@@ -43,3 +45,12 @@ class AgentInstruct(Source):
             if key in SPLITS:
                 return SPLITS[key]
         return env_from_prompt(prompt)
+
+    def recognizes(self, path, rows):
+        # Upstream names each file after its split and numbers rows within it (`os-0000...parquet`:
+        # `os_0`, `os_1`, ...); Agent-FLAN's rewrites of these rows keep the ids, not the file names.
+        split = self.split_of(path)
+        ids = row_ids(rows, "id")
+        if split in SPLITS and ids and all(re.fullmatch(rf"{split}_\d+", i) for i in ids):
+            return f"a file named after its split `{split}`, ids like `{ids[0]}`"
+        return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from trajforge.sources.base import KeepRank, Source, file_stem
+from trajforge.sources.base import KeepRank, Source, file_stem, row_ids
 
 ENVS = {
     "alfworld": ("household", "alfworld"),
@@ -49,3 +49,10 @@ class AgentTrajL(Source):
 
     def domain_env(self, split, source_id, prompt=""):
         return ENVS.get(split) or env_from_item_id(source_id)
+
+    def recognizes(self, path, rows):
+        stem = file_stem(path)
+        ids = row_ids(rows, "item_id")
+        if stem.endswith("_train") and stem.removesuffix("_train") in ENVS and ids:
+            return f"a file named `{stem}`, rows keyed `item_id` (`{ids[0]}`)"
+        return None

@@ -83,6 +83,13 @@ def file_stem(path: Path) -> str:
     return SHARD_SUFFIX.sub("", path.name.split(".")[0])
 
 
+def row_ids(rows: list[dict], key: str) -> list[str]:
+    """The `key` value of every row as text; empty unless every row has one (a file with a row
+    that lacks it is not recognized by it)."""
+    ids = [row.get(key) for row in rows]
+    return [str(i) for i in ids] if ids and all(isinstance(i, (str, int)) for i in ids) else []
+
+
 def _shown(text: str) -> str:
     """Decoded text made safe to store: undecodable bytes (kept as surrogate escapes) as `\\xNN`."""
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")[:MAX_KEPT_RAW]
@@ -491,3 +498,9 @@ class Source:
     def domain_env(self, split: str, source_id: str, prompt: str = "") -> tuple[str, str] | None:
         """(domain, env) of a row, or None when neither its file, id nor prompt says which env it is."""
         raise NotImplementedError
+
+    def recognizes(self, path: Path, rows: list[dict]) -> str | None:
+        """Why a data file (its name and first decoded rows) is unmistakably in this source's
+        upstream layout, or None. Only marks that no other registered source has count: the
+        check that refuses one dataset read under another's name (and license) relies on it."""
+        return None

@@ -103,9 +103,10 @@ def check_hub_repo(repo_id: str, patterns: list[str]) -> None:
         raise failure from None
 
 
-def check_source(source, location: str | None) -> None:
+def check_source(source, location: str | None) -> list | None:
     """Raise SourceError (one line: the argument, what is wrong, what to do) unless `source`
-    (a sources.Source) can be read from `location` (a path, a repo id, or None: its own Hub repo)."""
+    (a sources.Source) can be read from `location` (a path, a repo id, or None: its own Hub repo).
+    Returns the files of a local location (its SourceFiles), None for a Hub repo."""
     from trajforge.sources.base import DATA_SUFFIXES, SourceError
 
     name = source.name
@@ -121,13 +122,12 @@ def check_source(source, location: str | None) -> None:
             raise SourceError(f"{arg}: {path.name} is not a data file (suffix {path.suffix or 'none'}); "
                               f"give a {suffixes} file or a folder of them")
         try:
-            source.files(location)  # the source's own discovery of its files, local and cheap
+            return source.files(location)  # the source's own discovery of its files, local and cheap
         except SourceError:
             if location is None:
                 raise  # a local-only source without a path: its own message says what to give
             raise SourceError(f"{arg}: no data files ({suffixes}) under {path.absolute()}; give the folder "
                               f"that holds the upstream files") from None
-        return
     repo_id = location or source.hub_repo
     try:
         check_hub_repo(repo_id, list(source.hub_patterns))
@@ -137,3 +137,4 @@ def check_source(source, location: str | None) -> None:
         raise SourceError(f"{arg}: neither a local path ({local_path(location).absolute()} does not exist) nor a "
                           f"readable Hub dataset ({repo_id}: {exc.reason}); give an existing folder or file "
                           f"(--source {name}=PATH) or a Hub repo id (--source {name}=ORG/NAME)") from None
+    return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from trajforge.sources.agent_flan import FILES as FLAN_FILES
 from trajforge.sources.agent_flan import AgentFlan
 from trajforge.sources.agenttraj_l import env_from_item_id
-from trajforge.sources.base import KeepRank, Source
+from trajforge.sources.base import KeepRank, Source, row_ids
 
 
 class OpenManusRL(Source):
@@ -34,3 +34,9 @@ class OpenManusRL(Source):
         """The Agent-FLAN file a re-released row came from (its negatives keep their label)."""
         rest = source_id.removeprefix("AgentFlan_")
         return next((f for f in FLAN_FILES if rest.startswith(f)), split) if rest != source_id else split
+
+    def recognizes(self, path, rows):
+        # Its re-released AgentTraj-L rows keep their upstream ids, so only the Agent-FLAN ids tell
+        # its files apart (a file of the other rows alone is not recognized).
+        flan = [i for i in row_ids(rows, "id") if i.startswith("AgentFlan_")]
+        return f"ids like `{flan[0]}` (its re-release of Agent-FLAN)" if flan else None

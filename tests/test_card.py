@@ -54,7 +54,8 @@ def test_body_has_counts_quarantine_schema_and_ids(card, fixtures_build):
     report = json.loads((fixtures_build / "report.json").read_text())
     body = card.text
     total = report["total"]
-    assert f"| **total** | {total['read']} | {total['written']} | {total['quarantined']} |" in body
+    assert (f"| **total** | {total['read']} | {total['written']} | {total['quarantined']} | {total['duplicates']} |"
+            in body)
     for reason, n in total["reasons"].items():
         assert f"| `{reason}` | {n} |" in body
     dup = report["duplicates"]
@@ -71,6 +72,26 @@ def test_body_has_counts_quarantine_schema_and_ids(card, fixtures_build):
     assert "| mind2web.operation 1 |" in body
     assert f"build id: `{read_manifest(fixtures_build)['build_id']}`" in body
     assert "code version: `" in body
+
+
+def test_count_table_rows_add_up(card, fixtures_build):
+    """Per source and in total: read = written + quarantined + duplicates, as the report counts them."""
+    report = json.loads((fixtures_build / "report.json").read_text())
+    lines = card.text.split("## Counts", 1)[1].strip().splitlines()
+    assert lines[0] == "| source | read | written | quarantined | duplicates |"
+    rows = {}
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        name, *counts = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[name] = [int(c) for c in counts]
+    assert rows.keys() == {*report["sources"], "**total**"}
+    assert any(counts[3] for counts in rows.values()), "the fixtures hold duplicates"
+    for name, (read, written, quarantined, duplicates) in rows.items():
+        assert read == written + quarantined + duplicates, name
+        entry = report["total"] if name == "**total**" else report["sources"][name]
+        assert [read, written, quarantined, duplicates] == [entry[k] for k in ("read", "written", "quarantined",
+                                                                               "duplicates")]
 
 
 def test_build_is_reproducible_in_another_folder(fixtures_build, tmp_path):

@@ -30,13 +30,17 @@ def build(fixtures_build):
 
 @pytest.fixture(scope="module")
 def merged(tmp_path_factory):
-    """Every valid fixture record before dedup (ids made unique as the build does)."""
-    from trajforge.pipeline.build import unique_ids
-
+    """Every valid fixture record before dedup, a repeated id suffixed `~n` in build order (the
+    build suffixes after dedup; the in-memory dedup only needs the ids unique)."""
     staging = tmp_path_factory.mktemp("staging")
     units = [process_unit(name, f, staging, BuildConfig())
              for name, location in FIXTURE_SOURCES.items() for f in get_source(name).files(location)]
-    return unique_ids([r for u in units for r in pq.read_table(u.records_path).to_pylist()])
+    seen: Counter[str] = Counter()
+    records = []
+    for record in (r for u in units for r in pq.read_table(u.records_path).to_pylist()):
+        seen[record["id"]] += 1
+        records.append({**record, "id": f"{record['id']}~{seen[record['id']]}"} if seen[record["id"]] > 1 else record)
+    return records
 
 
 def test_cross_source_pairs_are_found_and_the_upstream_row_is_kept(build):
@@ -70,6 +74,22 @@ def test_nothing_else_is_merged(build):
     assert Counter(d["source_file"] for d in db) == {"db.jsonl": 17, "adp_role_content/db.json": 6}
     assert all(d["kept_id"].split("/")[1].startswith("db_") for d in db)
     assert {r["loss_flags"] for r in sft if r["id"] in {d["kept_id"] for d in db}} == {"upstream"}
+
+
+def test_a_published_id_is_suffixed_only_after_published_twins(build):
+    """Ids are made unique after dedup: `x~n` is published only with x, x~2 ... x~(n-1), never
+    because a dropped copy of x was counted (the fixtures' AgentInstruct db rows in three files)."""
+    report, sft, dups = build
+    published = {r["id"] for r in sft}
+    for record_id in published:
+        base, _, n = record_id.rpartition("~")
+        if base and n.isdigit():
+            assert {base, *(f"{base}~{k}" for k in range(2, int(n)))} <= published, record_id
+    assert "agenttraj_l/lmrlgym_maze_18~2" in published  # two different trajectories, both kept
+    # The kept db rows (the copies with loss flags) have the plain ids; their dropped copies the suffixes.
+    db_35 = [d for d in dups if d["source_id"] == "db_35"]
+    assert {d["kept_id"] for d in db_35} == {"agentinstruct/db_35"} and "agentinstruct/db_35" in published
+    assert {d["id"] for d in db_35} == {"agentinstruct/db_35~2", "agentinstruct/db_35~3"}
 
 
 def test_duplicate_map_explains_every_drop_and_counts_add_up(build):

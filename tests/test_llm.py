@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -166,11 +167,35 @@ def test_a_refused_connection_is_a_connection_failure_not_a_timeout():
 
 
 def test_the_circuit_breaker_stops_every_call_after_n_connection_failures_in_a_row():
-    outcomes, backend = _chats(_config(down_url(), max_retries=8, max_connection_failures=4), 12)
+    """A server that answered and then went away: the job stops after n failures in a row."""
+    server = Server().__enter__()
+
+    async def go():
+        backend = OpenAIBackend(_config(server.base_url, max_retries=8, max_connection_failures=4))
+        try:
+            await backend.chat(MESSAGES)  # answered: the server was up
+            server.__exit__(None, None, None)  # and now nothing listens there
+            outcomes = await asyncio.gather(*(backend.chat(MESSAGES, sample=k) for k in range(1, 13)),
+                                            return_exceptions=True)
+            return outcomes, backend
+        finally:
+            await backend.aclose()
+    outcomes, backend = asyncio.run(go())
     assert all(isinstance(o, ServerUnreachable) for o in outcomes), outcomes
     assert "4 requests in a row could not connect" in outcomes[0].detail
     # The calls already in flight when it tripped end too; no call is retried after that.
-    assert backend.stats.calls == 0 and 4 <= backend.stats.attempts <= 12 and backend.unreachable
+    assert backend.stats.calls == 1 and 1 + 4 <= backend.stats.attempts <= 1 + 12 and backend.unreachable
+
+
+def test_a_server_that_never_answered_and_refuses_stops_the_job_at_the_first_refusal():
+    """A mistyped port with one request in flight: no backoff retries (8 of them took minutes)."""
+    started = time.monotonic()
+    config = replace(_config(down_url(), max_retries=8, concurrency=1), backoff_base_s=5.0)
+    [outcome], backend = _chats(config, 1)
+    assert isinstance(outcome, ServerUnreachable) and "ConnectionRefusedError" in outcome.detail
+    assert "refused the connection and has not answered since the job started" in outcome.detail
+    assert backend.stats.attempts == 1 and backend.stats.retries == 0
+    assert time.monotonic() - started < 5.0  # one backoff step alone would be up to 5 s
 
 
 def test_answered_requests_reset_the_breaker_and_count_as_calls():

@@ -4,6 +4,7 @@ varied free text, planted exact and near copies), cut into several shards so tha
 inside units. The reference is the build's plain functions in this process, without Prefect."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import replace
 
 import pytest
@@ -42,7 +43,15 @@ def reference(corpus, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("runner", ["processes", "threads", "dask", "ray"])
+def _with_extra(runner: str, module: str):
+    """A runner that comes with an extra (module): its case skips, saying so, where the extra is absent."""
+    missing = importlib.util.find_spec(module) is None
+    return pytest.param(runner, marks=pytest.mark.skipif(
+        missing, reason=f"the {runner} runner needs the `{runner}` extra"))
+
+
+@pytest.mark.parametrize("runner", ["processes", "threads", _with_extra("dask", "prefect_dask"),
+                                    _with_extra("ray", "prefect_ray")])
 def test_runner_builds_the_generated_corpus_byte_identical(runner, corpus, reference, tmp_path, monkeypatch):
     from trajforge.flows.build import build_dataset
 

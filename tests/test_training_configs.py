@@ -1,6 +1,7 @@
 """Every shipped config parses into its TRL-based dataclasses; the launchers reject bad input."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,11 @@ CLASSES = {"sft": SFTTrainConfig, "grpo": GRPOTrainConfig, "dpo": DPOTrainConfig
 def test_config_parses(path: Path):
     trainer = path.name.split("_")[0]
     # The GPU recipes ask for bf16, which TrainingArguments refuses on a machine without a GPU.
-    data_args, training_args, model_args = parse(CLASSES[trainer], [
-        "--config", str(path), "--bf16", "false", "--model_name_or_path", "m", "--dataset_name", "d"])
+    with warnings.catch_warnings():
+        # A deprecated key (transformers 5.24: `gradient_checkpointing` -> `activation_checkpointing`) fails.
+        warnings.filterwarnings("error", message=".*deprecated", category=FutureWarning)
+        data_args, training_args, model_args = parse(CLASSES[trainer], [
+            "--config", str(path), "--bf16", "false", "--model_name_or_path", "m", "--dataset_name", "d"])
     assert isinstance(training_args, CLASSES[trainer])
     expected = {"sft": "sft", "grpo": "grpo", "dpo": "preference"}[trainer]
     if getattr(training_args, "environments", None):

@@ -147,6 +147,12 @@ def _provenance_rows(provenance: list[dict], licenses: dict[str, list[str]]) -> 
             where += (", " if where else "") + "local files " + ", ".join(
                 f"`{u['source_file']}` (sha256 `{u['sha256']}`)" for u in sorted(local, key=lambda u: u["source_file"]))
         stated = "; ".join(licenses.get(source, [])) or (registered.license if registered else "see records")
+        foreign = sorted({u["looks_like"] for u in units if u.get("looks_like")})
+        if foreign:
+            # Read at the user's word (--source-as): say what the files look like, and its license.
+            stated += (f" ({source}'s license); {sum(bool(u.get('looks_like')) for u in units)} of {len(units)} "
+                       "files look like " + " and ".join(f"{other} ({REGISTRY[other].license})" for other in foreign)
+                       + f" and were read as {source} at the builder's word (`--source-as {source}`)")
         rows.append([source, f"[{registered.hub_repo}](https://huggingface.co/datasets/{registered.hub_repo})"
                      if registered else "-", where or "-", stated])
     return rows
@@ -185,7 +191,10 @@ def render_card(out: Path, report: dict, provenance: list[dict], build: str, cod
     """The full README.md text for the build in `out`."""
     files = layout(out)
     licenses = source_licenses(out, files)
-    data = card_data(out, files, licenses)
+    # Files read as one source at the builder's word that look like another's: the other's license
+    # is stated too, since the card cannot tell which one holds.
+    looked_like = {u["looks_like"] for u in provenance if u.get("looks_like")}
+    data = card_data(out, files, {**licenses, **{f"looks like {o}": [REGISTRY[o].license] for o in looked_like}})
     lines = ["---", data.to_yaml(), "---", "", "# trajforge agent trajectories", "",
              "Agent trajectories from public datasets, normalized to one ReAct record schema by "
              "[trajforge](https://github.com/trajforge/trajforge): every input record is either in a "
@@ -199,9 +208,11 @@ def render_card(out: Path, report: dict, provenance: list[dict], build: str, cod
     lines += _table(["config", "split", "rows", "shards", "what"], config_rows)
     lines += ["", "```python", "from datasets import load_dataset",
               'ds = load_dataset("<this repo or folder>", "sft", split="train")', "```", "", "## Counts", ""]
-    lines += _table(["source", "read", "written", "quarantined"],
-                    [[name, e["read"], e["written"], e["quarantined"]] for name, e in sorted(report["sources"].items())]
-                    + [["**total**", report["total"]["read"], report["total"]["written"], report["total"]["quarantined"]]])
+    counted = ["read", "written", "quarantined", "duplicates"]
+    lines += _table(["source", *counted],
+                    [[name, *(e[c] for c in counted)] for name, e in sorted(report["sources"].items())]
+                    + [["**total**", *(report["total"][c] for c in counted)]])
+    lines += ["", "Per source, read = written + quarantined + duplicates."]
     lines += ["", "## Quarantine", ""]
     reasons = report["total"].get("reasons", {})
     lines += (_table(["reason", "records"], [[f"`{r}`", n] for r, n in sorted(reasons.items())]) if reasons

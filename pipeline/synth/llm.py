@@ -9,7 +9,9 @@ Why this is more than `client.chat.completions.create`:
   malformed bodies, and at least the server's Retry-After on 429. When retries run out the call
   raises `LLMError` with a reason code; the agent turns that into a failure with a reason.
 * A server that is gone: after `max_connection_failures` requests in a row that could not connect,
-  every call raises `ServerUnreachable` at once, so the job stops instead of retrying each episode.
+  or at the first refused connection of a server that has not answered yet in this job (nothing
+  listens there), every call raises `ServerUnreachable` at once, so the job stops instead of
+  retrying each episode.
 * Strict servers: a 400/422 that names a sampling field the server does not accept (`top_k`,
   `min_p` outside the OpenAI schema) drops that field for the rest of the job, with one warning.
 * Error bodies are kept, redacted (`pipeline.redact`), in the error detail: a server may echo the
@@ -108,7 +110,9 @@ class LLMConfig:
     concurrency: int = 64
     timeout_s: float = 600.0
     max_retries: int = 8
-    max_connection_failures: int = 10  # requests in a row that could not connect before the job stops; 0: never
+    # Requests in a row that could not connect before the job stops (the first refused one, while the
+    # server has not answered yet); 0: never.
+    max_connection_failures: int = 10
     backoff_base_s: float = 0.5
     backoff_max_s: float = 60.0
     cache_path: str | None = None
@@ -454,10 +458,18 @@ class OpenAIBackend:
         detail = self.redact(f"{type(cause).__name__}: {cause}"[:300])
         self._connection_failures += 1
         limit = self.config.max_connection_failures
-        if limit and self._connection_failures >= limit and not self.unreachable:
-            self.unreachable = (f"{self._connection_failures} requests in a row could not connect to "
-                                f"{self.config.base_url or 'the OpenAI API'} (last: {detail})")
-            log.error("%s; stopping", self.unreachable)
+        where = self.config.base_url or "the OpenAI API"
+        if limit and not self.unreachable:
+            if self._connection_failures >= limit:
+                self.unreachable = (f"{self._connection_failures} requests in a row could not connect to {where} "
+                                    f"(last: {detail})")
+            elif isinstance(cause, ConnectionRefusedError) and not self.stats.calls:
+                # Nothing listens there (a mistyped port, a server not started): retrying with backoff
+                # would take minutes per request when few requests are in flight to fill the count.
+                self.unreachable = (f"{where} refused the connection and has not answered since the job started "
+                                    f"({detail}); check the base URL and that the server is up")
+            if self.unreachable:
+                log.error("%s; stopping", self.unreachable)
         if self.unreachable:
             return ServerUnreachable(self.unreachable)
         return _Retryable("connection", detail)
