@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -98,12 +99,12 @@ def test_beam_keeps_k_states_per_depth_and_proposes_k_at_each(trees):
         _check_counts(nodes)
         kids = _children(nodes)
         expanded = [n for n in nodes if kids[n["id"]]]
-        short = [n for n in expanded if sum(c["proposals"] for c in kids[n["id"]]) != 3]
-        # Only the state being expanded when the budget ran out has fewer than K proposals.
-        last = max(nodes, key=lambda n: n["order"])
-        assert not short or ([n["id"] for n in short] == [last["parent_id"]] and sum(n["calls"] for n in nodes) == 40)
-        for depth, count in Counter(n["depth"] for n in expanded).items():
-            assert count <= (1 if depth == 0 else 3)
+        # A dead beam restarts (from states left out, or the root) until the budget is spent.
+        assert sum(n["calls"] for n in nodes) == 40
+        # A state gets K proposals each time it is in the beam; only the one being expanded when the
+        # budget ran out may have a share of K.
+        short = [n for n in expanded if sum(c["proposals"] for c in kids[n["id"]]) % 3]
+        assert len(short) <= 1
         # The beam is the top K by estimate (share of proposals): no expanded state ranks below one left out.
         for depth in {n["depth"] for n in expanded}:
             level = [n for n in nodes if n["depth"] == depth + 1 and not n["terminal"]]
@@ -120,7 +121,12 @@ def test_mcts_visits_and_branching(trees):
         kids = _children(nodes)
         root = next(n for n in nodes if n["parent_id"] is None)
         assert root["visits"] == sum(n["arrivals"] for n in nodes) >= 2
-        assert all(sum(c["proposals"] for c in kids[n["id"]]) <= 3 for n in nodes)
+        # Selection and widening go on until the budget is spent; a state has at most
+        # max(K, ceil(sqrt(K * visits))) proposals (progressive widening), the root more when nothing below is open.
+        assert sum(n["calls"] for n in nodes) == 40
+        assert all(sum(c["proposals"] for c in kids[n["id"]]) <= max(3, math.ceil(math.sqrt(3 * n["visits"])))
+                   for n in nodes if n["parent_id"])
+        assert sum(c["proposals"] for c in kids[root["id"]]) > 3
         # Selection went back into the tree: some state below the root was proposed from more than once.
         assert any(sum(c["proposals"] for c in kids[n["id"]]) > 1 for n in nodes if n["parent_id"])
 
@@ -131,7 +137,9 @@ def test_dfsdt_grows_depth_first(trees):
         kids = _children(nodes)
         by_id = {n["id"]: n for n in nodes}
         order = sorted(nodes, key=lambda n: n["order"])
-        assert all(sum(c["proposals"] for c in kids[n["id"]]) <= 3 for n in nodes)
+        # At most K proposals a state; back at the root, the search proposes again until the budget is spent.
+        assert all(sum(c["proposals"] for c in kids[n["id"]]) <= 3 for n in nodes if n["parent_id"])
+        assert sum(n["calls"] for n in nodes) == 40
         for previous, node in zip(order, order[1:]):
             # A new state hangs below the last one or below one of its ancestors (a backtrack).
             ancestors, cursor = set(), previous
@@ -139,6 +147,23 @@ def test_dfsdt_grows_depth_first(trees):
                 ancestors.add(cursor["id"])
                 cursor = by_id.get(cursor["parent_id"]) if cursor["parent_id"] else None
             assert node["parent_id"] in ancestors
+
+
+@pytest.mark.parametrize("strategy", ["beam", "mcts", "dfsdt"])
+def test_a_search_that_never_succeeds_spends_its_whole_budget(tmp_path, strategy):
+    """Every proposal fails (error rate 1): the K proposals at each state are spent early, and the
+    search goes on (a restarted beam, a widened root, a backtrack to the root) until the budget is."""
+    one_task = tmp_path / "one.jsonl"
+    one_task.write_text(DB_FILE.read_text().splitlines()[0] + "\n")
+    with SeededServer(noisy_policy(1.0, [DB_FILE])) as server:
+        report = _search(server, tmp_path, one_task, "db", strategy=strategy, max_calls=12)
+        assert server.calls == 12
+    nodes = _read(tmp_path, "nodes", "db")
+    _check_counts(nodes)
+    kids = _children(nodes)
+    root = next(n for n in nodes if n["parent_id"] is None)
+    assert report["search"]["outcomes"] == {"budget_exhausted": 1} and report["records"] == 0
+    assert sum(c["proposals"] for c in kids[root["id"]]) > 3   # the root was asked again
 
 
 def _conversation(nodes: list[dict], node: dict) -> list[dict]:
@@ -356,3 +381,5 @@ def test_search_flags_reach_the_config(tmp_path):
     assert job.search == SearchConfig(strategy="beam", branch=2, max_calls=9, max_tokens=500, value_model="judge")
     with pytest.raises(SystemExit):
         parser().parse_args(["synth", "--search", "greedy"])
+    with pytest.raises(ValueError, match="until its budget is spent"):  # a tree search with no end
+        SearchConfig(strategy="mcts", max_calls=None)
