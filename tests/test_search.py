@@ -6,11 +6,14 @@ import math
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from trajforge.flows.cli import _synth_run, parser
 from trajforge.flows.config import merge, nested, synth_config
+from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.synth.config import AgentConfig, SearchConfig, SynthConfig
 from trajforge.pipeline.synth.envs import make_env
@@ -19,6 +22,7 @@ from trajforge.pipeline.synth.llm import LLMConfig
 from trajforge.pipeline.synth.search import step_pairs, step_values, tree_counts
 from trajforge.pipeline.synth.tasks import load_tasks
 from trajforge.schemas import first_error
+from trajforge.sources import get_source
 from tests.conftest import FIXTURES
 from tests.search_policy import LOST_THOUGHT, SeededServer, noisy_policy
 
@@ -383,3 +387,51 @@ def test_search_flags_reach_the_config(tmp_path):
         parser().parse_args(["synth", "--search", "greedy"])
     with pytest.raises(ValueError, match="until its budget is spent"):  # a tree search with no end
         SearchConfig(strategy="mcts", max_calls=None)
+
+
+def test_a_build_over_a_search_writes_step_pairs_and_values(tmp_path):
+    """A search against the loopback server, then a build with its folder as the synthetic source:
+    step_pairs and step_values are configs, schema-valid, each row's task has its trajectory in sft,
+    and the rows of tasks whose trajectory the build dropped are counted by the reason."""
+    synth = tmp_path / "synth"
+    with SeededServer(noisy_policy(0.4, [DB_FILE])) as server:
+        _search(server, synth, DB_FILE, "db", strategy="mcts", max_calls=8)
+    records_file = synth / "data" / "synthetic" / "db.parquet"
+    records = pq.read_table(records_file).to_pylist()
+    read = {name: _read(synth, name, "db") for name in ("step_pairs", "step_values")}
+    task_of = {r["id"]: json.loads(r["meta"])["task_id"] for r in records}
+    assert len(records) >= 3 and read["step_pairs"]
+    # One trajectory is an evaluation task (contaminated), one breaks the schema (quarantined).
+    contaminated, broken = records[0], records[1]
+    (tmp_path / "eval.txt").write_text(contaminated["task"] + "\n")
+    records[1] = dict(broken, conversations=[])
+    pq.write_table(pa.Table.from_pylist(records, schema=pq.read_schema(records_file)), records_file)
+
+    config = BuildConfig(decontaminate=str(tmp_path / "eval.txt"))
+    units = [process_unit("synthetic", f, tmp_path / "staging", config) for f in get_source("synthetic").files(str(synth))]
+    (reason,) = units[0].reasons
+    out = tmp_path / "build"
+    report = finalize(units, out, config)
+
+    sft_tasks = {json.loads(r["meta"])["task_id"] for r in pq.read_table(out / "data" / "sft").to_pylist()}
+    assert task_of[contaminated["id"]] not in sft_tasks and task_of[broken["id"]] not in sft_tasks
+    for name, rows in read.items():
+        written = pq.read_table(out / "data" / name).to_pylist()
+        assert written and all(first_error(name, row) is None for row in written)
+        assert {row["task_id"] for row in written} <= sft_tasks
+        expected = Counter("contaminated" if row["task_id"] == task_of[contaminated["id"]] else
+                           reason if row["task_id"] == task_of[broken["id"]] else
+                           None if row["task_id"] in sft_tasks else "no_trajectory" for row in rows)
+        counts = report["search_steps"][name]
+        assert counts == {"read": len(rows), "written": expected.pop(None), "dropped": dict(sorted(expected.items()))}
+        assert counts["written"] == len(written)
+        assert report["outputs"][name] == [f"data/{name}/train-00000-of-00001.parquet"]
+    assert set(report["search_steps"]["step_values"]["dropped"]) == {"contaminated", reason, "no_trajectory"}
+
+    card = (out / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert {"step_pairs", "step_values"} <= {c["config_name"] for c in front["configs"]}
+    assert "## Step-level data" in card and "Step-level data" in (out / "report.html").read_text()
+    for name in ("step_pairs", "step_values"):
+        counts = report["search_steps"][name]
+        assert f"| {name} | {counts['read']} | {counts['written']} |" in card
