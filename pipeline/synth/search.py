@@ -34,8 +34,8 @@ Beam, MCTS and DFSDT so spend their whole budget (a task's search needs `max_cal
 Values come from the environment's score at the leaves: every rollout that reaches a terminal
 state adds a visit, and a success when it succeeded, to every node on its path, so a node's
 `value` is the Monte Carlo estimate of success from it (`tree_counts` recomputes them from the
-leaves). Each task's search stops at its first success (`stop_on_success`), when its strategy is
-done, or when its budget is spent: `max_calls` requests and `max_tokens` completion tokens per task
+leaves). Each task's search stops at its first success (`stop_on_success`), after best-of-N's N
+rollouts, or when its budget is spent: `max_calls` requests and `max_tokens` completion tokens per task
 (`TaskBudget`; each request asks for at most the tokens left).
 
 Outputs, beside the plain job's (DIR/data/synthetic/<env>.parquet: the best trajectory per task, with
@@ -45,6 +45,8 @@ Outputs, beside the plain job's (DIR/data/synthetic/<env>.parquet: the best traj
     DIR/search/step_values/<env>.parquet  per assistant turn: Monte Carlo value and visits (step_values)
     DIR/search/step_pairs/<env>.parquet   at a shared prefix, a step that leads to success vs one whose
                                           rollouts all failed, TRL DPO conversational (step_pairs)
+
+A build given DIR as its `synthetic` source writes the last two as configs (pipeline/quality/search_steps.py).
 
 Resuming: a finished task's tree is journaled (DIR/.synth/searches.sqlite). A search cut short is
 run again; the search is deterministic given the replies, and the budget counts answers from the
