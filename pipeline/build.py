@@ -30,6 +30,7 @@ from trajforge.pipeline.publish.manifest import (GENERATOR, build_id, code_versi
                                                 remove_earlier_files, set_manifest_aside, write_manifest)
 from trajforge.pipeline.quality.negatives import NegativesConfig
 from trajforge.pipeline.quality.pools import EnvPools
+from trajforge.pipeline.quality.search_steps import stage_step_rows
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
 from trajforge.pipeline.quarantine import quarantine_entry, shown
 from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
@@ -92,6 +93,8 @@ class UnitResult:
     looks_like: str | None = None
     # The unit's key table (pipeline/assemble.py), staged next to its records.
     keys_path: str = ""
+    # The input file (a synthetic unit's tree-search data lies next to it: pipeline/quality/search_steps.py).
+    input_path: str = ""
 
     @property
     def read(self) -> int:
@@ -242,7 +245,7 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     foreign = looks_like(source_name, file.path)
     result = UnitResult(source_name, name, str(records.path), str(quarantine.path), keys_path=str(keys.path),
                         stages=[tally.as_dict() for tally in [*tallies, writing]], envs=envs,
-                        input_sha256=file_sha256(file.path), revision=hub_revision(file.path),
+                        input_sha256=file_sha256(file.path), revision=hub_revision(file.path), input_path=str(file.path),
                         note="empty file: no records" if file.path.stat().st_size == 0 else None,
                         looks_like=foreign[0] if foreign else None)
     log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, result.read, result.written,
@@ -326,6 +329,8 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     parts = {name: [(part.paths[name], part.nbytes[name], part.rows[name]) for part in written]
              for name in ("sft", "negatives", "preference", "grpo")}
     parts["grpo_env"] = [(str(task_rows.path), task_rows.nbytes, task_rows.count), record_rows]
+    step_parts, step_counts = stage_step_rows(units, kept_rows, contaminated, staged)
+    parts.update(step_parts)
     files = {name: write_config_from_file(out, name, "train", [Path(p) for p, _, _ in staged_parts],
                                           arrow_schema(OUTPUTS.get(name, name)),
                                           sum(n for _, n, _ in staged_parts), config.shards, map_units)
@@ -364,6 +369,9 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     report_extras(report, duplicates, negatives_by_type, rows["preference"], sum(part.unpaired for part in written),
                   rows["grpo"], turns, chars)
     report["grpo_env"] = {"rows": rows["grpo_env"], "unrunnable_tasks": len(tasks) - len(runnable)}
+    if step_counts:
+        report["outputs"].update({name: files[name].get("train", []) for name in step_parts})
+        report["search_steps"] = step_counts
     if kept_keys.is_empty():
         report["warnings"] = ["no record made it into data/sft: every input record was quarantined or a duplicate"]
     for warning in report.get("warnings", []):

@@ -3,7 +3,9 @@
 Location: a synth output folder (it reads `data/synthetic/*.parquet`), that folder's
 `data/synthetic`, or one of its Parquet files. The files hold finished schema records, which the
 build passes through unchanged (per-turn `reasoning`, generator and sampling in `meta`) and
-validates like any other record.
+validates like any other record. A tree search's step data next to them
+(`search/step_pairs/<env>.parquet`, `search/step_values/<env>.parquet`; `search_file`) becomes the
+build's `step_pairs` and `step_values` configs (pipeline/quality/search_steps.py).
 """
 from __future__ import annotations
 
@@ -25,6 +27,15 @@ def synthetic_files(location: Path) -> list[Path]:
         if files:
             return files
     return []
+
+
+def search_file(records: Path, output: str) -> Path | None:
+    """The tree search's `output` (step_pairs, step_values) of the env whose records are `records`
+    (DIR/data/synthetic/<env>.parquet -> DIR/search/<output>/<env>.parquet), None when there is none."""
+    if records.parent.name != "synthetic" or records.parent.parent.name != "data":
+        return None
+    path = records.parents[2] / "search" / output / records.name
+    return path if path.is_file() else None
 
 
 class Synthetic(Source):

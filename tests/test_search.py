@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from trajforge.flows.cli import _synth_run, parser
 from trajforge.flows.config import merge, nested, synth_config
+from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.synth.config import AgentConfig, SearchConfig, SynthConfig
 from trajforge.pipeline.synth.envs import make_env
@@ -18,6 +22,7 @@ from trajforge.pipeline.synth.llm import LLMConfig
 from trajforge.pipeline.synth.search import step_pairs, step_values, tree_counts
 from trajforge.pipeline.synth.tasks import load_tasks
 from trajforge.schemas import first_error
+from trajforge.sources import get_source
 from tests.conftest import FIXTURES
 from tests.search_policy import LOST_THOUGHT, SeededServer, noisy_policy
 
@@ -98,12 +103,12 @@ def test_beam_keeps_k_states_per_depth_and_proposes_k_at_each(trees):
         _check_counts(nodes)
         kids = _children(nodes)
         expanded = [n for n in nodes if kids[n["id"]]]
-        short = [n for n in expanded if sum(c["proposals"] for c in kids[n["id"]]) != 3]
-        # Only the state being expanded when the budget ran out has fewer than K proposals.
-        last = max(nodes, key=lambda n: n["order"])
-        assert not short or ([n["id"] for n in short] == [last["parent_id"]] and sum(n["calls"] for n in nodes) == 40)
-        for depth, count in Counter(n["depth"] for n in expanded).items():
-            assert count <= (1 if depth == 0 else 3)
+        # A dead beam restarts (from states left out, or the root) until the budget is spent.
+        assert sum(n["calls"] for n in nodes) == 40
+        # A state gets K proposals each time it is in the beam; only the one being expanded when the
+        # budget ran out may have a share of K.
+        short = [n for n in expanded if sum(c["proposals"] for c in kids[n["id"]]) % 3]
+        assert len(short) <= 1
         # The beam is the top K by estimate (share of proposals): no expanded state ranks below one left out.
         for depth in {n["depth"] for n in expanded}:
             level = [n for n in nodes if n["depth"] == depth + 1 and not n["terminal"]]
@@ -120,7 +125,12 @@ def test_mcts_visits_and_branching(trees):
         kids = _children(nodes)
         root = next(n for n in nodes if n["parent_id"] is None)
         assert root["visits"] == sum(n["arrivals"] for n in nodes) >= 2
-        assert all(sum(c["proposals"] for c in kids[n["id"]]) <= 3 for n in nodes)
+        # Selection and widening go on until the budget is spent; a state has at most
+        # max(K, ceil(sqrt(K * visits))) proposals (progressive widening), the root more when nothing below is open.
+        assert sum(n["calls"] for n in nodes) == 40
+        assert all(sum(c["proposals"] for c in kids[n["id"]]) <= max(3, math.ceil(math.sqrt(3 * n["visits"])))
+                   for n in nodes if n["parent_id"])
+        assert sum(c["proposals"] for c in kids[root["id"]]) > 3
         # Selection went back into the tree: some state below the root was proposed from more than once.
         assert any(sum(c["proposals"] for c in kids[n["id"]]) > 1 for n in nodes if n["parent_id"])
 
@@ -131,7 +141,9 @@ def test_dfsdt_grows_depth_first(trees):
         kids = _children(nodes)
         by_id = {n["id"]: n for n in nodes}
         order = sorted(nodes, key=lambda n: n["order"])
-        assert all(sum(c["proposals"] for c in kids[n["id"]]) <= 3 for n in nodes)
+        # At most K proposals a state; back at the root, the search proposes again until the budget is spent.
+        assert all(sum(c["proposals"] for c in kids[n["id"]]) <= 3 for n in nodes if n["parent_id"])
+        assert sum(n["calls"] for n in nodes) == 40
         for previous, node in zip(order, order[1:]):
             # A new state hangs below the last one or below one of its ancestors (a backtrack).
             ancestors, cursor = set(), previous
@@ -139,6 +151,23 @@ def test_dfsdt_grows_depth_first(trees):
                 ancestors.add(cursor["id"])
                 cursor = by_id.get(cursor["parent_id"]) if cursor["parent_id"] else None
             assert node["parent_id"] in ancestors
+
+
+@pytest.mark.parametrize("strategy", ["beam", "mcts", "dfsdt"])
+def test_a_search_that_never_succeeds_spends_its_whole_budget(tmp_path, strategy):
+    """Every proposal fails (error rate 1): the K proposals at each state are spent early, and the
+    search goes on (a restarted beam, a widened root, a backtrack to the root) until the budget is."""
+    one_task = tmp_path / "one.jsonl"
+    one_task.write_text(DB_FILE.read_text().splitlines()[0] + "\n")
+    with SeededServer(noisy_policy(1.0, [DB_FILE])) as server:
+        report = _search(server, tmp_path, one_task, "db", strategy=strategy, max_calls=12)
+        assert server.calls == 12
+    nodes = _read(tmp_path, "nodes", "db")
+    _check_counts(nodes)
+    kids = _children(nodes)
+    root = next(n for n in nodes if n["parent_id"] is None)
+    assert report["search"]["outcomes"] == {"budget_exhausted": 1} and report["records"] == 0
+    assert sum(c["proposals"] for c in kids[root["id"]]) > 3   # the root was asked again
 
 
 def _conversation(nodes: list[dict], node: dict) -> list[dict]:
@@ -356,3 +385,53 @@ def test_search_flags_reach_the_config(tmp_path):
     assert job.search == SearchConfig(strategy="beam", branch=2, max_calls=9, max_tokens=500, value_model="judge")
     with pytest.raises(SystemExit):
         parser().parse_args(["synth", "--search", "greedy"])
+    with pytest.raises(ValueError, match="until its budget is spent"):  # a tree search with no end
+        SearchConfig(strategy="mcts", max_calls=None)
+
+
+def test_a_build_over_a_search_writes_step_pairs_and_values(tmp_path):
+    """A search against the loopback server, then a build with its folder as the synthetic source:
+    step_pairs and step_values are configs, schema-valid, each row's task has its trajectory in sft,
+    and the rows of tasks whose trajectory the build dropped are counted by the reason."""
+    synth = tmp_path / "synth"
+    with SeededServer(noisy_policy(0.4, [DB_FILE])) as server:
+        _search(server, synth, DB_FILE, "db", strategy="mcts", max_calls=8)
+    records_file = synth / "data" / "synthetic" / "db.parquet"
+    records = pq.read_table(records_file).to_pylist()
+    read = {name: _read(synth, name, "db") for name in ("step_pairs", "step_values")}
+    task_of = {r["id"]: json.loads(r["meta"])["task_id"] for r in records}
+    assert len(records) >= 3 and read["step_pairs"]
+    # One trajectory is an evaluation task (contaminated), one breaks the schema (quarantined).
+    contaminated, broken = records[0], records[1]
+    (tmp_path / "eval.txt").write_text(contaminated["task"] + "\n")
+    records[1] = dict(broken, conversations=[])
+    pq.write_table(pa.Table.from_pylist(records, schema=pq.read_schema(records_file)), records_file)
+
+    config = BuildConfig(decontaminate=str(tmp_path / "eval.txt"))
+    units = [process_unit("synthetic", f, tmp_path / "staging", config) for f in get_source("synthetic").files(str(synth))]
+    (reason,) = units[0].reasons
+    out = tmp_path / "build"
+    report = finalize(units, out, config)
+
+    sft_tasks = {json.loads(r["meta"])["task_id"] for r in pq.read_table(out / "data" / "sft").to_pylist()}
+    assert task_of[contaminated["id"]] not in sft_tasks and task_of[broken["id"]] not in sft_tasks
+    for name, rows in read.items():
+        written = pq.read_table(out / "data" / name).to_pylist()
+        assert written and all(first_error(name, row) is None for row in written)
+        assert {row["task_id"] for row in written} <= sft_tasks
+        expected = Counter("contaminated" if row["task_id"] == task_of[contaminated["id"]] else
+                           reason if row["task_id"] == task_of[broken["id"]] else
+                           None if row["task_id"] in sft_tasks else "no_trajectory" for row in rows)
+        counts = report["search_steps"][name]
+        assert counts == {"read": len(rows), "written": expected.pop(None), "dropped": dict(sorted(expected.items()))}
+        assert counts["written"] == len(written)
+        assert report["outputs"][name] == [f"data/{name}/train-00000-of-00001.parquet"]
+    assert set(report["search_steps"]["step_values"]["dropped"]) == {"contaminated", reason, "no_trajectory"}
+
+    card = (out / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert {"step_pairs", "step_values"} <= {c["config_name"] for c in front["configs"]}
+    assert "## Step-level data" in card and "Step-level data" in (out / "report.html").read_text()
+    for name in ("step_pairs", "step_values"):
+        counts = report["search_steps"][name]
+        assert f"| {name} | {counts['read']} | {counts['written']} |" in card

@@ -23,8 +23,8 @@ from datasets.utils.metadata import MetadataConfigs
 from huggingface_hub import DatasetCardData
 
 from trajforge.pipeline.atomic import write_text
-from trajforge.pipeline.publish.report import (GROUNDING_HEADER, GROUNDING_NOTE, VALIDATION_HEADER, grounding_rows,
-                                               validation_rows)
+from trajforge.pipeline.publish.report import (GROUNDING_HEADER, GROUNDING_NOTE, STEPS_HEADER, STEPS_NOTE,
+                                               VALIDATION_HEADER, grounding_rows, steps_rows, validation_rows)
 from trajforge.pipeline.publish.shards import layout
 from trajforge.schemas import load_schema
 from trajforge.sources import REGISTRY
@@ -42,6 +42,8 @@ CONFIG_NOTES = {
     "preference": "chosen/rejected pairs for DPO",
     "grpo": "prompts with reference answers for GRPO",
     "grpo_env": "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",
+    "step_pairs": "step-level DPO pairs from tree searches: at a shared prefix, a step that led to success vs one that did not",
+    "step_values": "process-reward labels from tree searches: per step, the share of rollouts through it that succeeded",
 }
 
 
@@ -187,6 +189,12 @@ def _negative_lines(neg: dict | None) -> list[str]:
             + _table(["negative_type", "records"], [[f"`{t}`", n] for t, n in sorted(neg["by_type"].items())]) + [""])
 
 
+def _steps_lines(counts: dict | None) -> list[str]:
+    if not counts:
+        return []
+    return ["## Step-level data", "", STEPS_NOTE, ""] + _table(STEPS_HEADER, steps_rows(counts)) + [""]
+
+
 def render_card(out: Path, report: dict, provenance: list[dict], build: str, code: str) -> str:
     """The full README.md text for the build in `out`."""
     files = layout(out)
@@ -225,6 +233,7 @@ def render_card(out: Path, report: dict, provenance: list[dict], build: str, cod
         lines += _table(VALIDATION_HEADER, validation_rows(report["validation_by_env"])) + [""]
     lines += _grounding_lines(report.get("validation_by_env"))
     lines += _dedup_lines(report.get("duplicates")) + _negative_lines(report.get("negatives"))
+    lines += _steps_lines(report.get("search_steps"))
     lines += ["## Schema", "", f"Record schema `trajectory` {load_schema('trajectory').get('version', '')} "
               "(JSON Schema in the trajforge repository, `schemas/trajectory.schema.json`).", ""]
     lines += _schema_lines()

@@ -237,6 +237,19 @@ def _table(header: list[str], rows: list[list]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+STEPS_HEADER = ["config", "rows read", "written", "dropped by reason"]
+STEPS_NOTE = ("Step-level data of tree searches (`trajforge synth --search`), from the synthetic source's search "
+              "outputs. A row is written when its task's trajectory is in `sft`; otherwise it is dropped under the "
+              "reason the trajectory is not (contaminated, duplicate, its quarantine reason, or no_trajectory: the "
+              "search found no success), or as invalid when it breaks its schema.")
+
+
+def steps_rows(counts: dict[str, dict]) -> list[list]:
+    """One row per step config of `report["search_steps"]`, for the html report and the card."""
+    return [[name, c["read"], c["written"], ", ".join(f"{r} {n}" for r, n in c["dropped"].items()) or "-"]
+            for name, c in sorted(counts.items())]
+
+
 _STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
 td:first-child,th:first-child{text-align:left}img{max-width:100%;border:1px solid #eee;margin:.5em 0}
@@ -276,6 +289,9 @@ def write_html(out: Path, report: dict, duplicates: list[dict], turns: list[int]
         f"<h3>Steps grounded in the environment's answers</h3><p>{html.escape(GROUNDING_NOTE)}</p>",
         _table(GROUNDING_HEADER, grounding_rows(report.get("validation_by_env", {}))),
     ]
+    if report.get("search_steps"):
+        parts += [f"<h2>Step-level data</h2><p>{html.escape(STEPS_NOTE)}</p>",
+                  _table(STEPS_HEADER, steps_rows(report["search_steps"]))]
     for title, src in plots.items():
         parts.append(f"<h2>{html.escape(title)}</h2><img src='{html.escape(src)}' alt='{html.escape(title)}'>")
         if title == "Duplicate clusters across sources" and clusters:

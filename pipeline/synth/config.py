@@ -48,6 +48,9 @@ class SearchConfig:
             raise ValueError("branch must be at least 1")
         if self.max_calls is not None and self.max_calls < 1 or self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError("max_calls and max_tokens must be at least 1")
+        if self.strategy not in (None, "best_of_n") and self.max_calls is None and self.max_tokens is None:
+            raise ValueError(f"search strategy {self.strategy!r} searches until its budget is spent: "
+                             "set max_calls or max_tokens")
 
 
 @dataclass

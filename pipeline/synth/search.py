@@ -16,17 +16,26 @@ Strategies (K = `branch`):
     best_of_n   N rollouts from the root (N = the job's `n`), one proposal per state.
     beam        level by level: K proposals at each state of the beam, the best K new states
                 by value estimate (the value model's score, else the share of the K proposals
-                that chose the step) form the next beam.
+                that chose the step) form the next beam. When every proposal of a level ended the
+                episode, the beam restarts from the best states left out of earlier beams (of the
+                deepest level that has any), else from the root.
     mcts        UCT selection over the success fraction of visited children, expansion of one
-                proposal at a state with fewer than K, a rollout from it to a leaf, backup.
+                proposal at a state with fewer proposals than its width (K, growing as
+                sqrt(K * visits): progressive widening), a rollout from it to a leaf, backup. A
+                state whose children all ended and that may not widen yet is closed; the root
+                always widens when nothing below it is open.
     dfsdt       depth first (ToolBench's DFSDT): descend into each new state, back up and propose
-                another step (at most K per state) when every rollout below failed.
+                another step (at most K per state) when every rollout below failed; back at the
+                root, propose again.
+
+Beam, MCTS and DFSDT so spend their whole budget (a task's search needs `max_calls` or
+`max_tokens`), as best-of-N does with its N rollouts.
 
 Values come from the environment's score at the leaves: every rollout that reaches a terminal
 state adds a visit, and a success when it succeeded, to every node on its path, so a node's
 `value` is the Monte Carlo estimate of success from it (`tree_counts` recomputes them from the
-leaves). Each task's search stops at its first success (`stop_on_success`), when its strategy is
-done, or when its budget is spent: `max_calls` requests and `max_tokens` completion tokens per task
+leaves). Each task's search stops at its first success (`stop_on_success`), after best-of-N's N
+rollouts, or when its budget is spent: `max_calls` requests and `max_tokens` completion tokens per task
 (`TaskBudget`; each request asks for at most the tokens left).
 
 Outputs, beside the plain job's (DIR/data/synthetic/<env>.parquet: the best trajectory per task, with
@@ -36,6 +45,8 @@ Outputs, beside the plain job's (DIR/data/synthetic/<env>.parquet: the best traj
     DIR/search/step_values/<env>.parquet  per assistant turn: Monte Carlo value and visits (step_values)
     DIR/search/step_pairs/<env>.parquet   at a shared prefix, a step that leads to success vs one whose
                                           rollouts all failed, TRL DPO conversational (step_pairs)
+
+A build given DIR as its `synthetic` source writes the last two as configs (pipeline/quality/search_steps.py).
 
 Resuming: a finished task's tree is journaled (DIR/.synth/searches.sqlite). A search cut short is
 run again; the search is deterministic given the replies, and the budget counts answers from the
@@ -332,7 +343,7 @@ class TaskSearch:
 
     async def beam(self, root: Node) -> None:
         beam = [root]
-        while beam:
+        while True:
             children: list[Node] = []
             for node in beam:
                 for _ in range(self.search.branch):
@@ -343,25 +354,43 @@ class TaskSearch:
                             return
                     elif child not in children:
                         children.append(child)
-            scores = [await self.estimate(c) for c in children]
-            ranked = sorted(range(len(children)), key=lambda i: (-scores[i], children[i].order))
-            beam = [children[i] for i in ranked[:self.search.branch]]
+            if not children:  # the beam died: every proposal ended the episode
+                beam = await self._survivors() or [root]
+                continue
+            beam = await self._best(children)
+
+    async def _best(self, nodes: list[Node]) -> list[Node]:
+        """The top K of `nodes` by value estimate (ties: the first made)."""
+        scores = [await self.estimate(n) for n in nodes]
+        ranked = sorted(range(len(nodes)), key=lambda i: (-scores[i], nodes[i].order))
+        return [nodes[i] for i in ranked[:self.search.branch]]
+
+    async def _survivors(self) -> list[Node]:
+        """Where a dead beam restarts: the best open states left out of earlier beams, of the deepest
+        level that has any (the longest prefixes not yet tried); none when every state was tried."""
+        left = [n for n in self.nodes if not n.terminal and not n.expansions]
+        deepest = max((n.depth for n in left), default=None)
+        return await self._best([n for n in left if n.depth == deepest])
 
     async def mcts(self, root: Node) -> None:
-        while not root.exhausted:
+        while True:
             node = root
             while True:
-                if node.expansions < self.search.branch:
+                open_ = [self.nodes[c] for c in node.children if not (self.nodes[c].terminal or self.nodes[c].exhausted)]
+                if node.expansions < self._width(node) or (node is root and not open_):
                     leaf = await self.rollout(await self.propose(node))
                     break
-                open_ = [self.nodes[c] for c in node.children if not (self.nodes[c].terminal or self.nodes[c].exhausted)]
-                if not open_:
+                if not open_:  # every child ended or is closed, and the node may not widen yet
                     node.exhausted = True
-                    leaf = None
-                    break
+                    node = root
+                    continue
                 node = max(open_, key=lambda c: (self._uct(node, c), -c.order))
-            if leaf is not None and leaf.success and self.search.stop_on_success:
+            if leaf.success and self.search.stop_on_success:
                 return
+
+    def _width(self, node: Node) -> int:
+        """Progressive widening: the proposals a node may have, K at first, growing as sqrt(K * visits)."""
+        return max(self.search.branch, math.ceil(math.sqrt(self.search.branch * node.visits)))
 
     def _uct(self, parent: Node, child: Node) -> float:
         if not child.visits:
@@ -369,8 +398,9 @@ class TaskSearch:
         return child.successes / child.visits + self.search.uct_c * math.sqrt(math.log(parent.visits) / child.visits)
 
     async def dfsdt(self, node: Node) -> bool:
-        """Depth first from `node`; True once a success was found (and the search should stop)."""
-        while node.expansions < self.search.branch:
+        """Depth first from `node`; True once a success was found (and the search should stop). A
+        state gets K proposals, then the search backtracks; the root keeps proposing while budget lasts."""
+        while node.parent is None or node.expansions < self.search.branch:
             child = await self.propose(node)
             if child.terminal:
                 self.arrive(child)
