@@ -401,7 +401,8 @@ def _add_rft(sub: argparse._SubParsersAction) -> None:
                                    "successes (a Prefect flow; extra `train`)")
     p.add_argument("--source", action="append", type=_source_arg, default=[], metavar="NAME[=PATH_OR_REPO]",
                    help="a source of the build (repeatable), as for `trajforge build`")
-    p.add_argument("--tasks", required=True, help="held-out task file the served checkpoint is sampled on")
+    p.add_argument("--tasks", required=True, help="task file the served checkpoint is sampled on each round (its "
+                                                  "successes are trained on)")
     p.add_argument("--env", required=True, help="environment of the tasks: os, db, agentgym")
     p.add_argument("--base-model", required=True, help="model every round fine-tunes (folder or Hub id)")
     p.add_argument("--out", required=True, help="output folder")
@@ -413,6 +414,10 @@ def _add_rft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=4, help="samples per held-out task")
     p.add_argument("--max-turns", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--eval-tasks", default=None, metavar="FILE",
+                   help="held-out tasks each round is evaluated on (default: the env's declared eval split without "
+                        "the --tasks)")
+    p.add_argument("--eval-n", type=int, default=1, help="samples per held-out task")
     p.set_defaults(func=_run_rft)
 
 
@@ -424,10 +429,12 @@ def _run_rft(args: argparse.Namespace) -> int:
             raise SourceError(f"rft: no file {path}")
     report = rft(sources=dict(args.source) or {"agentinstruct": None}, tasks=args.tasks, env=args.env,
                  base_model=args.base_model, out=args.out, rounds=args.rounds, sft_args=["--config", args.sft_config],
-                 serve=args.serve, n=args.n, max_turns=args.max_turns, max_tokens=args.max_tokens)
+                 serve=args.serve, n=args.n, max_turns=args.max_turns, max_tokens=args.max_tokens,
+                 eval_tasks=args.eval_tasks and os.path.abspath(args.eval_tasks), eval_n=args.eval_n)
     for r in report["rounds"]:
-        print(f"round {r['round']}: {r['tasks_solved']}/{r['tasks']} held-out tasks solved ({r['success_rate']}), "
-              f"{r['records_kept']} records kept, train loss {r['train_loss']}")
+        print(f"round {r['round']}: {r['tasks_solved']}/{r['tasks']} round tasks solved ({r['success_rate']}), "
+              f"held-out success {r['heldout_success']} {r['heldout_ci95']}, {r['records_kept']} records kept, "
+              f"train loss {r['train_loss']}")
     print(f"final build: {args.out}/final ({report['final_build']['records']} records, "
           f"{report['final_build']['synthetic_records']} from the rounds); report: {args.out}/report.json")
     return 0

@@ -66,7 +66,8 @@ def contamination(units, config) -> pl.Series:
     details: list[str | None] = []
     texts = read_eval_tasks(Path(config.decontaminate)) if config.decontaminate else []
     held = declared_held_out() if config.decontaminate_splits else None
-    texts += held.texts if held else []
+    spared = set(config.decontaminate_except)
+    texts += [t for t in held.texts if t not in spared] if held else []
     index = Contamination(texts, config.decontaminate_ngram) if texts else None
     for unit in units:
         if index is None and held is None:

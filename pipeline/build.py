@@ -57,6 +57,9 @@ class BuildConfig:
     decontaminate_ngram: int = 8
     # The declared eval splits (pipeline/evaluation/splits.py) are held out of every build unless this is off.
     decontaminate_splits: bool = True
+    # Task texts of those splits that this build may train on all the same (RFT trains on its round
+    # tasks and evaluates on the rest of the split); a build that spares any says so in its report.
+    decontaminate_except: tuple[str, ...] = ()
     # Task files (pipeline.tasks formats) whose tasks become `grpo_env` rows, beside the
     # trajectories' own resettable tasks.
     rl_tasks: tuple[str, ...] = ()
@@ -364,7 +367,8 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     stage_counts(report, contaminated_rows, duplicates)
     # Which eval splits (and which version of each) this build holds out: `trajforge eval` reads it.
     report["held_out"] = {"splits": declared_held_out().splits if config.decontaminate_splits else {},
-                          "file": config.decontaminate, "contaminated": len(contaminated_rows)}
+                          "spared": len(config.decontaminate_except), "file": config.decontaminate,
+                          "contaminated": len(contaminated_rows)}
     report["stages"] = [t.as_dict() for t in build_stages(units, len(contaminated_rows), duplicates)]
     report["outputs"].update({name: files[name].get("train", []) for name in ("negatives", "preference", "grpo", "grpo_env")},
                              duplicates=[str(duplicates_path.relative_to(out))])
