@@ -20,7 +20,6 @@ import fcntl
 import json
 import logging
 import shutil
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
