@@ -79,14 +79,20 @@ def test_rft_serves_the_trained_tiny_model_with_transformers_serve(tiny, held_ou
     out = tmp_path / "rft_tiny"
     tasks = tmp_path / "three.jsonl"
     tasks.write_text("\n".join(held_out.read_text().splitlines()[:3]) + "\n")
+    held_out_three = tmp_path / "held_out_three.jsonl"
+    held_out_three.write_text("\n".join(held_out.read_text().splitlines()[3:6]) + "\n")
     report = rft(sources=SOURCES, tasks=str(tasks), env="db", base_model=str(tiny), out=str(out), rounds=1,
-                 sft_args=SFT_ARGS, serve="transformers", n=1, max_turns=1, max_tokens=16, startup_timeout_s=300)
+                 sft_args=SFT_ARGS, serve="transformers", n=1, max_turns=1, max_tokens=16, startup_timeout_s=300,
+                 eval_tasks=str(held_out_three))
     (summary,) = report["rounds"]
     _assert_trained(out / "round-1" / "model")
     assert report["serve"][:2] == ["transformers", "serve"]
     assert summary["tasks"] == summary["episodes"] == summary["failures"] == 3
     assert summary["success_rate"] == 0.0 and summary["records_kept"] == 0
     assert sum(summary["failure_reasons"].values()) == 3
+    # The held-out floor: the tiny model solves none of the three held-out tasks either.
+    assert summary["heldout_episodes"] == 3 and summary["heldout_success"] == 0.0
+    assert report["curve"] == [{"round": 1, "train_success": 0.0, "heldout_success": 0.0, "data_added": 0}]
     # The server really answered: the request cache holds its responses.
     assert summary["llm_calls"] >= 3
     assert "Uvicorn running" in (out / "round-1" / "model" / "serve.log").read_text()
