@@ -428,7 +428,8 @@ def _add_rft(sub: argparse._SubParsersAction) -> None:
                                    "successes (a Prefect flow; extra `train`)")
     p.add_argument("--source", action="append", type=_source_arg, default=[], metavar="NAME[=PATH_OR_REPO]",
                    help="a source of the build (repeatable), as for `trajforge build`")
-    p.add_argument("--tasks", required=True, help="held-out task file the served checkpoint is sampled on")
+    p.add_argument("--tasks", required=True, help="task file the served checkpoint is sampled on each round (its "
+                                                  "successes are trained on)")
     p.add_argument("--env", required=True, help="environment of the tasks: os, db, agentgym")
     p.add_argument("--base-model", required=True, help="model every round fine-tunes (folder or Hub id)")
     p.add_argument("--out", required=True, help="output folder")
@@ -440,6 +441,10 @@ def _add_rft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=4, help="samples per held-out task")
     p.add_argument("--max-turns", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--eval-tasks", default=None, metavar="FILE",
+                   help="held-out tasks each round is evaluated on (default: the env's declared eval split without "
+                        "the --tasks)")
+    p.add_argument("--eval-n", type=int, default=1, help="samples per held-out task")
     p.set_defaults(func=_run_rft)
 
 
@@ -451,17 +456,120 @@ def _run_rft(args: argparse.Namespace) -> int:
             raise SourceError(f"rft: no file {path}")
     report = rft(sources=dict(args.source) or {"agentinstruct": None}, tasks=args.tasks, env=args.env,
                  base_model=args.base_model, out=args.out, rounds=args.rounds, sft_args=["--config", args.sft_config],
-                 serve=args.serve, n=args.n, max_turns=args.max_turns, max_tokens=args.max_tokens)
+                 serve=args.serve, n=args.n, max_turns=args.max_turns, max_tokens=args.max_tokens,
+                 eval_tasks=args.eval_tasks and os.path.abspath(args.eval_tasks), eval_n=args.eval_n)
     for r in report["rounds"]:
-        print(f"round {r['round']}: {r['tasks_solved']}/{r['tasks']} held-out tasks solved ({r['success_rate']}), "
-              f"{r['records_kept']} records kept, train loss {r['train_loss']}")
+        print(f"round {r['round']}: {r['tasks_solved']}/{r['tasks']} round tasks solved ({r['success_rate']}), "
+              f"held-out success {r['heldout_success']} {r['heldout_ci95']}, {r['records_kept']} records kept, "
+              f"train loss {r['train_loss']}")
     print(f"final build: {args.out}/final ({report['final_build']['records']} records, "
           f"{report['final_build']['synthetic_records']} from the rounds); report: {args.out}/report.json")
     return 0
 
 
+def _env_file_arg(value: str) -> tuple[str, str]:
+    env, sep, path = value.partition("=")
+    if not sep or not env or not path:
+        raise argparse.ArgumentTypeError(f"expected ENV=FILE, got {value!r}")
+    return env, path
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    from trajforge.pipeline.synth.config import AgentConfig
+    from trajforge.pipeline.synth.llm import LLMConfig
+
+    p = sub.add_parser("eval", help="evaluate a model on held-out benchmark tasks, with oracle and random "
+                                    "calibration (a Prefect flow)")
+    p.add_argument("--out", required=True, help="output folder: eval.json, report.html, episodes.parquet "
+                                                "(rerunning into it resumes)")
+    p.add_argument("--model", help="model name as the server knows it, or with --serve the checkpoint folder; "
+                                   "without it only the oracle and random policies run")
+    p.add_argument("--base-url", help="OpenAI-compatible endpoint (default: TRAJFORGE_BASE_URL)")
+    p.add_argument("--serve", type=_serve_arg, metavar="SERVER",
+                   help="serve the --model checkpoint for the run: transformers (CPU), vllm (GPU), or a command "
+                        "with {model} and {port}")
+    p.add_argument("--label", help="name of this checkpoint in the results table (default: the model)")
+    p.add_argument("--env", action="append", default=[], help="an env to evaluate (repeatable; default: every env "
+                                                              "with a declared held-out split: os, db, babyai)")
+    p.add_argument("--tasks", action="append", type=_env_file_arg, default=[], metavar="ENV=FILE",
+                   help="evaluate ENV on the tasks of FILE instead of its declared split (repeatable)")
+    p.add_argument("--n", type=int, default=1, help="samples per task (pass@k for k up to n)")
+    p.add_argument("--results", default="results", metavar="DIR",
+                   help="folder of the results table (results.parquet, results.csv) that runs append to")
+    p.add_argument("--train-data", metavar="BUILD", help="the model's training build: refuse when it holds eval "
+                                                         "tasks")
+    p.add_argument("--allow-overlap", action="store_true", help="evaluate anyway when --train-data holds eval "
+                                                                "tasks (warned in the log, eval.json and report)")
+    p.add_argument("--no-calibration", action="store_true", help="skip the oracle and random policies")
+    p.add_argument("--agentgym-url", help="AgentGym server for `agentgym` tasks (--tasks agentgym=FILE)")
+    p.add_argument("--max-turns", type=int, default=AgentConfig.max_turns)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="sample k uses seed+k")
+    p.add_argument("--sampling", action="append", type=_sampling_arg, default=[], metavar="KEY=VALUE",
+                   help="override a sampling default; repeatable")
+    p.add_argument("--concurrency", type=int, default=LLMConfig.concurrency, help="LLM requests in flight")
+    p.add_argument("--episodes", type=int, default=8, help="environments alive at once")
+    p.add_argument("--timeout", type=float, default=LLMConfig.timeout_s, metavar="SECONDS", help="per request")
+    p.add_argument("--max-retries", type=int, default=LLMConfig.max_retries)
+    p.add_argument("--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key")
+    p.set_defaults(func=_run_eval)
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from trajforge.pipeline.evaluation.splits import EVAL_SPLITS
+    from trajforge.pipeline.synth.envs import REGISTRY as ENVS
+
+    tasks = dict(args.tasks)
+    for env in [*args.env, *tasks]:
+        if env not in ENVS:
+            raise SourceError(f"--env {env}: unknown environment; known: {', '.join(ENVS)}")
+    for env in args.env:
+        if env not in EVAL_SPLITS and env not in tasks:
+            raise SourceError(f"--env {env}: no declared held-out split (declared: {', '.join(EVAL_SPLITS)}); "
+                              f"give its tasks with --tasks {env}=FILE")
+    for path in [*tasks.values(), *([args.train_data] if args.train_data else [])]:
+        if not os.path.exists(path):
+            raise SourceError(f"eval: {path} does not exist")
+    if args.serve and not (args.model and os.path.isdir(args.model)):
+        raise SourceError("--serve needs --model CHECKPOINT_FOLDER")
+    from trajforge.flows.eval import evaluate
+    from trajforge.pipeline.evaluation.run import EvalRefused
+    from trajforge.pipeline.synth.llm import ServerUnreachable
+
+    env_kw = {"agentgym": {"base_url": args.agentgym_url}} if args.agentgym_url else {}
+    try:
+        report = evaluate(out=args.out, envs=list(dict.fromkeys([*args.env, *tasks])) or None,
+                          model=os.path.abspath(args.model) if args.serve else args.model, base_url=args.base_url,
+                          label=args.label, tasks={k: os.path.abspath(v) for k, v in tasks.items()}, n=args.n,
+                          calibrate=[] if args.no_calibration else None, max_turns=args.max_turns,
+                          max_tokens=args.max_tokens, seed=args.seed, sampling=dict(args.sampling),
+                          concurrency=args.concurrency, episode_concurrency=args.episodes, timeout_s=args.timeout,
+                          max_retries=args.max_retries, env_kw=env_kw, results=args.results,
+                          train_data=args.train_data, allow_overlap=args.allow_overlap, serve=args.serve,
+                          api_key_env=args.api_key_env)
+    except EvalRefused as exc:
+        print(f"trajforge: eval refused: {exc}", file=sys.stderr)
+        return 2
+    except ServerUnreachable as exc:
+        print(f"trajforge: eval stopped: {exc.detail}", file=sys.stderr)
+        return 1
+    for env, e in report["envs"].items():
+        for who, s in [("model", e.get("model")), *e["policies"].items()]:
+            if s is not None:
+                outcomes = ", ".join(f"{k}={v}" for k, v in s["outcomes"].items())
+                print(f"{env} {report['label'] if who == 'model' else who}: success {s['success_rate']} "
+                      f"{s['success_ci95']} over {s['episodes']} episodes; {outcomes}")
+        if e.get("broken"):
+            print(f"{env}: BROKEN: the oracle does not solve the split ({e['split']})")
+    for env, why in report["not_run"].items():
+        print(f"{env}: not run: {why}")
+    print(f"report: {args.out}/report.html  eval.json: {args.out}/eval.json"
+          + (f"  results: {report['results']}" if report.get("results") else ""))
+    return 0
+
+
 # Each entry adds one subcommand; other capabilities register theirs here.
-COMMANDS = [_add_build, _add_release, _add_synth, _add_train, _add_select_steps, _add_salvage, _add_rft]
+COMMANDS = [_add_build, _add_release, _add_synth, _add_train, _add_select_steps, _add_salvage, _add_rft, _add_eval]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -38,6 +38,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import StreamingParquet, atomic_path
+from trajforge.pipeline.evaluation.splits import declared_held_out
 from trajforge.pipeline.quality.dedup import Contamination, DedupConfig, read_eval_tasks
 from trajforge.pipeline.quality.dedup_table import (RANK_COLUMNS, band_columns, duplicates_table, near_matrices,
                                                     record_keys, shingle_set_hashes)
@@ -60,16 +61,24 @@ def _contamination_detail(task: str, index: Contamination) -> str | None:
 
 def contamination(units, config) -> pl.Series:
     """Per record in build order: why its task overlaps an evaluation task, or null. Reads the
-    `task` column only; done here, not per unit, because the eval file is a setting of this step."""
+    `task`, `env` and `source_id` columns only; done here, not per unit, because the evaluation
+    tasks are a setting of this step: the `--decontaminate` file and, unless switched off, the
+    declared eval splits (pipeline/evaluation/splits.py: task text n-grams, AgentGym items)."""
     details: list[str | None] = []
-    index = (Contamination(read_eval_tasks(Path(config.decontaminate)), config.decontaminate_ngram)
-             if config.decontaminate else None)
+    texts = read_eval_tasks(Path(config.decontaminate)) if config.decontaminate else []
+    held = declared_held_out() if config.decontaminate_splits else None
+    spared = set(config.decontaminate_except)
+    texts += [t for t in held.texts if t not in spared] if held else []
+    index = Contamination(texts, config.decontaminate_ngram) if texts else None
     for unit in units:
-        if index is None:
+        if index is None and held is None:
             details.extend([None] * pq.ParquetFile(unit.records_path).metadata.num_rows)
             continue
-        for batch in pq.ParquetFile(unit.records_path).iter_batches(batch_size=BATCH_ROWS, columns=["task"]):
-            details.extend(_contamination_detail(t, index) for t in batch.column("task").to_pylist())
+        for batch in pq.ParquetFile(unit.records_path).iter_batches(batch_size=BATCH_ROWS,
+                                                                    columns=["task", "env", "source_id"]):
+            for task, env, source_id in zip(*(batch.column(c).to_pylist() for c in ("task", "env", "source_id"))):
+                details.append((held and held.item_match(env, source_id))
+                               or (index and _contamination_detail(task, index)) or None)
     return pl.Series("contaminated", details, dtype=pl.String)
 
 

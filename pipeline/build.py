@@ -26,6 +26,7 @@ from trajforge.pipeline.atomic import StreamingParquet, remove_stale_temp_files,
 from trajforge.pipeline.publish.card import hub_revision, write_card
 from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.quality.derived import grpo_env_row, reference_answer
+from trajforge.pipeline.evaluation.splits import declared_held_out
 from trajforge.pipeline.publish.manifest import (GENERATOR, build_id, code_version, file_sha256,
                                                 remove_earlier_files, set_manifest_aside, write_manifest)
 from trajforge.pipeline.quality.negatives import NegativesConfig
@@ -57,6 +58,11 @@ class BuildConfig:
     # A file of evaluation tasks; trajectories whose task shares a word n-gram with one are quarantined.
     decontaminate: str | None = None
     decontaminate_ngram: int = 8
+    # The declared eval splits (pipeline/evaluation/splits.py) are held out of every build unless this is off.
+    decontaminate_splits: bool = True
+    # Task texts of those splits that this build may train on all the same (RFT trains on its round
+    # tasks and evaluates on the rest of the split); a build that spares any says so in its report.
+    decontaminate_except: tuple[str, ...] = ()
     # Task files (pipeline.tasks formats) whose tasks become `grpo_env` rows, beside the
     # trajectories' own resettable tasks.
     rl_tasks: tuple[str, ...] = ()
@@ -361,6 +367,10 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
         report[name] = dict(sorted(Counter(kept_keys[column].to_list()).items()))
     report["validation_by_env"] = merge_env_figures([u.envs for u in units])
     stage_counts(report, contaminated_rows, duplicates)
+    # Which eval splits (and which version of each) this build holds out: `trajforge eval` reads it.
+    report["held_out"] = {"splits": declared_held_out().splits if config.decontaminate_splits else {},
+                          "spared": len(config.decontaminate_except), "file": config.decontaminate,
+                          "contaminated": len(contaminated_rows)}
     report["stages"] = [t.as_dict() for t in build_stages(units, len(contaminated_rows), duplicates)]
     report["outputs"].update({name: files[name].get("train", []) for name in ("negatives", "preference", "grpo", "grpo_env")},
                              duplicates=[str(duplicates_path.relative_to(out))])
@@ -401,7 +411,8 @@ def write_release_files(out: Path, report: dict, units: list[UnitResult], config
     """Dataset card and manifest, last: they describe the files written before them (`files`,
     relative to `out`; the card is added). Returns the build id."""
     code = code_version()
-    build = build_id([(u.source, u.source_file, u.input_sha256) for u in units], asdict(config), code)
+    build = build_id([(u.source, u.source_file, u.input_sha256) for u in units],
+                     {**asdict(config), "held_out": report["held_out"]["splits"]}, code)
     provenance = [{"source": u.source, "source_file": u.source_file, "sha256": u.input_sha256,
                    "revision": u.revision, "looks_like": u.looks_like} for u in units]
     write_card(out, report, provenance, build, code)

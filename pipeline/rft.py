@@ -131,8 +131,11 @@ def keep_successes(synth_out: Path, env: str, kept: Path, round_no: int) -> int:
     return len(records)
 
 
-def round_summary(round_no: int, build: dict, train: dict, synth: dict, kept: int) -> dict:
-    """One round of the report. success_rate: held-out tasks with at least one success / tasks."""
+def round_summary(round_no: int, build: dict, train: dict, synth: dict, kept: int, held_out: dict | None = None) -> dict:
+    """One round of the report. success_rate (= train_success): the round's tasks with at least one
+    success / tasks; held_out: the round's `trajforge eval` report on a split it does not train on
+    (heldout_success: its success rate, with the 95% Wilson interval)."""
+    figures = next(iter(held_out["envs"].values())).get("model") if held_out and held_out["envs"] else None
     return {
         "round": round_no,
         "build_records": build["total"]["written"],
@@ -144,4 +147,7 @@ def round_summary(round_no: int, build: dict, train: dict, synth: dict, kept: in
         "success_rate": round(synth["tasks_with_record"] / synth["tasks"], 4) if synth["tasks"] else None,
         "records_kept": kept,
         "llm_calls": synth["llm"]["calls"], "cache_hits": synth["llm"]["cache_hits"],
+        "train_success": round(synth["tasks_with_record"] / synth["tasks"], 4) if synth["tasks"] else None,
+        "heldout_success": figures and figures["success_rate"], "heldout_ci95": figures and figures["success_ci95"],
+        "heldout_episodes": figures and figures["episodes"], "data_added": kept,
     }

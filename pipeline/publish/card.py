@@ -226,6 +226,13 @@ def render_card(out: Path, report: dict, provenance: list[dict], build: str, cod
     lines += (_table(["reason", "records"], [[f"`{r}`", n] for r, n in sorted(reasons.items())]) if reasons
               else ["Nothing was quarantined."])
     lines += ["", "The quarantined records, with their raw input and a reason code, are in `quarantine/`.", ""]
+    held_out = report.get("held_out") or {}
+    lines += ["## Held-out evaluation tasks", ""]
+    lines += (["Trajectories of these eval splits' tasks were quarantined as `contaminated` (trajforge "
+               "`pipeline/evaluation/splits.py`; split name and fingerprint of its task files):", ""]
+              + _table(["eval split", "fingerprint"], [[f"`{n}`", f"`{f}`"] for n, f in sorted(held_out["splits"].items())])
+              if held_out.get("splits") else ["No eval split was held out of this build."])
+    lines += [""]
     if report.get("validation_by_env"):
         lines += ["## Validation per environment", "",
                   "Every trained action is checked against its environment's action grammar, and every "
