@@ -1,6 +1,6 @@
 """The held-out evaluation splits, declared once, per environment.
 
-Every split names its task files (paths in this repository) and how a training trajectory is
+Every split names its task files (shipped with the package, in `tasks/` beside this module) and how a training trajectory is
 recognised as one of its tasks:
 
 - `text`: the task text. AgentBench's OS and DB tasks are written questions; a trajectory whose
@@ -31,26 +31,25 @@ from typing import Iterable
 from trajforge.pipeline.registry import Registry
 from trajforge.pipeline.synth.tasks import Task, load_tasks
 
-REPO = Path(__file__).resolve().parents[2]
-TASKS = REPO / "tests" / "fixtures" / "tasks"
+TASKS = Path(__file__).resolve().parent / "tasks"
 
 
 @dataclass(frozen=True)
 class EvalSplit:
     name: str
     env: str
-    files: tuple[str, ...]      # relative to the repository root
+    files: tuple[str, ...]      # relative to TASKS
     held_out_by: str            # text | item
     about: str
 
     def paths(self) -> list[Path]:
-        return [REPO / f for f in self.files]
+        return [TASKS / f for f in self.files]
 
     def tasks(self) -> list[Task]:
         missing = [str(p) for p in self.paths() if not p.is_file()]
         if missing:
             raise FileNotFoundError(f"eval split {self.name}: task file(s) not found: {', '.join(missing)} "
-                                    f"(the splits live in the repository checkout)")
+                                    f"(they ship in {TASKS}: reinstall trajforge)")
         return [task for path in self.paths() for task in load_tasks(path)]
 
     def fingerprint(self) -> str:
@@ -66,15 +65,15 @@ def fingerprint_of(paths: Iterable[Path]) -> str:
     return digest.hexdigest()[:16]
 
 
-_OS_FILES = tuple(f"tests/fixtures/tasks/agentbench/os/{name}" for name in
+_OS_FILES = tuple(f"agentbench/os/{name}" for name in
                   ("4-N4.json", "4-N41.json", "4-Q47.json", "4-Q49.json", "6-new.json", "dev.json"))
 
 EVAL_SPLITS: Registry[EvalSplit] = Registry("eval split", {
     "os": EvalSplit("agentbench-os-dev", "os", _OS_FILES, "text",
                     "AgentBench OS interaction, the dev tasks the repository carries, in the offline sandbox"),
-    "db": EvalSplit("agentbench-db-dev", "db", ("tests/fixtures/tasks/agentbench/db/dev.jsonl",), "text",
+    "db": EvalSplit("agentbench-db-dev", "db", ("agentbench/db/dev.jsonl",), "text",
                     "AgentBench DBBench dev, 39 tasks in SQLite"),
-    "babyai": EvalSplit("agentgym-babyai-heldout", "babyai", ("tests/fixtures/tasks/agentgym/babyai_heldout.jsonl",),
+    "babyai": EvalSplit("agentgym-babyai-heldout", "babyai", ("agentgym/babyai_heldout.jsonl",),
                         "item", "BabyAI levels at seed 5000 (items 200000+), beyond AgentTraj-L's items"),
 })
 
