@@ -16,7 +16,7 @@ from pathlib import Path
 
 from trajforge.flows.config import (AUTO, RUNNERS, SMALL_INPUT_BYTES, SYNTH_PARAMETERS, BuildRun, ConfigError,
                                      load_build_run, merge, nested, read_config, stage_config, synth_config)
-from trajforge.flows.stopping import Stopped, stop_on_signals, stopped_message
+from trajforge.flows.stopping import stop_on_signals
 from trajforge.pipeline.registry import UnknownName
 from trajforge.sources import DEFAULT_SOURCES, REGISTRY, SourceError, UnknownSource, check_layout, get_source
 
@@ -231,6 +231,8 @@ def _run_build(args: argparse.Namespace) -> int:
     if _builds_in_process(run):
         from trajforge.pipeline.build import build_in_process, summary_lines
 
+        if args.verbose:  # Prefect, when loaded, has its console handler; here nothing else shows the logs
+            logging.basicConfig(format="%(asctime)s | %(levelname)-7s | %(name)s - %(message)s")
         report = build_in_process(run.sources, Path(run.out), config)
     else:
         from trajforge.flows.build import build_dataset
@@ -720,7 +722,6 @@ def _console_logs(verbose: bool):
     level = stages.level
     os.environ[CONSOLE_LEVEL] = "0" if verbose else (before or "WARNING")
     if verbose:
-        logging.basicConfig(format="%(asctime)s | %(levelname)-7s | %(name)s - %(message)s")
         stages.setLevel(logging.INFO)
     try:
         yield
@@ -747,9 +748,6 @@ def main(argv: list[str] | None = None) -> int:
     except SourceError as exc:
         print(f"trajforge: error: {exc}", file=sys.stderr)
         return 2
-    except Stopped as stop:
-        print(stopped_message(stop.name), file=sys.stderr)
-        return stop.exit_code
 
 
 if __name__ == "__main__":

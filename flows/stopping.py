@@ -11,8 +11,10 @@ Inside `stop_on_signals`, the first SIGTERM or SIGINT
   first: it marks the run Crashed, then sends the signal again, to ours);
 - stops every child process at once (process-pool workers, a local cluster, sandboxes, a model
   server), except Prefect's temporary server, on which the run can still be marked Crashed;
-- and if the command is still running `grace_s` later (it waits on a server that is gone), stops
-  the child processes left and exits with 128 + the signal number. A second signal does that at once.
+- and once the main thread has unwound (files being written are removed, the temp files of
+  pipeline/atomic.py), stops the child processes left and ends the process with 128 + the signal
+  number (143 for SIGTERM, 130 for SIGINT). If the main thread has not unwound `grace_s` later
+  (it waits on a server that is gone), the watchdog thread does that; a second signal, at once.
 
 The watchdog thread learns of the signal through `signal.set_wakeup_fd`, which the interpreter
 writes to whichever Python handler is installed (ours, or Prefect's during a flow run).
@@ -29,8 +31,7 @@ import signal
 import socket
 import sys
 import threading
-import time
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 import psutil
 
@@ -41,21 +42,12 @@ STOP_GRACE_S = 4.0
 
 
 class Stopped(BaseException):
-    """The command was stopped by a signal (a BaseException, like KeyboardInterrupt: no `except
-    Exception` on the way up may take it for a failure of its own)."""
+    """Raised in the main thread by the first stop signal (a BaseException, like KeyboardInterrupt:
+    no `except Exception` on the way up takes it for a failure of its own)."""
 
     def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
         self.signum = signum
-        self.name = signal.Signals(signum).name
-        super().__init__(f"stopped by {self.name}")
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
-
-def stopped_message(name: str) -> str:
-    return f"trajforge: stopped by {name}; what finished is kept: run the same command again to resume"
 
 
 def stop_processes(processes: list[psutil.Process], timeout_s: float = 2.0) -> None:
@@ -70,8 +62,15 @@ def stop_processes(processes: list[psutil.Process], timeout_s: float = 2.0) -> N
     psutil.wait_procs(alive, timeout=timeout_s)
 
 
+def _resource_tracker() -> set[int]:
+    """multiprocessing's resource tracker, if running: it ignores SIGTERM, and removes the workers'
+    semaphores once this process has exited, so it is left to end then."""
+    tracker = sys.modules.get("multiprocessing.resource_tracker")
+    return {tracker._resource_tracker._pid} - {None} if tracker is not None else set()
+
+
 def _prefect_servers() -> set[int]:
-    """Process ids of the temporary Prefect servers this process started (none if Prefect is not loaded)."""
+    """The temporary Prefect servers this process started, on which a run can be marked Crashed."""
     server = sys.modules.get("prefect.server.api.server")
     if server is None:
         return set()
@@ -79,43 +78,46 @@ def _prefect_servers() -> set[int]:
             if instance.server_process is not None}
 
 
+def _children(spared: set[int]) -> list[psutil.Process]:
+    return [process for process in psutil.Process().children(recursive=True) if process.pid not in spared]
+
+
+def end_process(signum: int) -> NoReturn:
+    """Stop the child processes left, say so, and exit with 128 + `signum`, skipping the interpreter's
+    exit handlers: Prefect's would close a temporary server gracefully, or wait on one that is gone."""
+    stop_processes(_children(_resource_tracker()), timeout_s=1.0)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.write(f"trajforge: stopped by {signal.Signals(signum).name}; what finished is kept: run the "
+                         f"same command again to resume\n")
+        sys.stderr.flush()
+    os._exit(128 + signum)
+
+
 class _Watchdog(threading.Thread):
-    """Reads the signal numbers the interpreter writes to the wakeup socket; acts on SIGTERM/SIGINT."""
+    """Waits for the first SIGTERM or SIGINT (the signal numbers the interpreter writes to the
+    wakeup socket), stops the workers, then ends the process if it is still running `grace_s`
+    later or when `hard_stop` is set (a second signal)."""
 
     def __init__(self, receiver: socket.socket, grace_s: float):
         super().__init__(name="trajforge-stop-watchdog", daemon=True)
         self.receiver = receiver
         self.grace_s = grace_s
         self.signum: int | None = None
+        self.hard_stop = threading.Event()
 
     def run(self) -> None:
-        deadline = None
-        while True:
-            self.receiver.settimeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        while self.signum is None:
             try:
                 data = self.receiver.recv(64)
-            except TimeoutError:
-                break
             except OSError:
                 return
             if not data:
                 return  # the command ended; the socket was closed
-            received = [number for number in data if number in STOP_SIGNALS]
-            if not received:
-                continue
-            if self.signum is not None or len(received) > 1:
-                self.signum = self.signum or received[0]
-                break
-            self.signum = received[0]
-            deadline = time.monotonic() + self.grace_s
-            spared = _prefect_servers()
-            stop_processes([p for p in psutil.Process().children(recursive=True) if p.pid not in spared])
-        # Still running: the grace is over, or a second signal came.
-        stop_processes(psutil.Process().children(recursive=True), timeout_s=1.0)
-        with contextlib.suppress(Exception):
-            sys.stderr.write(stopped_message(signal.Signals(self.signum).name) + "\n")
-            sys.stderr.flush()
-        os._exit(128 + self.signum)
+            self.signum = next((number for number in data if number in STOP_SIGNALS), None)
+        stop_processes(_children(_resource_tracker() | _prefect_servers()))
+        self.hard_stop.wait(self.grace_s)
+        end_process(self.signum)
 
 
 @contextlib.contextmanager
@@ -131,10 +133,14 @@ def stop_on_signals(grace_s: float = STOP_GRACE_S) -> Iterator[None]:
     raised = False
 
     def raise_stopped(signum, frame):
+        # During a flow run, Prefect's handler takes the first SIGTERM and sends it again once the
+        # run is marked Crashed: the first call here can be that one, only a later one is a second signal.
         nonlocal raised
-        if not raised:  # later signals are the watchdog's
-            raised = True
-            raise Stopped(signum)
+        if raised:
+            watchdog.hard_stop.set()
+            return
+        raised = True
+        raise Stopped(signum)
 
     previous = {signum: signal.signal(signum, raise_stopped) for signum in STOP_SIGNALS}
     previous_fd = signal.set_wakeup_fd(sender.fileno(), warn_on_full_buffer=False)
@@ -146,10 +152,9 @@ def stop_on_signals(grace_s: float = STOP_GRACE_S) -> Iterator[None]:
         signum = watchdog.signum or (exc.signum if isinstance(exc, Stopped) else None)
         if signum is None:
             raise
-        raise (exc if isinstance(exc, Stopped) else Stopped(signum)) from None
+        end_process(signum)
     finally:
         signal.set_wakeup_fd(previous_fd)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        if watchdog.signum is None:
-            sender.close()  # ends the watchdog; once a stop began it stays, to end a hung exit
+        sender.close()  # ends a watchdog that is still waiting for a signal
