@@ -720,7 +720,7 @@ def _console_logs(verbose: bool):
     before = os.environ.get(CONSOLE_LEVEL)
     stages = logging.getLogger("trajforge")
     level = stages.level
-    os.environ[CONSOLE_LEVEL] = "0" if verbose else (before or "WARNING")
+    os.environ[CONSOLE_LEVEL] = "NOTSET" if verbose else (before or "WARNING")
     if verbose:
         stages.setLevel(logging.INFO)
     try:
