@@ -553,6 +553,8 @@ def _check_rft_args(args: argparse.Namespace) -> dict[str, str | None]:
     _need_file("--tasks", args.tasks, "the held-out task file (AgentBench OS JSON, DBBench JSONL, or JSONL)")
     _need_env(args.env)
     _need_file("--sft-config", args.sft_config, "an SFT config (training/configs/sft_*.yaml)")
+    if args.eval_tasks is not None:
+        _need_file("--eval-tasks", args.eval_tasks, "a held-out task file of the same env")
     if is_local_path(args.base_model):
         if not os.path.isdir(os.path.expanduser(args.base_model)):
             raise SourceError(f"--base-model {args.base_model}: no such model folder; give a model folder or a Hub "
@@ -567,7 +569,7 @@ def _check_rft_args(args: argparse.Namespace) -> dict[str, str | None]:
             raise SourceError(f"--base-model {args.base_model}: neither a model folder nor a Hub model id "
                               f"(ORG/NAME)") from None
     _need_out_folder(args.out)
-    for option in ("rounds", "n", "max_turns"):
+    for option in ("rounds", "n", "max_turns", "eval_n"):
         _need_at_least("--" + option.replace("_", "-"), getattr(args, option))
     _readable_sources(sources)
     return sources
