@@ -20,7 +20,8 @@ def rft(out, **changes) -> list[str]:
 
 @pytest.mark.parametrize("changes, says", [
     ({"--tasks": "tasks.jsonl"}, "--tasks tasks.jsonl: no such file; give the held-out task file"),
-    ({"--env": "webshop"}, "--env webshop: unknown environment 'webshop'; known: agentgym, db, os"),
+    ({"--env": "webshop"}, "--env webshop: unknown environment 'webshop'; known: agentgym, "),
+    ({"--eval-tasks": "held_out.jsonl"}, "--eval-tasks held_out.jsonl: no such file"),
     ({"--sft-config": "sft.yaml"}, "--sft-config sft.yaml: no such file; give an SFT config"),
     ({"--base-model": "/tmp/no/such/tiny"}, "--base-model /tmp/no/such/tiny: no such model folder"),
     ({"--base-model": "not a model"}, "--base-model not a model: neither a model folder nor a Hub model id"),
