@@ -3,12 +3,15 @@
 Only composition lives here; the stages are plain functions in pipeline/.
 
 - Scale-out: the build runs in a subflow whose task runner is a parameter (`processes`, `threads`,
-  or `dask` / `ray` on a local cluster or at a cluster address), so a deployment can pick it too.
+  or `dask` / `ray` on a local cluster or at a cluster address; `auto`: threads for a small input,
+  processes otherwise), so a deployment can pick it too. `pipeline.build.build_in_process` is the
+  same build without Prefect, which the CLI runs for a small input when no Prefect server is set.
   The per-file units and the per-unit steps of the second half (pools, outputs) run on it; the
   global stages (dedup, ids) run in the flow on the units' compact key tables.
 - Resume: a unit is done once its completion marker (written after its staged files) names the
   same input fingerprint; its result is also persisted by Prefect under `<out>/.staging/results`.
   A rerun after a crash, even a SIGKILL, redoes only the units and shards that had not finished.
+  (SIGTERM and Ctrl-C: flows/stopping.py.)
 """
 from __future__ import annotations
 
@@ -24,13 +27,12 @@ from prefect.context import FlowRunContext
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from trajforge.flows.artifacts import Progress, build_artifacts
-from trajforge.flows.config import BuildRun, merge, stage_config
+from trajforge.flows.config import AUTO, BuildRun, auto_runner, merge, stage_config
 from trajforge.flows.names import build_run_name
-from trajforge.pipeline.atomic import remove_stale_temp_files
-from trajforge.pipeline.build import BuildConfig, UnitResult, finalize, process_unit, unit_key
+from trajforge.pipeline.build import (BuildConfig, UnitResult, finalize, resume_unit, staging_folder, unit_bar,
+                                      units_done)
 from trajforge.pipeline.registry import Registry
 from trajforge.pipeline.publish.manifest import code_version
-from trajforge.pipeline.publish.shards import read_marker, unit_fingerprint, unit_marker, write_marker
 from trajforge.sources import DEFAULT_SOURCES, SourceError, SourceFile, check_layout, get_source
 
 # The CLI offers the names of flows.config.RUNNERS without loading Prefect; the two must agree (tested).
@@ -76,7 +78,7 @@ def _ray(address: str | None, workers: int, env: dict[str, str]):
     return RayTaskRunner(init_kwargs={"num_cpus": workers, "include_dashboard": False,
                                       "runtime_env": {"env_vars": env}})
 
-def make_task_runner(runner: str = BuildRun.runner, address: str | None = None, workers: int = BuildRun.workers,
+def make_task_runner(runner: str = "processes", address: str | None = None, workers: int = BuildRun.workers,
                      api_url: str | None = None):
     """The task runner for the units: processes or threads here, or a Dask / Ray cluster (local when no address).
 
@@ -113,16 +115,9 @@ def _unit_cache_key(context, parameters: dict) -> str:
 
 @task(name="process-unit", cache_key_fn=_unit_cache_key, persist_result=True)
 def process_unit_task(name: str, file: SourceFile, staging: str, config: BuildConfig) -> UnitResult:
-    staging_dir = Path(staging)
-    fingerprint = unit_fingerprint(name, file.path, file.split, asdict(config))
-    marker = unit_marker(staging_dir, unit_key(name, file))
-    done = read_marker(marker, fingerprint)
-    if done and all(Path(done.get(k) or "/nonexistent").exists()
-                    for k in ("records_path", "quarantine_path", "keys_path")):
-        get_run_logger().info("%s/%s: done in an earlier run, skipped", name, file.path.name)
-        return UnitResult(**done)
-    result = process_unit(name, file, staging_dir, config)
-    write_marker(marker, fingerprint, asdict(result))
+    result, earlier = resume_unit(name, file, Path(staging), config)
+    if earlier:
+        get_run_logger().info("%s/%s: done in an earlier run, skipped", name, file.label)
     return result
 
 
@@ -155,10 +150,12 @@ def process_units(files: list[tuple[str, SourceFile]], staging: str, config: Bui
     futures = [unit.submit(name, file, staging, config) for name, file in files]
     progress = Progress("build-progress", f"Source files normalized and validated (of {len(files)})")
     units = []
-    for done, future in enumerate(futures, 1):
-        units.append(future.result())
-        progress(done, len(futures))
-        logger.info("units done: %d/%d (%s/%s)", done, len(futures), units[-1].source, units[-1].source_file)
+    with unit_bar(len(files)) as bar:
+        for done, future in enumerate(futures, 1):
+            units.append(future.result())
+            progress(done, len(futures))
+            bar.update()
+            logger.info(units_done(done, len(futures), units[-1]))
     return units
 
 
@@ -186,8 +183,9 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str = "buil
 
     `synthetic` is the output folder of the synthesis flow, read as one more source (`synthetic`).
 
-    `runner`/`address` choose where the units run (threads, or a Dask / Ray cluster); the output is
-    byte-identical whichever is used. `shard_rows` caps the rows per Parquet shard (default: by size).
+    `runner`/`address` choose where the units run (processes, threads, or a Dask / Ray cluster;
+    `auto`: threads for a small input, processes otherwise); the output is byte-identical whichever
+    is used. `shard_rows` caps the rows per Parquet shard (default: by size).
     `decontaminate` is a file of evaluation tasks whose trajectories are quarantined;
     `dedup_threshold` the Jaccard similarity from which two trajectories are near duplicates.
     `rl_tasks` are task files whose tasks join the `grpo_env` config.
@@ -202,11 +200,11 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str = "buil
                  "rl_tasks": list(rl_tasks) if rl_tasks else None}
     config = stage_config(merge(stages or {}, _given(overrides)), "stages")
     out_dir = Path(out)
-    staging = (out_dir / ".staging").resolve()
-    staging.mkdir(parents=True, exist_ok=True)
-    remove_stale_temp_files(out_dir)
+    staging = staging_folder(out_dir)
     files = [(name, f) for name, location in sources.items()
              for f in resolve_source(name, location, check=name not in (source_as or ()))]
+    if runner == AUTO:
+        runner = auto_runner(sum(f.path.stat().st_size for _, f in files))
     api_url = str(FlowRunContext.get().client.api_url)
     report = build_units.with_options(task_runner=make_task_runner(runner, address, workers, api_url))(
         files, str(staging), str(out_dir), config)

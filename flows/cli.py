@@ -6,14 +6,17 @@ modules are imported at the top, the rest inside the command that needs them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 
-from trajforge.flows.config import (RUNNERS, SYNTH_PARAMETERS, BuildRun, ConfigError, load_build_run, merge, nested,
-                                     read_config, stage_config, synth_config)
+from trajforge.flows.config import (AUTO, RUNNERS, SMALL_INPUT_BYTES, SYNTH_PARAMETERS, BuildRun, ConfigError,
+                                     load_build_run, merge, nested, read_config, stage_config, synth_config)
+from trajforge.flows.stopping import stop_on_signals
 from trajforge.pipeline.registry import UnknownName
 from trajforge.sources import DEFAULT_SOURCES, REGISTRY, SourceError, UnknownSource, check_layout, get_source
 
@@ -60,9 +63,11 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
                    help="build into an --out folder that holds other files (they may be replaced)")
     p.add_argument("--rendering", choices=["native", "react"],
                    help="assistant turn text: upstream wording (native) or Think/Act (react); default: the normalize stage's")
-    p.add_argument("--runner", choices=RUNNERS,
+    p.add_argument("--runner", choices=(AUTO, *RUNNERS),
                    help="where the per-unit steps run (units, band screens, outputs, shards): local processes "
-                        f"or threads, or a Dask / Ray cluster (extras dask, ray); default: {BuildRun.runner}")
+                        "or threads, or a Dask / Ray cluster (extras dask, ray); auto: an input of local files up "
+                        f"to {SMALL_INPUT_BYTES // 2**20} MiB builds in this process (without Prefect when no Prefect "
+                        f"server is set), a larger one on processes; default: {BuildRun.runner}")
     p.add_argument("--workers", type=int, metavar="N",
                    help=f"processes or threads, or workers of a local cluster (default: {BuildRun.workers})")
     p.add_argument("--address",
@@ -138,15 +143,28 @@ def _check_out(out: str, overwrite: bool) -> None:
                           f"empty folder, or add --overwrite to build into it anyway")
 
 
-def _check_build_args(run: BuildRun) -> None:
-    """Every argument is usable (SourceError otherwise): the sources, the output folder, the files."""
-    from trajforge.sources.locate import check_source
-
-    for name in run.sources:
+def _known_sources(names) -> None:
+    for name in names:
         try:
             get_source(name)
         except UnknownSource as exc:
             raise SourceError(f"--source {name}: {exc}") from None
+
+
+def _readable_sources(sources: dict[str, str | None], source_as=()) -> None:
+    """Every source can be read from where it says (a local path, or a Hub repo looked up once), and
+    its local files are in its own layout unless `source_as` names it."""
+    from trajforge.sources.locate import check_source
+
+    for name, location in sources.items():
+        local_files = check_source(REGISTRY[name], location)
+        if local_files and name not in source_as:
+            check_layout(name, local_files)  # a Hub source's files are checked in the flow, once downloaded
+
+
+def _check_build_args(run: BuildRun) -> None:
+    """Every argument is usable (SourceError otherwise): the sources, the output folder, the files."""
+    _known_sources(run.sources)
     _check_out(run.out, run.overwrite)
     decontaminate = run.stages.get("decontaminate")
     if decontaminate and not os.path.isfile(decontaminate):
@@ -155,22 +173,73 @@ def _check_build_args(run: BuildRun) -> None:
     for name in run.source_as:
         if name not in sources:
             raise SourceError(f"--source-as {name}: not a source of this build ({', '.join(sources)})")
-    for name, location in sources.items():
-        local_files = check_source(REGISTRY[name], location)
-        if local_files and name not in run.source_as:
-            check_layout(name, local_files)  # a Hub source's files are checked in the flow, once downloaded
+    _readable_sources(sources, run.source_as)
+
+
+# Checks of the other commands' arguments, each a SourceError with one line, before Prefect loads.
+
+def _need_file(option: str, path: str, what: str) -> None:
+    if not os.path.isfile(os.path.expanduser(path)):
+        raise SourceError(f"{option} {path}: no such file; give {what}")
+
+
+def _need_at_least(option: str, value: int | None, least: int = 1) -> None:
+    if value is not None and value < least:
+        raise SourceError(f"{option} {value}: must be at least {least}")
+
+
+def _need_env(name: str) -> None:
+    from trajforge.pipeline.synth.envs import REGISTRY as ENVS
+
+    try:
+        ENVS[name]
+    except UnknownName as exc:
+        raise SourceError(f"--env {name}: {exc}") from None
+
+
+def _need_out_folder(out: str) -> None:
+    if os.path.isfile(os.path.expanduser(out)):
+        raise SourceError(f"--out {out}: is a file; give a folder (new, or the one of an earlier run to resume)")
+
+
+def _prefect_server_set() -> bool:
+    """Whether a Prefect API is configured (environment or profile): runs are tracked there, and
+    no temporary server has to start."""
+    from prefect.settings import get_current_settings
+
+    return bool(get_current_settings().api.url)
+
+
+def _builds_in_process(run: BuildRun) -> bool:
+    """`--runner auto` on local files small enough that the build takes seconds: it runs in this
+    process, without Prefect unless a Prefect server is set (starting a temporary one and worker
+    processes would take longer than the build)."""
+    from trajforge.sources.locate import is_local_path
+
+    sources = run.sources or dict.fromkeys(DEFAULT_SOURCES)
+    if run.runner != AUTO or not all(location and is_local_path(location) for location in sources.values()):
+        return False
+    size = sum(f.path.stat().st_size for name, location in sources.items() for f in get_source(name).files(location))
+    return size <= SMALL_INPUT_BYTES and not _prefect_server_set()
 
 
 def _run_build(args: argparse.Namespace) -> int:
     run = _build_run(args)
     _check_build_args(run)
     # The stages' settings, checked before Prefect loads (the stages load in a few seconds, Prefect in more).
-    stage_config(run.stages, args.config if "config" in args else "options")
-    from trajforge.flows.build import build_dataset
-    from trajforge.pipeline.build import summary_lines
+    config = stage_config(run.stages, args.config if "config" in args else "options")
+    if _builds_in_process(run):
+        from trajforge.pipeline.build import build_in_process, summary_lines
 
-    report = build_dataset(sources=run.sources or None, out=run.out, runner=run.runner, address=run.address,
-                           workers=run.workers, stages=run.stages, source_as=run.source_as)
+        if args.verbose:  # Prefect, when loaded, has its console handler; here nothing else shows the logs
+            logging.basicConfig(format="%(asctime)s | %(levelname)-7s | %(name)s - %(message)s")
+        report = build_in_process(run.sources, Path(run.out), config)
+    else:
+        from trajforge.flows.build import build_dataset
+        from trajforge.pipeline.build import summary_lines
+
+        report = build_dataset(sources=run.sources or None, out=run.out, runner=run.runner, address=run.address,
+                               workers=run.workers, stages=run.stages, source_as=run.source_as)
     print("\n".join(summary_lines(report)))
     print(f"dataset: {run.out}/data  quarantine: {run.out}/quarantine  report: {run.out}/report.json")
     return 0
@@ -304,7 +373,13 @@ def _synth_run(args: argparse.Namespace) -> tuple[dict, str | None, dict]:
     given = {key: getattr(args, key) for key in SYNTH_PARAMETERS if key in args}
     if "sampling" in given:
         given["sampling"] = dict(given["sampling"])
-    synth_config(merge(config, nested(given)), where)
+    job = synth_config(merge(config, nested(given)), where)
+    _need_file("--tasks", job.tasks, "a task file (AgentBench OS JSON, DBBench JSONL, or JSONL)")
+    _need_env(job.env)
+    _need_out_folder(job.out)
+    _need_at_least("--concurrency", job.llm.concurrency)
+    _need_at_least("--episodes", job.episode_concurrency)
+    _need_at_least("--max-turns", job.agent.max_turns)
     return config, api_key_env, given
 
 
@@ -361,12 +436,20 @@ def _add_select_steps(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_select_steps)
 
 
+def _check_select_steps_args(args: argparse.Namespace) -> None:
+    if not os.path.exists(args.inputs):
+        raise SourceError(f"select-steps {args.inputs}: no such file or folder; give a build folder, a synth folder "
+                          f"or a Parquet file of records")
+    _need_out_folder(args.out)
+    _need_at_least("--concurrency", args.concurrency)
+    _need_at_least("--batch-size", args.batch_size)
+
+
 def _run_select_steps(args: argparse.Namespace) -> int:
+    _check_select_steps_args(args)
     from trajforge.flows.select_steps import select_steps
     from trajforge.pipeline.quality.critical_steps import summary_lines
 
-    if not os.path.exists(args.inputs):
-        raise SourceError(f"select-steps: {args.inputs} does not exist")
     report = select_steps(inputs=args.inputs, out=args.out, model=args.model, base_url=args.base_url,
                           config_name=args.config, concurrency=args.concurrency, batch_size=args.batch_size,
                           max_tokens=args.max_tokens, sampling=dict(args.sampling), backend=args.backend,
@@ -396,12 +479,20 @@ def _add_salvage(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_salvage)
 
 
+def _check_salvage_args(args: argparse.Namespace) -> None:
+    for path in args.failures:
+        _need_file("salvage", path, "the failures.parquet of `trajforge synth`, or records with success false")
+    _need_file("--tasks", args.tasks, "the task file the failures were run on")
+    _need_out_folder(args.out)
+    for option in ("max_prefixes", "concurrency", "episodes", "max_turns"):
+        _need_at_least("--" + option.replace("_", "-"), getattr(args, option))
+    _need_at_least("--max-calls", args.max_calls, 0)
+
+
 def _run_salvage(args: argparse.Namespace) -> int:
+    _check_salvage_args(args)
     from trajforge.flows.salvage import salvage
 
-    for path in [*args.failures, args.tasks]:
-        if not os.path.isfile(path):
-            raise SourceError(f"salvage: no file {path}")
     report = salvage(failures=args.failures, tasks=args.tasks, out=args.out, model=args.model, base_url=args.base_url,
                      max_prefixes=args.max_prefixes, max_calls=args.max_calls, concurrency=args.concurrency,
                      episode_concurrency=args.episodes, max_turns=args.max_turns, max_tokens=args.max_tokens,
@@ -448,13 +539,47 @@ def _add_rft(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_rft)
 
 
+def _check_rft_args(args: argparse.Namespace) -> dict[str, str | None]:
+    """The checked sources of the builds (default: AgentInstruct from the Hub)."""
+    from trajforge.sources.locate import is_local_path
+
+    sources = {}
+    for name, location in args.source:
+        if name in sources:
+            raise SourceError(f"--source {name}: given twice; keep one")
+        sources[name] = location
+    sources = sources or {"agentinstruct": None}
+    _known_sources(sources)
+    _need_file("--tasks", args.tasks, "the held-out task file (AgentBench OS JSON, DBBench JSONL, or JSONL)")
+    _need_env(args.env)
+    _need_file("--sft-config", args.sft_config, "an SFT config (training/configs/sft_*.yaml)")
+    if args.eval_tasks is not None:
+        _need_file("--eval-tasks", args.eval_tasks, "a held-out task file of the same env")
+    if is_local_path(args.base_model):
+        if not os.path.isdir(os.path.expanduser(args.base_model)):
+            raise SourceError(f"--base-model {args.base_model}: no such model folder; give a model folder or a Hub "
+                              f"model id (ORG/NAME)")
+    else:
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        try:
+            validate_repo_id(args.base_model)
+        except HFValidationError:
+            raise SourceError(f"--base-model {args.base_model}: neither a model folder nor a Hub model id "
+                              f"(ORG/NAME)") from None
+    _need_out_folder(args.out)
+    for option in ("rounds", "n", "max_turns", "eval_n"):
+        _need_at_least("--" + option.replace("_", "-"), getattr(args, option))
+    _readable_sources(sources)
+    return sources
+
+
 def _run_rft(args: argparse.Namespace) -> int:
+    sources = _check_rft_args(args)
     from trajforge.flows.rft import rft
 
-    for path in (args.tasks, args.sft_config):
-        if not os.path.isfile(path):
-            raise SourceError(f"rft: no file {path}")
-    report = rft(sources=dict(args.source) or {"agentinstruct": None}, tasks=args.tasks, env=args.env,
+    report = rft(sources=sources, tasks=args.tasks, env=args.env,
                  base_model=args.base_model, out=args.out, rounds=args.rounds, sft_args=["--config", args.sft_config],
                  serve=args.serve, n=args.n, max_turns=args.max_turns, max_tokens=args.max_tokens,
                  eval_tasks=args.eval_tasks and os.path.abspath(args.eval_tasks), eval_n=args.eval_n)
@@ -578,7 +703,36 @@ def parser() -> argparse.ArgumentParser:
                            parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_HelpFormatter))
     for add in COMMANDS:
         add(sub)
+    for name, command in sub.choices.items():
+        if name != "train":  # the trainer's own parser reads every option of `train`
+            command.add_argument("-v", "--verbose", action="store_true", default=False,
+                                 help="log what every step does (Prefect's task logs, the stages' counts)")
     return p
+
+
+# Prefect's console log handler; its API handler (the run's logs in the UI) keeps INFO either way.
+CONSOLE_LEVEL = "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"
+
+
+@contextlib.contextmanager
+def _console_logs(verbose: bool):
+    """Warnings and errors on the console; with --verbose also the INFO logs: Prefect's (task
+    states, progress lines) and the stages' (per-unit counts). Set before Prefect loads, it reaches
+    the worker processes too."""
+    before = os.environ.get(CONSOLE_LEVEL)
+    stages = logging.getLogger("trajforge")
+    level = stages.level
+    os.environ[CONSOLE_LEVEL] = "NOTSET" if verbose else (before or "WARNING")
+    if verbose:
+        stages.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        stages.setLevel(level)
+        if before is None:
+            os.environ.pop(CONSOLE_LEVEL, None)
+        else:
+            os.environ[CONSOLE_LEVEL] = before
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -591,7 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     elif unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        return args.func(args)
+        with _console_logs(getattr(args, "verbose", False)), stop_on_signals():
+            return args.func(args)
     except SourceError as exc:
         print(f"trajforge: error: {exc}", file=sys.stderr)
         return 2

@@ -101,6 +101,16 @@ def merge(base: dict, overrides: dict) -> dict:
 
 
 RUNNERS = ("processes", "threads", "dask", "ray")
+# The default: the runner chosen by the size of the input. Up to SMALL_INPUT_BYTES the work takes
+# seconds, less than spawning worker processes that each import the stages; the CLI then runs the
+# build in its own process, without Prefect when no Prefect server is configured.
+AUTO = "auto"
+SMALL_INPUT_BYTES = 16 * 2**20
+
+
+def auto_runner(input_bytes: int) -> str:
+    """What `auto` means for an input of this size: threads (no worker to spawn) or processes."""
+    return "threads" if input_bytes <= SMALL_INPUT_BYTES else "processes"
 
 
 @dataclass
@@ -113,14 +123,14 @@ class BuildRun:
     sources: dict[str, str | None] = field(default_factory=dict)
     # Sources whose files are read as that source although they look like another's (the user's word).
     source_as: list[str] = field(default_factory=list)
-    runner: str = "processes"
+    runner: str = AUTO
     address: str | None = None   # Dask / Ray cluster address; None starts a local cluster
     workers: int = 4             # threads, or local cluster workers
     stages: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, not {self.runner!r}")
+        if self.runner not in (AUTO, *RUNNERS):
+            raise ValueError(f"runner must be one of {', '.join((AUTO, *RUNNERS))}, not {self.runner!r}")
         if self.workers < 1:
             raise ValueError("workers must be at least 1")
 

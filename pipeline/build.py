@@ -35,7 +35,8 @@ from trajforge.pipeline.quality.search_steps import stage_step_rows
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
 from trajforge.pipeline.quarantine import quarantine_entry, shown
 from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
-from trajforge.pipeline.publish.shards import ShardConfig, write_config_from_file
+from trajforge.pipeline.publish.shards import (ShardConfig, read_marker, unit_fingerprint, unit_marker,
+                                              write_config_from_file, write_marker)
 from trajforge.pipeline.stages import Dropped, StageTally, in_order, merge_tallies
 from trajforge.pipeline.synth.tasks import load_tasks
 from trajforge.pipeline.ingest.validate import ValidateConfig, check_record, merge_env_figures, tally_env
@@ -259,6 +260,59 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     return result
 
 
+def staging_folder(out: Path) -> Path:
+    """`out/.staging` (made if missing), once the temp files of an interrupted run are gone from `out`."""
+    staging = (out / ".staging").resolve()
+    staging.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(out)
+    return staging
+
+
+def resume_unit(source_name: str, file: SourceFile, staging: Path,
+                config: BuildConfig = BuildConfig()) -> tuple[UnitResult, bool]:
+    """`process_unit`, unless an earlier run finished the unit on the same input and config (its
+    marker, written after its staged files, says so): (the result, whether it was finished earlier)."""
+    fingerprint = unit_fingerprint(source_name, file.path, file.split, asdict(config))
+    marker = unit_marker(staging, unit_key(source_name, file))
+    done = read_marker(marker, fingerprint)
+    if done and all(Path(done.get(k) or "/nonexistent").exists() for k in ("records_path", "quarantine_path", "keys_path")):
+        return UnitResult(**done), True
+    result = process_unit(source_name, file, staging, config)
+    write_marker(marker, fingerprint, asdict(result))
+    return result, False
+
+
+def units_done(done: int, total: int, unit: UnitResult) -> str:
+    """The log line of a build after each unit."""
+    return f"units done: {done}/{total} ({unit.source}/{unit.source_file})"
+
+
+def unit_bar(total: int):
+    """A progress bar of the units on a terminal (stderr); nothing elsewhere (a log file, a worker)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="source files", unit="file", disable=None, leave=False)
+
+
+def build_in_process(sources: dict[str, str | None], out: Path, config: BuildConfig = BuildConfig()) -> dict:
+    """The whole build in this process, without Prefect: for inputs so small that starting a Prefect
+    server and worker processes would take longer than the work. The same steps as the build flow
+    (flows/build.py) in the same order, so the same bytes, resumed the same way after a stop.
+    Returns the report."""
+    staging = staging_folder(out)
+    files = [(name, f) for name, location in sources.items() for f in get_source(name).files(location)]
+    units = []
+    with unit_bar(len(files)) as bar:
+        for name, file in files:
+            unit, earlier = resume_unit(name, file, staging, config)
+            if earlier:
+                log.info("%s/%s: done in an earlier run, skipped", name, file.label)
+            units.append(unit)
+            bar.update()
+            log.info(units_done(len(units), len(files), unit))
+    return finalize(units, out, config)
+
+
 def merge_counts(units: list[UnitResult]) -> dict:
     """Per source and total: read, written, quarantined, reasons."""
     per_source: dict[str, dict] = {}
@@ -433,4 +487,8 @@ def summary_lines(report: dict) -> list[str]:
         steps = [f"{s['stage']} {s['kept']}" + (f" (-{s['in'] - s['kept']})" if s["in"] > s["kept"] else "")
                  for s in report["stages"]]
         lines.append("stages: " + " -> ".join(steps))
+    shards = [f"{name} {len(paths)}" for name, paths in report.get("outputs", {}).items()
+              if name not in ("quarantine", "duplicates")]
+    if shards:
+        lines.append("shards: " + ", ".join(shards))
     return lines + [f"warning: {w}" for w in report.get("warnings", [])]

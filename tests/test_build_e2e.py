@@ -22,8 +22,11 @@ from tests.conftest import FIXTURE_QUARANTINE, FIXTURES, REPO
 def test_trajforge_build_on_the_fixtures(tmp_path):
     """From the shipped example config (its sources are every fixture source), with options over it."""
     out = tmp_path / "build"
+    # The processes runner: the flow on Prefect's temporary server (the small fixtures alone would
+    # build in process, tests/test_small_build.py); --verbose: its task logs on the console.
     args = [sys.executable, "-m", "trajforge.flows.cli", "build", "--config", str(REPO / "configs" / "build.yaml"),
-            "--out", str(out), "--rl-tasks", str(FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl")]
+            "--out", str(out), "--rl-tasks", str(FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl"),
+            "--runner", "processes", "--verbose"]
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Progress while running and a summary at the end.

@@ -30,7 +30,9 @@ CPU_BOUND_S = 2.0
 
 def trajforge(*args: str, cwd=REPO, **env: str) -> tuple[subprocess.CompletedProcess, float, float]:
     """Run the CLI; (the finished process, wall seconds, CPU seconds of the child)."""
-    environ = dict(os.environ, PYTHONPATH=str(REPO), **env)
+    # REPO after any PYTHONPATH already set, which may point at the checkout under test.
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
+                   **env)
     command = [sys.executable, "-m", "trajforge.flows.cli", *args]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.monotonic()

@@ -57,7 +57,7 @@ def test_without_a_file_the_flags_alone_decide():
 
 @pytest.mark.parametrize("text, says", [
     ("workers: four\n", "workers must be int, not str 'four'"),
-    ("runner: slurm\n", "runner must be one of processes, threads, dask, ray"),
+    ("runner: slurm\n", "runner must be one of auto, processes, threads, dask, ray"),
     ("stages: [1]\n", "stages must be a mapping"),
     ("- out\n", "expected a mapping of keys, not list"),
     ("out: [unclosed\n", "not valid YAML (line 2)"),
