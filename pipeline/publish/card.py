@@ -41,6 +41,7 @@ CONFIG_NOTES = {
     "preference": "chosen/rejected pairs for DPO",
     "grpo": "prompts with reference answers for GRPO",
     "grpo_env": "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",
+    "step_labels": "assistant steps labelled good/bad for process reward models",
 }
 
 
