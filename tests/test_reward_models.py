@@ -12,29 +12,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
-from tiny_model import build_tiny_model, warm_start  # noqa: E402
-
-CONFIGS = Path(__file__).resolve().parents[1] / "training" / "configs"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+from tests.test_training_trainers import CONFIGS, launch, one_thread, tiny  # noqa: E402,F401  (the same fixtures)
+from tiny_model import warm_start  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tiny(fixtures_build, tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), fixtures_build)
-
-
-def launch(trainer: str, tiny: Path, build: Path, out: Path, *overrides: str) -> dict:
-    from trajforge.flows.cli import main
-
-    assert main(["train", trainer, "--config", str(CONFIGS / f"{trainer}_tiny.yaml"), "--model_name_or_path",
-                 str(tiny), "--dataset_name", str(build), "--output_dir", str(out), *overrides]) == 0
+def trained(trainer: str, tiny: Path, build: Path, out: Path, *overrides: str) -> dict:
+    """`trajforge train TRAINER` with its tiny config; the run's results, its loss finite."""
+    launch(trainer, tiny, build, out, *overrides)
     results = json.loads((out / "all_results.json").read_text())
     assert math.isfinite(results["train_loss"])
     return results
@@ -43,14 +27,14 @@ def launch(trainer: str, tiny: Path, build: Path, out: Path, *overrides: str) ->
 @pytest.fixture(scope="module")
 def rm(tiny, fixtures_build, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("rm")
-    launch("rm", tiny, fixtures_build, out)
+    trained("rm", tiny, fixtures_build, out)
     return out
 
 
 @pytest.fixture(scope="module")
 def prm(tiny, fixtures_build, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("prm")
-    launch("prm", tiny, fixtures_build, out)
+    trained("prm", tiny, fixtures_build, out)
     return out
 
 
@@ -179,7 +163,7 @@ def test_reward_models_give_one_number_per_completion(rm, prm, fixtures_build):
 def test_grpo_step_with_the_reward_model_as_a_reward(tiny, rm, fixtures_build, tmp_path):
     policy = warm_start(tiny, fixtures_build, tmp_path / "warm")
     out = tmp_path / "grpo"
-    launch("grpo", policy, fixtures_build, out, "--max_prompt_tokens", "1024", "--max_steps", "1",
+    trained("grpo", policy, fixtures_build, out, "--max_prompt_tokens", "1024", "--max_steps", "1",
            "--reward_funcs", "format", f"rm={rm}", "--reward_weights", "1.0", "1.0")
     logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "reward" in e]
     assert logged and math.isfinite(logged[0]["rewards/rm_reward/mean"])
@@ -188,7 +172,7 @@ def test_grpo_step_with_the_reward_model_as_a_reward(tiny, rm, fixtures_build, t
 def test_rloo_trains_on_the_grpo_prompts_with_the_process_reward_model(tiny, prm, fixtures_build, tmp_path):
     policy = warm_start(tiny, fixtures_build, tmp_path / "warm")
     out = tmp_path / "rloo"
-    launch("rloo", policy, fixtures_build, out, "--max_steps", "1", "--reward_funcs", "format", "tag_count",
+    trained("rloo", policy, fixtures_build, out, "--max_steps", "1", "--reward_funcs", "format", "tag_count",
            f"prm={prm}", "--reward_weights", "1.0", "0.5", "1.0")
     logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "reward" in e]
     assert logged and math.isfinite(logged[0]["rewards/prm_reward/mean"])

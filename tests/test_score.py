@@ -43,32 +43,35 @@ def assert_accounted(build: Path, out: Path, min_score: float) -> dict:
     return report
 
 
-def test_score_with_a_reward_model_and_min_score(fixtures_build, tmp_path, capsys):
-    torch = pytest.importorskip("torch")
+@pytest.fixture
+def reward_head(tmp_path_factory, fixtures_build) -> Path:
+    """A reward head on the tiny model: untrained, but a real model giving real, varied scores."""
+    pytest.importorskip("torch")
     pytest.importorskip("trl")
     from tiny_model import build_tiny_model
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    tiny = build_tiny_model(tmp_path_factory.mktemp("tiny"), fixtures_build)
+    out = tmp_path_factory.mktemp("reward_head")
+    AutoModelForSequenceClassification.from_pretrained(tiny, num_labels=1).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(out)
+    return out
+
+
+def test_score_with_a_reward_model_and_min_score(fixtures_build, reward_head, tmp_path, capsys):
     from trajforge.flows.cli import main
     from trajforge.training.reward_model import RewardModel
 
-    torch.manual_seed(0)
-    tiny = build_tiny_model(tmp_path / "tiny", fixtures_build)
-    # A reward head on the tiny model: untrained, but a real model giving real, varied scores.
-    AutoModelForSequenceClassification.from_pretrained(tiny, num_labels=1).save_pretrained(tmp_path / "rm")
-    (tmp_path / "tiny" / "tokenizer.json").rename(tmp_path / "rm" / "tokenizer.json")
-    for name in ("tokenizer_config.json", "chat_template.jinja"):
-        if (tmp_path / "tiny" / name).exists():
-            (tmp_path / "tiny" / name).rename(tmp_path / "rm" / name)
-    scores = RewardModel.load(str(tmp_path / "rm"), max_length=256).score(
+    scores = RewardModel.load(str(reward_head), max_length=256).score(
         [[{"role": t["role"], "content": t["content"]} for t in r["conversations"]] for r in read(fixtures_build)])
-    min_score = sorted(scores)[len(scores) // 3]
+    ordered, k = sorted(scores), len(scores) // 3
+    min_score = (ordered[k - 1] + ordered[k]) / 2  # between two scores: padding may move a score by 1e-7
     out = tmp_path / "scored"
-    assert main(["score", str(fixtures_build), "--out", str(out), "--scorer", "rm", "--model", str(tmp_path / "rm"),
+    assert main(["score", str(fixtures_build), "--out", str(out), "--scorer", "rm", "--model", str(reward_head),
                  "--max-length", "256", "--min-score", repr(min_score)]) == 0
     report = assert_accounted(fixtures_build, out, min_score)
-    assert report["low_score"] == len(scores) // 3 and report["unscored"] == 0
-    assert sorted(r["score"] for r in read(out)) == pytest.approx(sorted(scores)[len(scores) // 3:], abs=1e-4)
+    assert report["low_score"] == k and report["unscored"] == 0
+    assert sorted(r["score"] for r in read(out)) == pytest.approx(ordered[k:], abs=1e-4)
     assert "low_score" in capsys.readouterr().out
 
 
