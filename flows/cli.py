@@ -302,10 +302,12 @@ def _run_synth(args: argparse.Namespace) -> int:
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
     # The trainer's own parser (training.cli, then TRL's) reads everything after `train`, --help too.
-    p = sub.add_parser("train", help="train on the dataset with TRL: sft, grpo or dpo (extra `train`)",
+    p = sub.add_parser("train", help="train on the dataset with TRL: sft, grpo, rloo, dpo, or a reward model: rm, prm "
+                                     "(extra `train`)",
                        add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER,
-                   help="sft|grpo|dpo --config training/configs/<name>.yaml and any config field as --field value")
+                   help="sft|grpo|rloo|dpo|rm|prm --config training/configs/<name>.yaml and any config field as "
+                        "--field value")
     p.set_defaults(func=_run_train)
 
 

@@ -176,3 +176,53 @@ def test_rloo_trains_on_the_grpo_prompts_with_the_process_reward_model(tiny, prm
            f"prm={prm}", "--reward_weights", "1.0", "0.5", "1.0")
     logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "reward" in e]
     assert logged and math.isfinite(logged[0]["rewards/prm_reward/mean"])
+
+
+def search_rows(fixtures_build: Path, tmp_path: Path) -> tuple[Path, Path, list[dict]]:
+    """Tree-search outputs in their layout (`search/step_pairs`, `search/step_values`), made of real
+    preference pairs: each pair's prompt is a node, its chosen and rejected replies two children."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pairs = [r for p in sorted((fixtures_build / "data" / "preference").glob("*.parquet"))
+             for r in pq.read_table(p).to_pylist()][:6]
+    step_pairs, step_values = tmp_path / "search" / "step_pairs", tmp_path / "search" / "step_values"
+    step_pairs.mkdir(parents=True)
+    step_values.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([
+        {"id": f"n{k}c>n{k}r", "task_id": f"task{k // 2}", "env": p["env"], "prompt": p["prompt"],
+         "chosen": p["chosen"], "rejected": p["rejected"], "chosen_value": 0.5, "rejected_value": 0.0}
+        for k, p in enumerate(pairs)]), step_pairs / "db.parquet")
+    pq.write_table(pa.Table.from_pylist([
+        {"id": f"n{k}{side[0]}", "task_id": f"task{k // 2}", "env": p["env"], "prompt": p["prompt"],
+         "completion": p[side], "value": value, "visits": 4, "successes": int(4 * value)}
+        for k, p in enumerate(pairs) for side, value in (("chosen", 0.5), ("rejected", 0.0))]),
+        step_values / "db.parquet")
+    return step_pairs, step_values, pairs
+
+
+def test_tree_search_step_pairs_and_values_join_the_training_data(tiny, fixtures_build, tmp_path):
+    from trajforge.training.arguments import ProcessRewardTrainConfig, RewardTrainConfig, parse
+    from trajforge.training.process_reward_model import load_steps
+    from trajforge.training.reward_model import load_pairs
+
+    step_pairs, step_values, pairs = search_rows(fixtures_build, tmp_path)
+    common = ["--model_name_or_path", str(tiny), "--dataset_name", str(fixtures_build)]
+    plain = load_pairs(*parse(RewardTrainConfig, ["--config", str(CONFIGS / "rm_tiny.yaml"), *common])[:2])
+    data_args, training_args, _ = parse(RewardTrainConfig, ["--config", str(CONFIGS / "rm_tiny.yaml"), *common,
+                                                            "--step_pairs", str(step_pairs)])
+    train, evaluation = load_pairs(data_args, training_args)
+    assert len(train) + len(evaluation) == len(plain[0]) + len(plain[1]) + len(pairs)
+    # A task's step pairs are grouped by task: never on both sides.
+    tasks = lambda rows: {i for i in rows["id"] if i.startswith("task")}  # noqa: E731
+    assert not tasks(train) & tasks(evaluation) and tasks(train) | tasks(evaluation) == {"task0", "task1", "task2"}
+
+    data_args, training_args, _ = parse(ProcessRewardTrainConfig, [
+        "--config", str(CONFIGS / "prm_tiny.yaml"), *common, "--step_values", str(step_values)])
+    train, evaluation = load_steps(data_args, training_args)
+    searched = [row for split in (train, evaluation) for row in split if row["id"].startswith("task")]
+    assert len(searched) == 2 * len(pairs)
+    for row in searched:
+        *context, step = row["messages"]
+        assert all(m["label"] is None for m in context) and step["label_source"] == "search"
+        assert step["label"] == (1 if row["id"].endswith("c") else 0)  # value 0.5 > 0: good; 0.0: bad
