@@ -404,10 +404,12 @@ def _run_synth(args: argparse.Namespace) -> int:
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
     # The trainer's own parser (training.cli, then TRL's) reads everything after `train`, --help too.
-    p = sub.add_parser("train", help="train on the dataset with TRL: sft, grpo or dpo (extra `train`)",
+    p = sub.add_parser("train", help="train on the dataset with TRL: sft, grpo, rloo, dpo, or a reward model: rm, prm "
+                                     "(extra `train`)",
                        add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER,
-                   help="sft|grpo|dpo --config training/configs/<name>.yaml and any config field as --field value")
+                   help="sft|grpo|rloo|dpo|rm|prm --config training/configs/<name>.yaml and any config field as "
+                        "--field value")
     p.set_defaults(func=_run_train)
 
 
@@ -693,8 +695,52 @@ def _run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_score(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("score", help="score trajectories with a reward model or an LLM judge; --min-score moves "
+                                     "the low ones to the quarantine (a Prefect flow)")
+    p.add_argument("inputs", help="records to score: a build folder (data/sft), a synth folder, or a Parquet file")
+    p.add_argument("--out", required=True, help="output folder, same layout as the input, plus quarantine and report")
+    p.add_argument("--scorer", required=True, choices=["rm", "prm", "judge"],
+                   help="rm: outcome reward model (`trajforge train rm`), prm: process reward model (`trajforge "
+                        "train prm`), judge: an LLM with a 0-5 rubric at --base-url")
+    p.add_argument("--model", required=True, help="the trained model's folder (rm, prm) or the judge model's name")
+    p.add_argument("--min-score", type=float, default=None,
+                   help="records scored below this go to the quarantine as low_score (on the scorer's scale)")
+    p.add_argument("--config", default="sft", help="release config to score in a build folder")
+    p.add_argument("--batch-size", type=int, default=64, help="records in flight")
+    p.add_argument("--max-length", type=int, default=None, help="rm / prm: tokens per trajectory")
+    p.add_argument("--base-url", default=None, help="judge: OpenAI-compatible endpoint (default: TRAJFORGE_BASE_URL)")
+    p.add_argument("--concurrency", type=int, default=64, help="judge: LLM requests in flight")
+    p.add_argument("--sampling", action="append", type=_sampling_arg, default=[], metavar="KEY=VALUE",
+                   help="judge: override a sampling default; repeatable")
+    p.add_argument("--max-calls", type=int, default=None, help="judge: LLM call budget (cache hits are free)")
+    p.add_argument("--max-tokens", type=int, default=None, help="judge: completion tokens per rating")
+    p.add_argument("--backend", choices=["openai", "vllm"], default="openai")
+    p.add_argument("--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key")
+    p.set_defaults(func=_run_score)
+
+
+def _run_score(args: argparse.Namespace) -> int:
+    from trajforge.flows.score import score
+    from trajforge.pipeline.quality.score import summary_lines
+
+    if not os.path.exists(args.inputs):
+        raise SourceError(f"score: {args.inputs} does not exist")
+    if args.scorer != "judge" and not os.path.isdir(args.model):
+        raise SourceError(f"score: --model {args.model} is not a folder with a trained reward model")
+    report = score(inputs=args.inputs, out=args.out, scorer=args.scorer, model=args.model, min_score=args.min_score,
+                   config_name=args.config, batch_size=args.batch_size, max_length=args.max_length,
+                   base_url=args.base_url, concurrency=args.concurrency, sampling=dict(args.sampling),
+                   max_calls=args.max_calls, max_tokens=args.max_tokens, backend=args.backend,
+                   api_key_env=args.api_key_env)
+    print("\n".join(summary_lines(report)))
+    print(f"records: {args.out}  quarantine: {args.out}/quarantine/quarantine.parquet  report: {args.out}/report.json")
+    return 0
+
+
 # Each entry adds one subcommand; other capabilities register theirs here.
-COMMANDS = [_add_build, _add_release, _add_synth, _add_train, _add_select_steps, _add_salvage, _add_rft, _add_eval]
+COMMANDS = [_add_build, _add_release, _add_synth, _add_train, _add_select_steps, _add_salvage, _add_rft, _add_eval,
+            _add_score]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -13,9 +13,9 @@ per record the dedup keys (dedup_table.record_keys), and the fields the report c
    (`unit_pools`, merged in unit order; pools.py);
 4. streams each unit's staged records once more (`write_unit`), skipping the dropped ones: each
    kept record goes to the unit's `sft` file, its negatives, their preference pairs (the parent is
-   the record at hand), its GRPO prompt and its grpo_env row to theirs. Shards are cut from those
-   files in unit order (shards.write_config_from_file); the report, the card and the manifest
-   come from the key table and the counts already in memory.
+   the record at hand), its GRPO prompt, its grpo_env row and the step labels of it and of its
+   negatives to theirs. Shards are cut from those files in unit order (shards.write_config_from_file);
+   the report, the card and the manifest come from the key table and the counts already in memory.
 
 Steps 2-4 are per band, per chunk or per unit: `finalize` hands them to its `map_units`, so a
 flow runs them on its task runner (other cores, or a cluster's workers). Peak memory of the
@@ -42,7 +42,8 @@ from trajforge.pipeline.evaluation.splits import declared_held_out
 from trajforge.pipeline.quality.dedup import Contamination, DedupConfig, read_eval_tasks
 from trajforge.pipeline.quality.dedup_table import (RANK_COLUMNS, band_columns, duplicates_table, near_matrices,
                                                     record_keys, shingle_set_hashes)
-from trajforge.pipeline.quality.derived import grpo_env_row, grpo_prompt, preference_pair, record_task
+from trajforge.pipeline.quality.derived import (grpo_env_row, grpo_prompt, negative_step_labels, preference_pair,
+                                                record_task, step_labels_of)
 from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.quarantine import quarantine_entry, shown
@@ -233,7 +234,7 @@ def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:
 
 # The outputs a unit's kept records make, staged per unit and cut into shards in unit order.
 OUTPUTS = {"sft": "trajectory", "negatives": "trajectory", "preference": "preference", "grpo": "grpo",
-           "grpo_env_records": "grpo_env"}
+           "grpo_env_records": "grpo_env", "step_labels": "step_labels"}
 
 
 @dataclass
@@ -246,6 +247,8 @@ class UnitOutputs:
     contaminated: list[dict] = field(default_factory=list)
     negatives_by_type: dict[str, int] = field(default_factory=dict)
     unpaired: int = 0
+    # (label source, label) -> labelled steps of the unit's step_labels rows.
+    step_labels: dict[tuple[str, int], int] = field(default_factory=dict)
     # task id -> the first answer of a synthetic trajectory of it (for the task files' grpo_env rows).
     synthetic_answers: dict[str, str] = field(default_factory=dict)
 
@@ -254,15 +257,16 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
                contaminated: dict[int, str], pools: EnvPools, negatives: NegativesConfig,
                task_ids: frozenset[str]) -> UnitOutputs:
     """Stream one unit's staged records once: each kept record goes to `sft` (its id made unique,
-    `repeats`), its negatives and their preference pairs (the parent is the record at hand), its
-    GRPO prompt, and the grpo_env row of its resettable task unless `task_ids` (the task files')
-    or an earlier record of the unit has it. Contaminated rows become quarantine rows."""
+    `repeats`), its negatives, their preference pairs (the parent is the record at hand) and the
+    step labels of both, its GRPO prompt, and the grpo_env row of its resettable task unless
+    `task_ids` (the task files') or an earlier record of the unit has it. Contaminated rows become quarantine rows."""
     writers = {name: StreamingParquet(Path(staged) / f"{name}.parquet", arrow_schema(schema))
                for name, schema in OUTPUTS.items()}
     kept = set(kept_rows.tolist())
     seen_tasks = set(task_ids)
     out = UnitOutputs({}, {}, {})
     negatives_by_type: Counter[str] = Counter()
+    step_labels: Counter[tuple[str, int]] = Counter()
     row = 0
     for batch in pq.ParquetFile(records_path).iter_batches(batch_size=BATCH_ROWS):
         for i, record in enumerate(batch.to_pylist()):
@@ -278,6 +282,7 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
             if at not in kept:
                 continue
             writers["sft"].append(record)
+            label_rows = [step_labels_of(record)]
             for negative in negatives_of(record, pools, negatives):
                 writers["negatives"].append(negative)
                 negatives_by_type[negative["negative_type"]] += 1
@@ -286,6 +291,10 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
                     out.unpaired += 1
                 else:
                     writers["preference"].append(pair)
+                label_rows.append(negative_step_labels(negative, record))
+            for labelled in filter(None, label_rows):
+                writers["step_labels"].append(labelled)
+                step_labels.update((m["label_source"], m["label"]) for m in labelled["messages"] if m["label"] is not None)
             if record["kind"] != "positive":
                 continue
             prompt = grpo_prompt(record)
@@ -304,6 +313,7 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
         writer.close()
         out.paths[name], out.nbytes[name], out.rows[name] = str(writer.path), writer.nbytes, writer.count
     out.negatives_by_type = dict(negatives_by_type)
+    out.step_labels = dict(step_labels)
     return out
 
 

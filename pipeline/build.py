@@ -387,7 +387,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     record_rows = first_task_rows([part.paths["grpo_env_records"] for part in written],
                                   staged / "grpo_env_records.parquet")
     parts = {name: [(part.paths[name], part.nbytes[name], part.rows[name]) for part in written]
-             for name in ("sft", "negatives", "preference", "grpo")}
+             for name in ("sft", "negatives", "preference", "grpo", "step_labels")}
     parts["grpo_env"] = [(str(task_rows.path), task_rows.nbytes, task_rows.count), record_rows]
     step_parts, step_counts = stage_step_rows(units, kept_rows, contaminated, staged)
     parts.update(step_parts)
@@ -426,7 +426,8 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
                           "spared": len(config.decontaminate_except), "file": config.decontaminate,
                           "contaminated": len(contaminated_rows)}
     report["stages"] = [t.as_dict() for t in build_stages(units, len(contaminated_rows), duplicates)]
-    report["outputs"].update({name: files[name].get("train", []) for name in ("negatives", "preference", "grpo", "grpo_env")},
+    report["outputs"].update({name: files[name].get("train", [])
+                              for name in ("negatives", "preference", "grpo", "grpo_env", "step_labels")},
                              duplicates=[str(duplicates_path.relative_to(out))])
     turns, chars = kept_keys["turns"].to_list(), kept_keys["chars"].to_list()
     negatives_by_type = sum((Counter(part.negatives_by_type) for part in written), Counter())
@@ -436,6 +437,10 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     if step_counts:
         report["outputs"].update({name: files[name].get("train", []) for name in step_parts})
         report["search_steps"] = step_counts
+    label_mix = sum((Counter(part.step_labels) for part in written), Counter())
+    report["step_labels"] = {"rows": rows["step_labels"],
+                             "steps": {f"{source}:{'good' if label else 'bad'}": n
+                                       for (source, label), n in sorted(label_mix.items())}}
     if kept_keys.is_empty():
         report["warnings"] = ["no record made it into data/sft: every input record was quarantined or a duplicate"]
     for warning in report.get("warnings", []):

@@ -9,11 +9,13 @@ import yaml
 
 pytest.importorskip("trl")
 
-from trajforge.training.arguments import DPOTrainConfig, GRPOTrainConfig, SFTTrainConfig, parse  # noqa: E402
+from trajforge.training.arguments import (DPOTrainConfig, GRPOTrainConfig, ProcessRewardTrainConfig,  # noqa: E402
+                                          RewardTrainConfig, RLOOTrainConfig, SFTTrainConfig, parse)
 from trajforge.training.cli import main  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "training" / "configs"
-CLASSES = {"sft": SFTTrainConfig, "grpo": GRPOTrainConfig, "dpo": DPOTrainConfig}
+CLASSES = {"sft": SFTTrainConfig, "grpo": GRPOTrainConfig, "dpo": DPOTrainConfig, "rloo": RLOOTrainConfig,
+           "rm": RewardTrainConfig, "prm": ProcessRewardTrainConfig}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
@@ -26,14 +28,15 @@ def test_config_parses(path: Path):
         data_args, training_args, model_args = parse(CLASSES[trainer], [
             "--config", str(path), "--bf16", "false", "--model_name_or_path", "m", "--dataset_name", "d"])
     assert isinstance(training_args, CLASSES[trainer])
-    expected = {"sft": "sft", "grpo": "grpo", "dpo": "preference"}[trainer]
+    expected = {"sft": "sft", "grpo": "grpo", "dpo": "preference", "rloo": "grpo", "rm": "preference",
+                "prm": "step_labels"}[trainer]
     if getattr(training_args, "environments", None):
         expected = "grpo_env"  # whole episodes in the environments
         assert training_args.max_tool_calling_iterations == training_args.max_turns
         assert training_args.max_concurrent_envs >= (training_args.per_device_train_batch_size
                                                      * training_args.steps_per_generation)
     assert data_args.dataset_config == expected
-    if trainer == "grpo":
+    if trainer in ("grpo", "rloo"):
         assert len(training_args.reward_weights) == len(training_args.reward_funcs)
 
 
@@ -52,7 +55,7 @@ def test_accelerate_configs(name, kind):
 def test_launcher_rejects_unknown_trainers_and_missing_arguments(capsys):
     assert main([]) == 2 and main(["ppo"]) == 2
     err = capsys.readouterr().err
-    assert "usage" in err and "unknown trainer 'ppo'; known: dpo, grpo, sft" in err
+    assert "usage" in err and "unknown trainer 'ppo'; known: dpo, grpo, prm, rloo, rm, sft" in err
     with pytest.raises(SystemExit):
         parse(SFTTrainConfig, ["--config", str(CONFIGS / "sft_tiny.yaml"), "--model_name_or_path", "m"])
 

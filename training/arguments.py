@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from trl import DPOConfig, GRPOConfig, ModelConfig, SFTConfig, TrlParser
+from transformers import TrainingArguments
+from trl import DPOConfig, GRPOConfig, ModelConfig, RewardConfig, RLOOConfig, SFTConfig, TrlParser
 from trl.scripts.utils import ScriptArguments
 
 
@@ -40,15 +41,21 @@ class SFTTrainConfig(SFTConfig):
 
 
 @dataclass
-class GRPOTrainConfig(GRPOConfig):
+class PromptRewards:
+    """What the online RL trainers (GRPO, RLOO) add to TRL's config: the reward registry and the prompt limit."""
     reward_funcs: list[str] = field(
         default_factory=lambda: ["format", "tag_count", "accuracy"],
-        metadata={"help": "Reward names from trajforge.training.rewards.REWARDS; weights in `reward_weights`."})
+        metadata={"help": "Reward names from trajforge.training.rewards.REWARDS, or `rm=PATH` / `prm=PATH` for a "
+                          "trained (process) reward model; weights in `reward_weights`."})
     max_prompt_tokens: int | None = field(
         default=None,
         metadata={"help": "Drop (and count) prompts longer than this, counted as TRL renders them (with the "
                           "environment's tool schemas under `environments`): cutting an agent prompt loses its "
                           "instructions, and TRL 1.x has no prompt truncation of its own."})
+
+
+@dataclass
+class GRPOTrainConfig(GRPOConfig, PromptRewards):
     environments: list[str] | None = field(
         default=None,
         metadata={"help": "Run whole episodes in these environments (os, db, agentgym) on the `grpo_env` config: "
@@ -77,6 +84,40 @@ class GRPOTrainConfig(GRPOConfig):
 @dataclass
 class DPOTrainConfig(DPOConfig):
     """DPOConfig on the `preference` release config (conversational prompt/chosen/rejected)."""
+
+
+@dataclass
+class RLOOTrainConfig(RLOOConfig, PromptRewards):
+    """RLOOConfig on the `grpo` config, with GRPO's reward registry. TRL 1.16's RLOOTrainer runs no
+    environment (no `environment_factory`): whole episodes in the environments are GRPO's."""
+
+
+@dataclass
+class RewardTrainConfig(RewardConfig):
+    """RewardConfig on the `preference` config, plus the step pairs of tree search."""
+    step_pairs: list[str] | None = field(
+        default=None,
+        metadata={"help": "Parquet files or folders of step pairs (a synth folder's `search/step_pairs`, TRL's "
+                          "conversational preference format) trained on beside the release config."})
+
+
+@dataclass
+class ProcessRewardTrainConfig(TrainingArguments):
+    """A process reward model: transformers' Trainer on a token-classification head (TRL 1.16 has no
+    PRM trainer), on the `step_labels` config or on trajectory records (labels derived as the build does)."""
+    max_length: int | None = field(
+        default=1024, metadata={"help": "Tokens per trajectory; it is cut after the last labelled step that fits."})
+    step_values: list[str] | None = field(
+        default=None,
+        metadata={"help": "Parquet files or folders of tree-search step values (a synth folder's "
+                          "`search/step_values`): each step is a label, good when its value exceeds "
+                          "`step_value_threshold`."})
+    step_value_threshold: float = field(
+        default=0.0, metadata={"help": "A step is good when its Monte Carlo value is above this (0: any rollout "
+                                       "through it succeeded, Math-Shepherd's hard estimate)."})
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenizing."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow models that ship their own code."})
+    chat_template_path: str | None = field(default=None, metadata={"help": "A Jinja chat template file."})
 
 
 def parse(config_cls: type, argv: list[str] | None):

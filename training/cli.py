@@ -12,15 +12,21 @@ from pathlib import Path
 from trajforge.pipeline.registry import Registry, UnknownName
 
 TRAINERS: Registry[str] = Registry("trainer", {"sft": "trajforge.training.sft", "grpo": "trajforge.training.grpo",
-                                              "dpo": "trajforge.training.dpo"})
+                                              "dpo": "trajforge.training.dpo", "rloo": "trajforge.training.rloo",
+                                              "rm": "trajforge.training.reward_model",
+                                              "prm": "trajforge.training.process_reward_model"})
 DESCRIPTIONS = {
     "sft": "SFT on the `sft` config: multi-turn, loss only on assistant turns whose `loss` flag is set",
     "grpo": "GRPO on the `grpo` config: agent prompts up to the first action, scored by the reward registry",
     "dpo": "DPO on the `preference` config: conversational prompt, chosen and rejected message lists",
+    "rloo": "RLOO on the `grpo` config: the same prompts and reward registry as GRPO, leave-one-out baseline",
+    "rm": "outcome reward model (RewardTrainer) on the `preference` config (+ tree-search step pairs)",
+    "prm": "process reward model: a token classifier over the end of each step, on the `step_labels` config",
 }
-DEFAULT_CONFIGS = {"sft": "sft", "grpo": "grpo", "dpo": "preference"}
+DEFAULT_CONFIGS = {"sft": "sft", "grpo": "grpo", "dpo": "preference", "rloo": "grpo", "rm": "preference",
+                   "prm": "step_labels"}
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-USAGE = "usage: trajforge train {sft,grpo,dpo} --config training/configs/<name>.yaml [--field value ...]"
+USAGE = "usage: trajforge train {sft,grpo,dpo,rloo,rm,prm} --config training/configs/<name>.yaml [--field value ...]"
 
 # (flag, metavar, help): the options first shown; tests check each is a real field of the parser.
 COMMON_OPTIONS = [
@@ -34,9 +40,14 @@ COMMON_OPTIONS = [
     ("--output_dir", "DIR", "where checkpoints and the final model are written"),
     ("--max_steps", "N", "stop after N optimizer steps"),
 ]
+REWARD_OPTIONS = [("--reward_funcs", "NAME [NAME ...]", "reward names from training.rewards.REWARDS, or "
+                                                           "rm=PATH / prm=PATH (a trained reward model)"),
+                  ("--max_prompt_tokens", "N", "drop (and count) prompts longer than N tokens")]
 TRAINER_OPTIONS = {
-    "grpo": [("--reward_funcs", "NAME [NAME ...]", "reward names from training.rewards.REWARDS"),
-             ("--max_prompt_tokens", "N", "drop (and count) prompts longer than N tokens")],
+    "grpo": REWARD_OPTIONS,
+    "rloo": REWARD_OPTIONS,
+    "rm": [("--step_pairs", "PATH [PATH ...]", "tree-search step pairs (Parquet files or folders) trained on too")],
+    "prm": [("--step_values", "PATH [PATH ...]", "tree-search step values (Parquet files or folders) as labels too")],
 }
 
 

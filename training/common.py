@@ -27,11 +27,13 @@ def load_tokenizer(model_args, training_args):
     return tokenizer
 
 
-def load_model(model_args, training_args):
+def load_model(model_args, training_args, auto_class=AutoModelForCausalLM, **kwargs):
+    """The model to train; `auto_class` and `kwargs` give a reward model's head (num_labels)."""
     dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(__import__("torch"), model_args.dtype)
-    return AutoModelForCausalLM.from_pretrained(
+    return auto_class.from_pretrained(
         model_args.model_name_or_path, revision=model_args.model_revision, dtype=dtype,
-        attn_implementation=model_args.attn_implementation, trust_remote_code=training_args.trust_remote_code)
+        attn_implementation=model_args.attn_implementation, trust_remote_code=training_args.trust_remote_code,
+        **kwargs)
 
 
 def load_splits(data_args, default_config: str, seed: int):

@@ -57,8 +57,9 @@ def load_release(dataset_name: str, config: str, revision: str | None = None) ->
 
 
 def trajectory_group(row_id: str) -> str:
-    """The upstream trajectory a row comes from: `agentinstruct/db_35~2` -> `agentinstruct/db_35`."""
-    return row_id.split("~", 1)[0]
+    """The upstream trajectory a row comes from: `agentinstruct/db_35~2` -> `agentinstruct/db_35`, and
+    `agentinstruct/db_35#neg-wrong_answer#pair` (a pair or step labels of its negative) alike."""
+    return re.split(r"[~#]", row_id, maxsplit=1)[0]
 
 
 def train_eval_split(data: DatasetDict, train_split: str, test_split: str, eval_fraction: float,

@@ -25,7 +25,7 @@ def fit_pairs(dataset: Dataset, tokenizer, max_length: int | None) -> Dataset:
 
     kept = dataset.filter(fits)
     if len(kept) < len(dataset):
-        logger.warning("DPO data: %d of %d pairs longer than max_length=%d dropped",
+        logger.warning("Preference pairs: %d of %d longer than max_length=%d dropped",
                        len(dataset) - len(kept), len(dataset), max_length)
     if not len(kept):
         raise ValueError(f"no preference pair fits max_length={max_length}")

@@ -67,18 +67,27 @@ def environment_factories(training_args: GRPOTrainConfig) -> dict | None:
                           training_args.max_concurrent_envs, training_args.max_turns)
 
 
-def build_trainer(data_args, training_args: GRPOTrainConfig, model_args, callbacks=None) -> GRPOTrainer:
-    tokenizer = load_tokenizer(model_args, training_args)
-    factories = environment_factories(training_args)
-    train, evaluation = load_splits(data_args, "grpo_env" if factories else "grpo", training_args.seed)
-    if factories:
-        train, evaluation = (keep_environments(d, training_args.environments) for d in (train, evaluation))
-    train = limit_prompts(train, tokenizer, training_args.max_prompt_tokens, bool(factories))
+def prompt_rows(data_args, training_args, tokenizer, config: str,
+                environments: list[str] | None = None) -> tuple[Dataset, Dataset | None]:
+    """Train and eval prompts of an online RL run (GRPO, RLOO): of `environments` only when given,
+    no longer than max_prompt_tokens; the reward weights checked against the rewards."""
+    train, evaluation = load_splits(data_args, config, training_args.seed)
+    if environments:
+        train, evaluation = (keep_environments(d, environments) for d in (train, evaluation))
+    train = limit_prompts(train, tokenizer, training_args.max_prompt_tokens, bool(environments))
     if evaluation is not None:
-        evaluation = limit_prompts(evaluation, tokenizer, training_args.max_prompt_tokens, bool(factories))
+        evaluation = limit_prompts(evaluation, tokenizer, training_args.max_prompt_tokens, bool(environments))
     if training_args.reward_weights is not None and len(training_args.reward_weights) != len(training_args.reward_funcs):
         raise ValueError(f"reward_weights {training_args.reward_weights} do not match reward_funcs "
                          f"{training_args.reward_funcs}")
+    return train, evaluation
+
+
+def build_trainer(data_args, training_args: GRPOTrainConfig, model_args, callbacks=None) -> GRPOTrainer:
+    tokenizer = load_tokenizer(model_args, training_args)
+    factories = environment_factories(training_args)
+    train, evaluation = prompt_rows(data_args, training_args, tokenizer, "grpo_env" if factories else "grpo",
+                                    training_args.environments if factories else None)
     return GRPOTrainer(model=load_model(model_args, training_args), reward_funcs=get_rewards(training_args.reward_funcs),
                        args=training_args, train_dataset=train, eval_dataset=evaluation,
                        processing_class=tokenizer, peft_config=get_peft_config(model_args), callbacks=callbacks,

@@ -17,9 +17,13 @@ the prompt asks for, as parsed from the reference turn), `answer`, `env`, `domai
   (the adapters' `get_reward`, training/environments.py), not from this registry.
 - `env`: replays the action in the registered environment (`pipeline.envs.make_env`) for the
   row's `env_task` and returns its reward; None where a row has no task or no environment.
+- `rm=PATH`, `prm=PATH`: a trained reward model (`trajforge train rm` / `prm`) scores the prompt and
+  the completion as one conversation: the outcome model's scalar, or the process model's lowest
+  step score over the completion's steps (single-turn replies and whole episodes alike).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import re
@@ -197,5 +201,45 @@ REWARDS: Registry[Callable[..., list[float | None]]] = Registry("reward", {
 })
 
 
+class ModelReward:
+    """A trained (process) reward model as a reward function, loaded on first call, on this
+    process's GPU when there is one. TRL names a reward by `__name__`."""
+
+    def __init__(self, kind: str, path: str):
+        MODEL_REWARDS[kind]  # an unknown kind fails here, with the known ones
+        self.kind, self.path, self.__name__ = kind, path, f"{kind}_reward"
+        self._model = None
+
+    def _load(self):
+        import os
+
+        import torch
+
+        model = importlib.import_module(MODEL_REWARDS[self.kind][0])
+        loaded = getattr(model, MODEL_REWARDS[self.kind][1]).load(self.path)
+        if torch.cuda.is_available():
+            loaded.model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+        return loaded
+
+    def __call__(self, prompts, completions, **kwargs) -> list[float | None]:
+        if self._model is None:
+            self._model = self._load()
+        as_messages = lambda turns, role: [{"role": role, "content": turns}] if isinstance(turns, str) else turns  # noqa: E731
+        conversations = [as_messages(p, "user") + as_messages(c, "assistant") for p, c in zip(prompts, completions)]
+        if self.kind == "prm":
+            # Only the completion's steps are the policy's; the prompt's are context.
+            conversations = [[{**m, "loss": i >= len(as_messages(p, "user"))} for i, m in enumerate(c)]
+                             for p, c in zip(prompts, conversations)]
+        return self._model.score(conversations)
+
+
+# kind -> (module, class) of a trained reward model with `load(path)` and `score(conversations)`.
+MODEL_REWARDS: Registry[tuple[str, str]] = Registry("model reward", {
+    "rm": ("trajforge.training.reward_model", "RewardModel"),
+    "prm": ("trajforge.training.process_reward_model", "ProcessRewardModel"),
+})
+
+
 def get_rewards(names: list[str]) -> list[Callable]:
-    return [REWARDS[n] for n in names]
+    """The reward functions of `names`: registry names, or `rm=PATH` / `prm=PATH` (ModelReward)."""
+    return [ModelReward(*n.split("=", 1)) if "=" in n else REWARDS[n] for n in names]

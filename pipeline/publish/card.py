@@ -44,6 +44,7 @@ CONFIG_NOTES = {
     "grpo_env": "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",
     "step_pairs": "step-level DPO pairs from tree searches: at a shared prefix, a step that led to success vs one that did not",
     "step_values": "process-reward labels from tree searches: per step, the share of rollouts through it that succeeded",
+    "step_labels": "assistant steps labelled good/bad for process reward models",
 }
 
 

@@ -93,8 +93,9 @@ def step_turns(conversations: list[dict]) -> list[int]:
     return [i for i, t in enumerate(conversations) if t["role"] == "assistant" and t["loss"]]
 
 
-def selector_messages(record: dict, max_observation_chars: int = 2000) -> list[dict]:
-    """The selector's prompt: the task and the trajectory with numbered steps."""
+def trajectory_lines(record: dict, max_observation_chars: int = 2000) -> list[str]:
+    """The task and the trajectory for a model to read: numbered steps (the trained assistant turns),
+    other agent turns as context, observations cut at `max_observation_chars`."""
     conversations = record["conversations"]
     steps = {turn: number for number, turn in enumerate(step_turns(conversations), 1)}
     lines = [f"Task: {record['task']}", ""]
@@ -110,7 +111,14 @@ def selector_messages(record: dict, max_observation_chars: int = 2000) -> list[d
             if len(text) > max_observation_chars:
                 text = text[:max_observation_chars] + " [...]"
             lines.append(f"### Observation\n{text}")
-    lines += ["", f"The trajectory has {len(steps)} steps. Which of them are critical?"]
+    return lines
+
+
+def selector_messages(record: dict, max_observation_chars: int = 2000) -> list[dict]:
+    """The selector's prompt: the task and the trajectory with numbered steps."""
+    lines = trajectory_lines(record, max_observation_chars)
+    steps = len(step_turns(record["conversations"]))
+    lines += ["", f"The trajectory has {steps} steps. Which of them are critical?"]
     return [{"role": "system", "content": SELECTOR_INSTRUCTIONS}, {"role": "user", "content": "\n\n".join(lines)}]
 
 

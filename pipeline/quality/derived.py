@@ -15,6 +15,9 @@ context the agent acts in.
 GRPO environment tasks (schemas/grpo_env.schema.json) are whole episodes to run: the tool-format
 prompt, the environment (`os`, `db`, `agentgym`) and the task payload it resets to, from task
 files and from trajectories recorded on a task an environment can load (AgentTraj-L items).
+
+Step labels (schemas/step_labels.schema.json) supervise a process reward model: each assistant step
+of a trajectory labelled good or bad, with where the label comes from (`step_labels_of`).
 """
 from __future__ import annotations
 
@@ -148,3 +151,73 @@ def grpo_env_rows(tasks: list[Task], records: list[dict]) -> tuple[list[dict], i
         if task is not None and task.id not in rows:
             rows[task.id] = grpo_env_row(task, r["source"], row_id=task.id, env=r["env"], answer=r["answer"])
     return list(rows.values()), len(tasks) - len(runnable)
+
+
+GOOD, BAD = 1, 0  # step labels
+
+
+def _masked_turns(meta: dict) -> set[int]:
+    """Turns validation masked because the environment refused them (meta `masked_steps`)."""
+    return {step["turn"] for step in meta.get("masked_steps", [])}
+
+
+def _beneficial_turns(conversations: list[dict], meta: dict) -> set[int]:
+    """Turns of a salvaged record's replayed prefix (meta `beneficial_steps`: indexes of its actions)."""
+    steps = set(meta.get("beneficial_steps", []))
+    actions = [i for i, t in enumerate(conversations) if t["role"] == "assistant" and t["action"]]
+    return {turn for k, turn in enumerate(actions) if k in steps}
+
+
+def turn_labels(record: dict) -> list[tuple[int | None, str | None]]:
+    """(label, source) per turn of a trajectory the build keeps (it succeeded, or shows the right
+    behaviour): a trained step is good, named `critical` when select-steps flagged it, `salvage` when
+    it came from a failed run's prefix that a salvage continuation completed, else `trajectory`; a
+    step validation masked because the env refused it is bad (`refused`); the rest is context."""
+    meta = json.loads(record["meta"])
+    refused, beneficial = _masked_turns(meta), _beneficial_turns(record["conversations"], meta)
+    labels: list[tuple[int | None, str | None]] = []
+    for i, turn in enumerate(record["conversations"]):
+        if turn["role"] != "assistant":
+            labels.append((None, None))
+        elif i in refused:
+            labels.append((BAD, "refused"))
+        elif not turn["loss"]:
+            labels.append((None, None))
+        elif turn.get("critical") is True:
+            labels.append((GOOD, "critical"))
+        else:
+            labels.append((GOOD, "salvage" if i in beneficial else "trajectory"))
+    return labels
+
+
+def _labelled(turns: list[dict], labels: list[tuple[int | None, str | None]]) -> list[dict]:
+    return [{"role": t["role"], "content": t["content"], "label": label, "label_source": source}
+            for t, (label, source) in zip(turns, labels)]
+
+
+def step_labels_of(record: dict) -> dict | None:
+    """The step_labels row of a kept trajectory, or None when no step of it is labelled."""
+    labels = turn_labels(record)
+    if all(label is None for label, _ in labels):
+        return None
+    return {"id": f"{record['id']}#steps", "record_id": record["id"], "kind": "positive",
+            "negative_type": record["negative_type"], "source": record["source"], "domain": record["domain"],
+            "env": record["env"], "messages": _labelled(record["conversations"], labels)}
+
+
+def negative_step_labels(negative: dict, parent: dict) -> dict | None:
+    """The step_labels row of a negative: its turns up to the step where it goes wrong (the
+    rejected turn of its preference pair), that step bad (`negative`), the steps before it labelled
+    as in the parent where the context is still the parent's. Nothing after the first error is
+    labelled: what follows a wrong step says nothing about the steps themselves."""
+    neg, par = negative["conversations"], parent["conversations"]
+    diverged = _divergence(par, neg)
+    bad = len(neg) - 1 if json.loads(negative["meta"]).get("chosen") is not None else diverged
+    if bad is None or neg[bad]["role"] != "assistant":
+        return None
+    parent_labels = turn_labels(parent)
+    same = bad if diverged is None else min(diverged, bad)
+    labels = [parent_labels[k] if k < same else (None, None) for k in range(bad)] + [(BAD, "negative")]
+    return {"id": f"{negative['id']}#steps", "record_id": negative["id"], "kind": "negative",
+            "negative_type": negative["negative_type"], "source": parent["source"], "domain": parent["domain"],
+            "env": parent["env"], "messages": _labelled(neg[:bad + 1], labels)}

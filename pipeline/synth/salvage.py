@@ -97,7 +97,7 @@ class CallBudget:
     async def chat(self, messages: list[dict], sample: int = 0, **overrides: Any) -> ChatResult:
         if self.max_calls is not None and self.spent >= self.max_calls:
             self.refused += 1
-            raise LLMError("budget_exhausted", f"the salvage budget of {self.max_calls} calls is spent")
+            raise LLMError("budget_exhausted", f"the budget of {self.max_calls} calls is spent")
         self.spent += 1  # a call that fails was still sent: it stays spent
         result = await self.backend.chat(messages, sample=sample, **overrides)
         if result.cached:
