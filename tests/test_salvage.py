@@ -273,7 +273,7 @@ def test_unsuccessful_records_are_salvaged_through_their_task_text(db_failures, 
     """Records that end without success (no synthesis task id) find their task by its description."""
     import pyarrow as pa
 
-    from trajforge.pipeline.synth.tasks import load_tasks
+    from trajforge.pipeline.envs.tasks import load_tasks
     from trajforge.schemas import arrow_schema
 
     tasks = {t.id: t for t in load_tasks(DB_FILE)}

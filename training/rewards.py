@@ -135,8 +135,8 @@ def env_reward(completions, **kwargs) -> list[float | None]:
     None for rows without a task or whose env has no registered environment."""
     n = len(completions)
     try:
+        from trajforge.pipeline.envs.tasks import coerce_task
         from trajforge.pipeline.synth.envs import env_class
-        from trajforge.pipeline.synth.tasks import coerce_task
     except ImportError:
         logger.warning("env reward: pipeline.envs is not available; the reward is skipped")
         return [None] * n
@@ -163,12 +163,12 @@ def env_reward(completions, **kwargs) -> list[float | None]:
 
 
 def _valid_call(call: dict, environment: str) -> bool:
-    from trajforge.pipeline.synth.envs.tool_calls import TOOLS
+    from trajforge.pipeline.envs import spec
 
     function = call.get("function") or {}
-    expected = TOOLS[environment].get(function.get("name"))
+    tool = next((t for t in spec(environment).tools if t.name == function.get("name")), None)
     arguments = function.get("arguments")
-    return expected is not None and isinstance(arguments, dict) and set(arguments) == set(expected)
+    return tool is not None and isinstance(arguments, dict) and set(arguments) == {a.name for a in tool.arguments}
 
 
 def tool_call_reward(completions, **kwargs) -> list[float | None]:

@@ -115,7 +115,7 @@ def _write_failures(rows: list[dict], path: Path) -> None:
 
 def job_tasks(config: SynthConfig) -> list[Any]:
     """The tasks of the job's env in its task file."""
-    from trajforge.pipeline.synth.tasks import load_tasks
+    from trajforge.pipeline.envs.tasks import load_tasks
 
     tasks = [t for t in load_tasks(config.tasks) if t.env == config.env]
     if not tasks:
