@@ -303,7 +303,7 @@ def _sampling_arg(value: str) -> tuple[str, object]:
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
     from trajforge.pipeline.synth.config import SEARCH_STRATEGIES, VALUE_MODELS, AgentConfig, SearchConfig, SynthConfig
-    from trajforge.pipeline.synth.llm import LLMConfig
+    from trajforge.pipeline.llm.client import LLMConfig
 
     # Options default to SUPPRESS: given, they override the --config file; the defaults shown are
     # the dataclasses' (pipeline/synth/config.py), which hold them.
@@ -386,7 +386,7 @@ def _synth_run(args: argparse.Namespace) -> tuple[dict, str | None, dict]:
 def _run_synth(args: argparse.Namespace) -> int:
     config, api_key_env, given = _synth_run(args)
     from trajforge.flows.synth import synthesize
-    from trajforge.pipeline.synth.llm import ServerUnreachable
+    from trajforge.pipeline.llm.client import ServerUnreachable
 
     try:
         report = synthesize(config=config, api_key_env=api_key_env, **given)

@@ -64,7 +64,7 @@ class BuildConfig:
     # Task texts of those splits that this build may train on all the same (RFT trains on its round
     # tasks and evaluates on the rest of the split); a build that spares any says so in its report.
     decontaminate_except: tuple[str, ...] = ()
-    # Task files (pipeline.tasks formats) whose tasks become `grpo_env` rows, beside the
+    # Task files (pipeline.envs.tasks formats) whose tasks become `grpo_env` rows, beside the
     # trajectories' own resettable tasks.
     rl_tasks: tuple[str, ...] = ()
 

@@ -18,7 +18,7 @@ from trajforge.pipeline.synth.envs import make_env
 from trajforge.pipeline.envs import spec, specs
 from trajforge.pipeline.envs.agentgym import COMMON_PROFILE, server_profile
 from trajforge.pipeline.synth.envs.agentgym import AgentGymEnv
-from trajforge.pipeline.synth.llm import BACKENDS, FAMILIES, LLMConfig, make_backend
+from trajforge.pipeline.llm.client import BACKENDS, FAMILIES, LLMConfig, make_backend
 from trajforge.pipeline.envs.tasks import TaskFormatError, load_tasks, record_to_task
 from trajforge.sources import SourceError, get_source
 from trajforge.training.environments import EnvironmentFactory

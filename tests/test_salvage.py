@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from trajforge.pipeline.synth.llm import LLMConfig
+from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.synth.salvage import SalvageConfig, read_failures, salvage
 from trajforge.pipeline.synth.job import SynthConfig, synthesize
 from trajforge.pipeline.ingest.validate import validate_record

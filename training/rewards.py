@@ -131,7 +131,7 @@ def accuracy_reward(completions, **kwargs) -> list[float | None]:
 
 def env_reward(completions, **kwargs) -> list[float | None]:
     """Replay each completion's action in a fresh environment for the row's `env_task` (a task
-    record as `pipeline.tasks` reads it, or its JSON text) and return the environment's reward.
+    record as `pipeline.envs.tasks` reads it, or its JSON text) and return the environment's reward.
     None for rows without a task or whose env has no registered environment."""
     n = len(completions)
     try:

@@ -130,7 +130,7 @@ def _renamed_action(record: dict, names: tuple[str, ...]) -> list[dict] | None:
 
 
 def make_invalid_action(record: dict, pool: EnvPools, seed: int) -> dict | None:
-    """A real trained action edited to break one rule of its env's grammar (pipeline/ingest/grammars.py):
+    """A real trained action edited to break one rule of its env's grammar (its spec, pipeline/envs):
     the first action that some edit breaks, the rule picked by the seed among those it can break.
     A tool the prompt does not offer is `invented_tool`'s, not this type's."""
     grammar = grammar_for(record["env"])

@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, ParseError, clean_text, extract_answer, parse_turn
 from trajforge.pipeline.synth.config import AgentConfig
-from trajforge.pipeline.synth.llm import ChatBackend, LLMError, family_of, prepare_messages
-from trajforge.pipeline.synth.reasoning import split_reasoning
+from trajforge.pipeline.llm.client import ChatBackend, LLMError, family_of, prepare_messages
+from trajforge.pipeline.llm.reasoning import split_reasoning
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.envs import spec, specs
 from trajforge.pipeline.synth.envs.base import EnvFailure
@@ -129,7 +129,7 @@ def _check_reply(choice) -> tuple[Any, str | None, Any]:
 
 async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: Any, sample: int,
                       config: AgentConfig = AgentConfig(), prefix: list[dict] = ()) -> Episode:
-    """Run one episode of `task` (a pipeline.tasks.Task) as draw number `sample`.
+    """Run one episode of `task` (a pipeline.envs.tasks.Task) as draw number `sample`.
 
     `prefix`: assistant turns (schema turns with `action`) of an earlier trajectory, replayed in the
     fresh environment before the model takes over (salvage, `pipeline.salvage`). They count towards

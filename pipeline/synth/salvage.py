@@ -49,7 +49,7 @@ import json
 import logging
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,8 @@ from trajforge.pipeline.envs import specs
 from trajforge.pipeline.synth.agent import EMPTY_OBSERVATION, AgentConfig, Episode, run_episode
 from trajforge.pipeline.synth.envs.base import StepResult
 from trajforge.pipeline.atomic import write_json, write_parquet
-from trajforge.pipeline.synth.llm import ChatBackend, ChatResult, LLMConfig, LLMError, make_backend
+from trajforge.pipeline.llm.client import ChatBackend, ChatResult, LLMConfig, LLMError
+from trajforge.pipeline.llm.job import ModelJob
 from trajforge.pipeline.synth.job import EpisodeJournal, episode_key
 from trajforge.schemas import arrow_schema
 
@@ -109,9 +110,6 @@ class CallBudget:
         if result.cached:
             self.spent -= 1
         return result
-
-    async def aclose(self) -> None:
-        await self.backend.aclose()
 
 
 @dataclass
@@ -261,11 +259,9 @@ async def salvage_async(config: SalvageConfig) -> dict:
     by_id = {t.id: t for t in tasks}
     by_description = {_space(t.description): t for t in tasks}
     failures = [f for path in config.failures for f in read_failures(path)]
-    llm = LLMConfig(**{**asdict(config.llm), "cache_path": str(state / "requests.sqlite")})
-    inner = make_backend(config.backend, llm)
-    budget = CallBudget(inner, config.max_calls)
-    journal = EpisodeJournal(state / "episodes.sqlite")
-    gate = asyncio.Semaphore(config.episode_concurrency)
+    job = ModelJob.open(state, config.backend, config.llm, "episodes", config.episode_concurrency)
+    budget = CallBudget(job.backend, config.max_calls)
+    journal, gate = EpisodeJournal(job.journal), job.gate
     counts: Counter[str] = Counter()
 
     async def attempt(failure: Failure, task: Any, prefix: list[dict]) -> Episode:
@@ -348,9 +344,7 @@ async def salvage_async(config: SalvageConfig) -> dict:
     try:
         results = await asyncio.gather(*(salvage_one(f) for f in failures))
     finally:
-        stats = inner.stats
-        await budget.aclose()
-        journal.close()
+        await job.close()
 
     rows = [row for row, _ in results]
     records_by_env: dict[str, list[dict]] = {}
@@ -376,12 +370,11 @@ async def salvage_async(config: SalvageConfig) -> dict:
         "episodes_run": counts["episodes_run"], "episodes_resumed": counts["episodes_resumed"],
         "budget": {"max_calls": config.max_calls, "spent": budget.spent, "refused": budget.refused,
                    "max_prefixes": config.max_prefixes},
-        "llm": {"model": inner.model, "sampling": inner.params, "calls": stats.calls, "cache_hits": stats.cache_hits,
-                "retries": stats.retries, "failures": stats.failures},
+        "llm": job.llm_report(),
     }
     write_json(out / "report.json", report)
     log.info("salvage: %d failures %s; %d records; %d calls (budget %s), %d cache hits", len(rows),
-             report["outcomes"], report["records"], stats.calls, config.max_calls, stats.cache_hits)
+             report["outcomes"], report["records"], job.stats.calls, config.max_calls, job.stats.cache_hits)
     return report
 
 
