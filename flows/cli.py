@@ -601,7 +601,7 @@ def _env_file_arg(value: str) -> tuple[str, str]:
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     from trajforge.pipeline.synth.config import AgentConfig
-    from trajforge.pipeline.synth.llm import LLMConfig
+    from trajforge.pipeline.llm.client import LLMConfig
 
     p = sub.add_parser("eval", help="evaluate a model on held-out benchmark tasks, with oracle and random "
                                     "calibration (a Prefect flow)")
@@ -641,13 +641,14 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
+    from trajforge.pipeline.envs import runtimes
     from trajforge.pipeline.evaluation.splits import EVAL_SPLITS
-    from trajforge.pipeline.synth.envs import REGISTRY as ENVS
 
+    envs = runtimes()
     tasks = dict(args.tasks)
     for env in [*args.env, *tasks]:
-        if env not in ENVS:
-            raise SourceError(f"--env {env}: unknown environment; known: {', '.join(ENVS)}")
+        if env not in envs:
+            raise SourceError(f"--env {env}: unknown environment; known: {', '.join(envs)}")
     for env in args.env:
         if env not in EVAL_SPLITS and env not in tasks:
             raise SourceError(f"--env {env}: no declared held-out split (declared: {', '.join(EVAL_SPLITS)}); "
@@ -658,10 +659,11 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.serve and not (args.model and os.path.isdir(args.model)):
         raise SourceError("--serve needs --model CHECKPOINT_FOLDER")
     from trajforge.flows.eval import evaluate
+    from trajforge.pipeline.envs import host
     from trajforge.pipeline.evaluation.run import EvalRefused
-    from trajforge.pipeline.synth.llm import ServerUnreachable
+    from trajforge.pipeline.llm.client import ServerUnreachable
 
-    env_kw = {"agentgym": {"base_url": args.agentgym_url}} if args.agentgym_url else {}
+    env_kw = {host().name: {"base_url": args.agentgym_url}} if args.agentgym_url else {}
     try:
         report = evaluate(out=args.out, envs=list(dict.fromkeys([*args.env, *tasks])) or None,
                           model=os.path.abspath(args.model) if args.serve else args.model, base_url=args.base_url,

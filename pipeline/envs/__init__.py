@@ -98,6 +98,14 @@ class EnvSpec:
     # The task an environment can reset to for a recorded trajectory (AgentTraj-L items), or None.
     recorded_task: Callable[[dict], Task | None] | None = None
     record_env: Callable[[Task], str] = _task_env   # the `env` a trajectory of the task is recorded as
+    # --- evaluation (pipeline/evaluation) -----------------------------------------------------
+    unavailable: Callable[[dict], str | None] | None = None  # why it cannot run here (given its settings), or None
+    # The declared held-out split: `name`, `files` (under the eval task folder), `held_out_by`
+    # (`text` | `item`), `about`.
+    eval_split: dict[str, Any] | None = None
+    # The oracle's replies for a task (text, or a function of the last observation), None without a reference.
+    reference_steps: Callable[[Task], list | None] | None = None
+    random_moves: tuple[str, ...] = ()    # replies the `random` policy draws from: moves the env accepts
 
     # --- derived ----------------------------------------------------------------------------
     def env_class(self) -> type:

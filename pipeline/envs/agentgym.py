@@ -9,7 +9,9 @@ run in-process (babyai, textcraft, sciworld) take the same task records and the 
 from __future__ import annotations
 
 import functools
+import importlib
 import re
+import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -98,17 +100,54 @@ def recorded_task(record: dict) -> Task | None:
                 {"env_name": record["env"], "item_id": index}, record["source_file"])
 
 
+AGENTGYM_FORMAT = "Thought:\n{thought}\n\nAction:\n{action}"
+
+
+def reference_steps(task: Task) -> list | None:
+    """The oracle: the actions of the task's `reference` list."""
+    actions = task.data.get("reference")
+    if not isinstance(actions, list) or not actions:
+        return None
+    return [AGENTGYM_FORMAT.format(thought="The reference solution's next step.", action=a) for a in actions]
+
+
+def random_moves(*actions: str) -> tuple[str, ...]:
+    return tuple(AGENTGYM_FORMAT.format(thought="A random move.", action=a) for a in actions)
+
+
+def needs(*modules: str, java: bool = False) -> Callable[[dict], str | None]:
+    """Why an in-process env cannot run here: a module of the `envs` extra missing, or no Java runtime."""
+    def unavailable(settings: dict) -> str | None:
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                return f"the `envs` extra is not installed ({exc})"
+        if java and shutil.which("java") is None:
+            return "ScienceWorld needs a Java runtime"
+        return None
+    return unavailable
+
+
+def _server_unavailable(settings: dict) -> str | None:
+    return None if settings.get("base_url") else "needs an AgentGym server: give its URL (--agentgym-url)"
+
+
 def in_process(name: str, runtime: str, instructions: str, grammar: Grammar, server: ServerProfile | None = None,
-               task_pattern: re.Pattern | None = None) -> EnvSpec:
+               task_pattern: re.Pattern | None = None, unavailable: Callable[[dict], str | None] | None = None,
+               moves: tuple[str, ...] = (), eval_split: dict[str, Any] | None = None) -> EnvSpec:
     """The spec of an AgentGym env that also runs in-process: its own task records (AgentGym items under
     its own name), its benchmark's ReAct instructions, and the HTTP client's tool, so a trajectory of
     either runs in the other. A prefix replays the same way in a fresh instance (the same seeded level,
     recipe set or simulator variation)."""
     return EnvSpec(name, grammar=grammar, task_pattern=task_pattern, server=server, runtime=runtime,
                    task_format=functools.partial(task_format, env=name), instructions=instructions,
-                   tool_instructions=TOOL_INSTRUCTIONS, tools=(ACT,), tool_call=act_call, replayable=True)
+                   tool_instructions=TOOL_INSTRUCTIONS, tools=(ACT,), tool_call=act_call, replayable=True,
+                   unavailable=unavailable, eval_split=eval_split, reference_steps=reference_steps,
+                   random_moves=random_moves(*moves))
 
 
 SPECS = [EnvSpec(NAME, runtime="trajforge.pipeline.synth.envs.agentgym:AgentGymEnv", task_format=task_format,
                  tool_instructions=TOOL_INSTRUCTIONS, tools=(ACT,), tool_call=act_call, hosts_recorded=True,
-                 recorded_task=recorded_task, record_env=lambda task: task.data.get("env_name", task.env))]
+                 recorded_task=recorded_task, record_env=lambda task: task.data.get("env_name", task.env),
+                 unavailable=_server_unavailable, reference_steps=reference_steps)]

@@ -1,7 +1,7 @@
 """BabyAI (AgentGym): in-process on minigrid (pipeline/synth/envs/babyai.py), or an AgentGym server."""
 from __future__ import annotations
 
-from trajforge.pipeline.envs.agentgym import ServerProfile, in_process
+from trajforge.pipeline.envs.agentgym import ServerProfile, in_process, needs
 from trajforge.pipeline.envs.grammar import Replies, command_grammar, starts, templates
 
 # The agent's instructions, as AgentGym's BabyAI client words them.
@@ -34,4 +34,8 @@ BABYAI_REPLIES = Replies({"babyai.not_recognized": starts(r"The action is not re
 SPECS = [in_process("babyai", "trajforge.pipeline.synth.envs.babyai:BabyAIEnv", INSTRUCTIONS,
                     command_grammar("babyai", "agentenv-babyai's action space (environment.py postprocess_obs)", BABYAI,
                                     replies=BABYAI_REPLIES),
-                    server=ServerProfile(reward_key="score"))]
+                    server=ServerProfile(reward_key="score"),
+                    unavailable=needs("minigrid"), moves=("turn left", "turn right", "move forward"),
+                    eval_split={"name": "agentgym-babyai-heldout",
+                                "files": ("agentgym/babyai_heldout.jsonl",), "held_out_by": "item",
+                                "about": "BabyAI levels at seed 5000 (items 200000+), beyond AgentTraj-L's items"})]

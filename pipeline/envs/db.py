@@ -190,6 +190,19 @@ def tool_call(action: str) -> dict | None:
     return {"name": "execute_sql", "arguments": {"query": block.group(1).strip()}} if block else None
 
 
+# --- evaluation ----------------------------------------------------------------------------------
+def reference_steps(task: Task) -> list | None:
+    """The oracle: run the reference statement of an INSERT/UPDATE/DELETE task and commit; commit the
+    `label` of a question."""
+    label = task.data.get("label") or []
+    if task.data.get("kind") == "modify":
+        if not label or not isinstance(label[0], str):
+            return None
+        return [f"I apply the reference statement.\nAction: Operation\n```sql\n{label[0]}\n```",
+                "The table is changed.\nAction: Answer\nFinal Answer: []"]
+    return [f"The reference answer.\nAction: Answer\nFinal Answer: {json.dumps([str(v) for v in label], ensure_ascii=False)}"]
+
+
 # --- grammar -------------------------------------------------------------------------------------
 _DB_OPERATION = re.compile(r"Operation\s*\n\s*```sql\s*\n.*\S.*```\s*", re.S | re.I)
 # DBBench shows MySQL's errors (`1054 (42S22): Unknown column ...`), our DB env SQLite's (`Error: ...`)
@@ -238,4 +251,10 @@ SPECS = [EnvSpec(
     NAME, grammar=GRAMMAR, recorded_here=True, runtime="trajforge.pipeline.synth.envs.db:DbEnv", task_format=_db_task,
     recognizes=lambda record: "table" in record and "label" in record, first_prompt=task_prompt,
     instructions=INSTRUCTIONS, tool_instructions=TOOL_INSTRUCTIONS, tools=TOOLS, tool_call=tool_call,
-    reference_answer=reference_answer, replayable=True)]
+    reference_answer=reference_answer, replayable=True,
+    eval_split={"name": "agentbench-db-dev", "files": ("agentbench/db/dev.jsonl",),
+                "held_out_by": "text",
+                "about": "AgentBench DBBench dev, 39 tasks in SQLite"},
+    reference_steps=reference_steps,
+    random_moves=("I give up.\nAction: Answer\nFinal Answer: []",
+                  "I look at the tables.\nAction: Operation\n```sql\nSELECT name FROM sqlite_master;\n```"))]

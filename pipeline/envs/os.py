@@ -173,6 +173,51 @@ def tool_call(action: str) -> dict | None:
             "finish": {"name": "finish", "arguments": {}}}.get(kind)
 
 
+# --- evaluation ----------------------------------------------------------------------------------
+_OS_OUTPUT = re.compile(r"^The output of the OS:\s*", re.S)
+
+
+def _bash(code: str, language: str = "bash") -> str:
+    if language == "python":
+        code = f"python3 - <<'TRAJFORGE_EOF'\n{code}\nTRAJFORGE_EOF"
+    return f"Think: I run the reference solution.\n\nAct: bash\n\n```bash\n{code}\n```"
+
+
+def _last_line(observation: str) -> str | None:
+    text = _OS_OUTPUT.sub("", observation.strip())
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("[truncated")]
+    return lines[-1].strip() if lines else None
+
+
+def reference_steps(task: Task) -> list | None:
+    """The oracle: run `evaluation.example` (or the top-level `example`) in the shell, then answer the
+    expected `match` string, or, for a check task, the last line the reference printed (`finish` when it
+    printed nothing)."""
+    ev = task.data.get("evaluation") or {}
+    example = ev.get("example") or task.data.get("example")
+    match = ev.get("match")
+    expected = match if isinstance(match, str) else match.get("answer") if isinstance(match, dict) else None
+    if example is None and expected is None:
+        return None
+    steps: list = [_bash(example["code"], example["language"])] if example else []
+    if expected is not None:
+        steps.append(f"Think: The reference answer.\n\nAct: answer({expected})")
+    else:
+        steps.append(lambda obs: (f"Think: The reference printed it.\n\nAct: answer({line})"
+                                  if (line := _last_line(obs)) else "Think: Done.\n\nAct: finish"))
+    return steps
+
+
+def unavailable(settings: dict) -> str | None:
+    from trajforge.pipeline.synth.envs.os_sandbox import sandbox_unavailable_reason
+
+    return sandbox_unavailable_reason()
+
+
+_OS_FILES = tuple(f"agentbench/os/{name}" for name in
+                  ("4-N4.json", "4-N41.json", "4-Q47.json", "4-Q49.json", "6-new.json", "dev.json"))
+
+
 # --- grammar -------------------------------------------------------------------------------------
 # Our OS env answers an action it cannot parse with `Invalid action: ...` (os_sandbox). A command
 # that runs and fails (`No such file or directory`) is the shell's answer, not a refusal: exploring
@@ -218,4 +263,8 @@ SPECS = [EnvSpec(
     runtime="trajforge.pipeline.synth.envs.os_sandbox:OsSandboxEnv", task_format=_os_task,
     recognizes=lambda record: isinstance(record.get("evaluation"), dict), first_prompt=task_prompt,
     instructions=INSTRUCTIONS, tool_instructions=TOOL_INSTRUCTIONS, tools=TOOLS, tool_call=tool_call,
-    reference_answer=reference_answer, replayable=True)]
+    reference_answer=reference_answer, replayable=True, unavailable=unavailable,
+    eval_split={"name": "agentbench-os-dev", "files": _OS_FILES, "held_out_by": "text",
+                "about": "AgentBench OS interaction, the dev tasks the repository carries, in the offline sandbox"},
+    reference_steps=reference_steps,
+    random_moves=("Think: I give up.\n\nAct: finish", "Think: Look around.\n\nAct: bash\n\n```bash\nls\n```"))]

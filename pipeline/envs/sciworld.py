@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from trajforge.pipeline.envs.agentgym import ServerProfile, in_process
+from trajforge.pipeline.envs.agentgym import ServerProfile, in_process, needs
 from trajforge.pipeline.envs.grammar import Breach, Context, Grammar, Replies, break_commands, check_commands, command_grammar, starts, templates
 
 INSTRUCTIONS = (
@@ -58,4 +58,5 @@ SPECS = [in_process(
     Grammar("sciworld", "the AgentGym SciWorld prompt's action list, plus the env's `drop` and numbered choices",
             command_grammar("sciworld", "", SCIWORLD).rules, _sciworld_check,
             lambda action, context: break_commands("sciworld", SCIWORLD, action), replies=SCIWORLD_REPLIES),
-    server=ServerProfile(reward_key="score"), task_pattern=re.compile(r"^(Your task is to.+?)(?:\n|$)", re.S))]
+    server=ServerProfile(reward_key="score"), task_pattern=re.compile(r"^(Your task is to.+?)(?:\n|$)", re.S),
+    unavailable=needs("scienceworld", java=True), moves=("look around", "inventory", "wait1"))]

@@ -2,7 +2,7 @@
 or an AgentGym server."""
 from __future__ import annotations
 
-from trajforge.pipeline.envs.agentgym import ServerProfile, in_process
+from trajforge.pipeline.envs.agentgym import ServerProfile, in_process, needs
 from trajforge.pipeline.envs.grammar import Replies, command_grammar, starts, templates
 
 INSTRUCTIONS = (
@@ -32,4 +32,6 @@ TEXTCRAFT_REPLIES = Replies({"textcraft.could_not_execute": starts(r"Could not e
 SPECS = [in_process("textcraft", "trajforge.pipeline.synth.envs.textcraft:TextCraftEnv", INSTRUCTIONS,
                     command_grammar("textcraft", "agentenv-textcraft's action regexes (environment.py)", TEXTCRAFT,
                                     replies=TEXTCRAFT_REPLIES),
-                    server=ServerProfile())]
+                    server=ServerProfile(),
+                    unavailable=needs("trajforge.pipeline.synth.envs.textcraft"),
+                    moves=("inventory", "get 1 stick", "craft 1 stick using 2 planks"))]

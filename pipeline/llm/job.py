@@ -19,22 +19,23 @@ from trajforge.pipeline.llm.client import JsonStore, LLMConfig, make_backend
 @dataclass
 class ModelJob:
     state: Path
-    backend: Any                 # a ChatBackend whose request cache is in `state`
+    backend: Any                 # a ChatBackend whose request cache is in `state` (None: a job of scripted policies)
     journal: JsonStore           # finished work, by key
     gate: asyncio.Semaphore      # the concurrency limit
     stats: Any = None            # the backend's counts when the job closed
 
     @classmethod
-    def open(cls, state: Path, backend: str, llm: LLMConfig, journal: str, concurrency: int) -> ModelJob:
-        cached = LLMConfig(**{**asdict(llm), "cache_path": str(state / "requests.sqlite")})
-        return cls(state, make_backend(backend, cached), JsonStore(state / f"{journal}.sqlite", journal),
-                   asyncio.Semaphore(concurrency))
+    def open(cls, state: Path, backend: str, llm: LLMConfig | None, journal: str, concurrency: int) -> ModelJob:
+        cached = None if llm is None else LLMConfig(**{**asdict(llm), "cache_path": str(state / "requests.sqlite")})
+        return cls(state, None if cached is None else make_backend(backend, cached),
+                   JsonStore(state / f"{journal}.sqlite", journal), asyncio.Semaphore(concurrency))
 
     async def close(self) -> None:
         """Keep the backend's counts for the report, then close the backend and the journal."""
-        self.stats = self.backend.stats
         try:
-            await self.backend.aclose()
+            if self.backend is not None:
+                self.stats = self.backend.stats
+                await self.backend.aclose()
         finally:
             self.journal.close()
 

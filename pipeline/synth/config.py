@@ -25,7 +25,7 @@ class AgentConfig:
     stop: tuple[str, ...] | None = None
     seed: int | None = None           # sample k is drawn with seed + k, so reruns are reproducible
     license: str = "other"            # license of the task source, for the records
-    instructions: dict[str, str] = field(default_factory=dict)  # per env name; overrides INSTRUCTIONS
+    instructions: dict[str, str] = field(default_factory=dict)  # per env name; overrides the env spec's instructions
 
 
 @dataclass(frozen=True)
