@@ -166,9 +166,12 @@ def _valid_call(call: dict, environment: str) -> bool:
     from trajforge.pipeline.envs import spec
 
     function = call.get("function") or {}
-    tool = next((t for t in spec(environment).tools if t.name == function.get("name")), None)
+    try:
+        tool = spec(environment).tool(function.get("name"))
+    except ValueError:  # no tool of the environment
+        return False
     arguments = function.get("arguments")
-    return tool is not None and isinstance(arguments, dict) and set(arguments) == {a.name for a in tool.arguments}
+    return isinstance(arguments, dict) and set(arguments) == {a.name for a in tool.arguments}
 
 
 def tool_call_reward(completions, **kwargs) -> list[float | None]:

@@ -5,7 +5,8 @@ environment: which task records it reads and how its first prompt reads, its ReA
 its tools (one list for both action formats: the ReAct action text of a tool call is derived from
 the tool), the grammar of its actions with its refusal/progress replies and its terminal rule, the
 reference answer of a task, whether a recorded prefix can be replayed, which environment runs a
-trajectory recorded under its name. An `EnvSpec` answers them; each module of this package defines
+trajectory recorded under its name, and for evaluation its held-out split, the oracle's reference
+steps and the random policy's moves. An `EnvSpec` answers them; each module of this package defines
 `SPECS`, the specs of the envs it is the home of, and `specs()` finds them (so adding an
 environment is adding one module here, plus its runtime module if it runs in-process). Nothing
 outside an env's own modules names it (tests/test_env_specs.py checks that).

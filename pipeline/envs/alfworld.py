@@ -6,7 +6,7 @@ import re
 
 from trajforge.pipeline.envs import EnvSpec
 from trajforge.pipeline.envs.agentgym import ServerProfile
-from trajforge.pipeline.envs.grammar import INVENTED_VERBS, Breach, Context, Replies, command_grammar, starts, templates
+from trajforge.pipeline.envs.grammar import Breach, Context, Replies, command_grammar, starts, templates
 
 # --- ALFWorld ---------------------------------------------------------------------------------
 # Objects and receptacles are a lowercase name and an instance number (`spraybottle 1`).

@@ -200,7 +200,8 @@ def reference_steps(task: Task) -> list | None:
             return None
         return [f"I apply the reference statement.\nAction: Operation\n```sql\n{label[0]}\n```",
                 "The table is changed.\nAction: Answer\nFinal Answer: []"]
-    return [f"The reference answer.\nAction: Answer\nFinal Answer: {json.dumps([str(v) for v in label], ensure_ascii=False)}"]
+    answer = json.dumps([str(v) for v in label], ensure_ascii=False)
+    return [f"The reference answer.\nAction: Answer\nFinal Answer: {answer}"]
 
 
 # --- grammar -------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 Each environment's ReAct actions (AgentBench OS `bash` + block / `answer(...)` / `finish`, DBBench
 `Operation` + SQL / `Answer` + `Final Answer: [...]`, AgentGym's action string) map one-to-one to
 a named tool call with typed arguments, and back to the action text the environment's `step`
-parses. The TRL adapters (training/environments.py) expose exactly these tools (each env spec's `tools`), so a trajectory
-rendered with `tool_messages` (SFT) and an RL rollout of the same task show the model the same
-calls, the same tool schema, and the same observations as `tool` messages.
+parses; each env spec lists its tools once (`pipeline.envs.Tool`). The TRL adapters
+(training/environments.py) expose exactly these tools, so a trajectory rendered with `tool_messages`
+(SFT) and an RL rollout of the same task show the model the same calls, the same tool schema, and
+the same observations as `tool` messages.
 """
 from __future__ import annotations
 

@@ -7,10 +7,12 @@ policy's. One backend per episode: it knows its task.
 - `oracle`: the task's reference solution from its task file, as its env spec reads it
   (`reference_steps`; AgentBench OS runs `evaluation.example` and answers the `match` string or
   what the reference printed, DBBench runs the reference statement or commits the `label`, AgentGym
-  items take the actions of their `reference` list). A task without a reference is not run by the oracle (counted as `no_reference`). An env where
-  the oracle does not score ~1.0 has a broken task file, scorer or environment.
+  items take the actions of their `reference` list). A task without a reference is not run by the
+  oracle (counted as `no_reference`). An env where the oracle does not score ~1.0 has a broken task
+  file, scorer or environment.
 - `random`: a uniformly random move from a few the env accepts (its spec's `random_moves`),
-  including giving up (`finish`, an empty answer), seeded by task and sample. What an agent that does nothing useful scores.
+  including giving up (`finish`, an empty answer), seeded by task and sample. What an agent that
+  does nothing useful scores.
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ import json
 import logging
 import re
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa

@@ -19,7 +19,6 @@ import re
 import sqlite3
 from typing import Any
 
-from trajforge.pipeline.ingest.dialects import parse_answer_list, parse_literal
 from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
 from trajforge.pipeline.envs.db import (_DECLARED, _FINAL, _SQL_BLOCK, db_answers_match, parse_answer, table_hash,
                                         task_prompt)
