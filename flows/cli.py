@@ -189,10 +189,10 @@ def _need_at_least(option: str, value: int | None, least: int = 1) -> None:
 
 
 def _need_env(name: str) -> None:
-    from trajforge.pipeline.synth.envs import REGISTRY as ENVS
+    from trajforge.pipeline.envs import runtimes
 
     try:
-        ENVS[name]
+        runtimes()[name]
     except UnknownName as exc:
         raise SourceError(f"--env {name}: {exc}") from None
 
@@ -641,14 +641,11 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    from trajforge.pipeline.envs import runtimes
     from trajforge.pipeline.evaluation.splits import EVAL_SPLITS
 
-    envs = runtimes()
     tasks = dict(args.tasks)
     for env in [*args.env, *tasks]:
-        if env not in envs:
-            raise SourceError(f"--env {env}: unknown environment; known: {', '.join(envs)}")
+        _need_env(env)
     for env in args.env:
         if env not in EVAL_SPLITS and env not in tasks:
             raise SourceError(f"--env {env}: no declared held-out split (declared: {', '.join(EVAL_SPLITS)}); "
