@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trajforge.pipeline.synth.llm import LLMConfig, OpenAIBackend  # noqa: E402
+from trajforge.pipeline.llm.client import LLMConfig, OpenAIBackend  # noqa: E402
 
 
 async def run(base_url: str, calls: int, concurrency: int, cache: str) -> tuple[float, float, int]:

@@ -189,10 +189,10 @@ def _need_at_least(option: str, value: int | None, least: int = 1) -> None:
 
 
 def _need_env(name: str) -> None:
-    from trajforge.pipeline.synth.envs import REGISTRY as ENVS
+    from trajforge.pipeline.envs import runtimes
 
     try:
-        ENVS[name]
+        runtimes()[name]
     except UnknownName as exc:
         raise SourceError(f"--env {name}: {exc}") from None
 
@@ -303,7 +303,7 @@ def _sampling_arg(value: str) -> tuple[str, object]:
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
     from trajforge.pipeline.synth.config import SEARCH_STRATEGIES, VALUE_MODELS, AgentConfig, SearchConfig, SynthConfig
-    from trajforge.pipeline.synth.llm import LLMConfig
+    from trajforge.pipeline.llm.client import LLMConfig
 
     # Options default to SUPPRESS: given, they override the --config file; the defaults shown are
     # the dataclasses' (pipeline/synth/config.py), which hold them.
@@ -386,7 +386,7 @@ def _synth_run(args: argparse.Namespace) -> tuple[dict, str | None, dict]:
 def _run_synth(args: argparse.Namespace) -> int:
     config, api_key_env, given = _synth_run(args)
     from trajforge.flows.synth import synthesize
-    from trajforge.pipeline.synth.llm import ServerUnreachable
+    from trajforge.pipeline.llm.client import ServerUnreachable
 
     try:
         report = synthesize(config=config, api_key_env=api_key_env, **given)
@@ -603,7 +603,7 @@ def _env_file_arg(value: str) -> tuple[str, str]:
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     from trajforge.pipeline.synth.config import AgentConfig
-    from trajforge.pipeline.synth.llm import LLMConfig
+    from trajforge.pipeline.llm.client import LLMConfig
 
     p = sub.add_parser("eval", help="evaluate a model on held-out benchmark tasks, with oracle and random "
                                     "calibration (a Prefect flow)")
@@ -644,12 +644,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 def _run_eval(args: argparse.Namespace) -> int:
     from trajforge.pipeline.evaluation.splits import EVAL_SPLITS
-    from trajforge.pipeline.synth.envs import REGISTRY as ENVS
 
     tasks = dict(args.tasks)
     for env in [*args.env, *tasks]:
-        if env not in ENVS:
-            raise SourceError(f"--env {env}: unknown environment; known: {', '.join(ENVS)}")
+        _need_env(env)
     for env in args.env:
         if env not in EVAL_SPLITS and env not in tasks:
             raise SourceError(f"--env {env}: no declared held-out split (declared: {', '.join(EVAL_SPLITS)}); "
@@ -660,10 +658,11 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.serve and not (args.model and os.path.isdir(args.model)):
         raise SourceError("--serve needs --model CHECKPOINT_FOLDER")
     from trajforge.flows.eval import evaluate
+    from trajforge.pipeline.envs import host
     from trajforge.pipeline.evaluation.run import EvalRefused
-    from trajforge.pipeline.synth.llm import ServerUnreachable
+    from trajforge.pipeline.llm.client import ServerUnreachable
 
-    env_kw = {"agentgym": {"base_url": args.agentgym_url}} if args.agentgym_url else {}
+    env_kw = {host().name: {"base_url": args.agentgym_url}} if args.agentgym_url else {}
     try:
         report = evaluate(out=args.out, envs=list(dict.fromkeys([*args.env, *tasks])) or None,
                           model=os.path.abspath(args.model) if args.serve else args.model, base_url=args.base_url,

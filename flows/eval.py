@@ -19,7 +19,7 @@ from trajforge.flows.synth import use_api_key_env
 from trajforge.pipeline.evaluation.run import EvalConfig, evaluate as run_evaluation
 from trajforge.pipeline.evaluation.splits import EVAL_SPLITS
 from trajforge.pipeline.synth.config import AgentConfig
-from trajforge.pipeline.synth.llm import LLMConfig
+from trajforge.pipeline.llm.client import LLMConfig
 
 
 @task(name="evaluate-episodes")

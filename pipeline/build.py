@@ -38,7 +38,7 @@ from trajforge.pipeline.publish.report import report_extras, stage_counts, write
 from trajforge.pipeline.publish.shards import (ShardConfig, read_marker, unit_fingerprint, unit_marker,
                                               write_config_from_file, write_marker)
 from trajforge.pipeline.stages import Dropped, StageTally, in_order, merge_tallies
-from trajforge.pipeline.synth.tasks import load_tasks
+from trajforge.pipeline.envs.tasks import load_tasks
 from trajforge.pipeline.ingest.validate import ValidateConfig, check_record, merge_env_figures, tally_env
 from trajforge.schemas import arrow_schema
 from trajforge.sources import RawRow, SourceFile, get_source, iter_rows, looks_like
@@ -64,7 +64,7 @@ class BuildConfig:
     # Task texts of those splits that this build may train on all the same (RFT trains on its round
     # tasks and evaluates on the rest of the split); a build that spares any says so in its report.
     decontaminate_except: tuple[str, ...] = ()
-    # Task files (pipeline.tasks formats) whose tasks become `grpo_env` rows, beside the
+    # Task files (pipeline.envs.tasks formats) whose tasks become `grpo_env` rows, beside the
     # trajectories' own resettable tasks.
     rl_tasks: tuple[str, ...] = ()
 

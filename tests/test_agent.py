@@ -10,8 +10,8 @@ import pytest
 from trajforge.pipeline.synth.agent import AgentConfig, conversation_for, run_episode
 from trajforge.pipeline.synth.envs import EnvFailure, make_env
 from trajforge.pipeline.synth.envs.db import DbEnv
-from trajforge.pipeline.synth.llm import LLMConfig, OpenAIBackend
-from trajforge.pipeline.synth.tasks import load_tasks
+from trajforge.pipeline.llm.client import LLMConfig, OpenAIBackend
+from trajforge.pipeline.envs.tasks import load_tasks
 from trajforge.pipeline.ingest.validate import validate_record
 from tests.conftest import FIXTURES
 from tests.openai_server import Reply, Server, fixture_policy

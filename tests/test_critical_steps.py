@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from trajforge.pipeline.quality.critical_steps import SelectConfig, parse_selection, SelectionError, select_steps
-from trajforge.pipeline.synth.llm import LLMConfig
+from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.ingest.validate import validate_record
 from tests.openai_server import _ERROR_WORDS, CriticalStepPolicy, Server
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from trajforge.pipeline.synth.envs import make_env
-from trajforge.pipeline.synth.tasks import Task, load_tasks, record_to_task
+from trajforge.pipeline.envs.tasks import Task, load_tasks, record_to_task
 from tests.conftest import FIXTURES
 
 DB_FILE = FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl"

@@ -15,7 +15,7 @@ import pytest
 from trajforge.pipeline.build import BuildConfig, process_unit
 from trajforge.pipeline.ingest.dialects import parse_answer_list
 from trajforge.pipeline.ingest.validate import ValidateConfig, check_record
-from trajforge.pipeline.synth.envs.db import parse_answer
+from trajforge.pipeline.envs.db import parse_answer
 from trajforge.sources import SourceFile
 from trajforge.training.rewards import answers_match
 from tests.conftest import RAW

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trajforge.pipeline.synth.llm import (LLMConfig, LLMError, OpenAIBackend, ServerUnreachable, VLLMBackend,
+from trajforge.pipeline.llm.client import (LLMConfig, LLMError, OpenAIBackend, ServerUnreachable, VLLMBackend,
                                           family_of, parse_body, unsupported_params, vllm_available)
 from tests.openai_server import Server, down_url
 

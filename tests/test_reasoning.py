@@ -6,8 +6,8 @@ import json
 import pytest
 
 from trajforge.pipeline.ingest.dialects import parse_turn
-from trajforge.pipeline.synth.llm import parse_body
-from trajforge.pipeline.synth.reasoning import recover_action, split_reasoning
+from trajforge.pipeline.llm.client import parse_body
+from trajforge.pipeline.llm.reasoning import recover_action, split_reasoning
 from tests.conftest import FIXTURES
 
 R1 = FIXTURES / "reasoning" / "openhands_deepseek_r1"

@@ -1,5 +1,6 @@
 """One registry helper: one error for an unknown name, listing the known ones, in every registry;
 and a KeyError inside a registered constructor stays that KeyError."""
+import dataclasses
 import json
 
 import pytest
@@ -13,11 +14,12 @@ from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.quality.negatives import NegativesConfig
 from trajforge.pipeline.registry import Registry, UnknownName
 from trajforge.pipeline.rft import SERVE_COMMANDS, serve_command
-from trajforge.pipeline.synth import envs
 from trajforge.pipeline.synth.envs import make_env
-from trajforge.pipeline.synth.envs.agentgym import COMMON_PROFILE, PROFILES, AgentGymEnv, server_profile
-from trajforge.pipeline.synth.llm import BACKENDS, FAMILIES, LLMConfig, make_backend
-from trajforge.pipeline.synth.tasks import TaskFormatError, load_tasks, record_to_task
+from trajforge.pipeline.envs import spec, specs
+from trajforge.pipeline.envs.agentgym import COMMON_PROFILE, server_profile
+from trajforge.pipeline.synth.envs.agentgym import AgentGymEnv
+from trajforge.pipeline.llm.client import BACKENDS, FAMILIES, LLMConfig, make_backend
+from trajforge.pipeline.envs.tasks import TaskFormatError, load_tasks, record_to_task
 from trajforge.sources import SourceError, get_source
 from trajforge.training.environments import EnvironmentFactory
 from trajforge.training.rewards import env_reward, get_rewards
@@ -55,7 +57,6 @@ def test_registry_lists_known_names_and_is_a_key_and_value_error():
     (lambda: FAMILIES["nope"], "unknown model family 'nope'; known: deepseek-r1, default, qwq"),
     (lambda: make_task_runner("nope"), "unknown runner 'nope'; known: dask, processes, ray, threads"),
     (lambda: serve_command("nope"), "unknown serve command 'nope'; known: transformers, vllm"),
-    (lambda: PROFILES["nope"], "unknown AgentGym server profile 'nope'; known: alfworld, babyai, sciworld, textcraft"),
     (lambda: RULES["nope"], "unknown validation rule 'nope'; known: action_grammar, action_loop, answer_consistent"),
 ])
 def test_every_registry_raises_the_one_error(lookup, message):
@@ -91,13 +92,13 @@ def test_key_error_inside_a_backend_constructor_is_not_an_unknown_name(monkeypat
 def test_key_error_inside_an_env_constructor_reaches_the_env_reward(monkeypatch):
     task = load_tasks(FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl")[0]
     columns = {"env_task": [json.dumps(task.as_dict())]}
-    monkeypatch.setitem(envs.REGISTRY._entries, "db", f"{__name__}:_BrokenEnv")
+    monkeypatch.setitem(specs()._entries, "db", dataclasses.replace(spec("db"), runtime=f"{__name__}:_BrokenEnv"))
     with pytest.raises(KeyError) as caught:
         env_reward(["Action: Answer\nFinal Answer: []"], **columns)
     assert not isinstance(caught.value, UnknownName) and caught.value.args == ("memory",)
     # An env no registry entry has still gets no reward (None), as before.
     columns = {"env_task": [json.dumps({**task.as_dict(), "env": "agentgym"})]}
-    monkeypatch.delitem(envs.REGISTRY._entries, "agentgym")
+    monkeypatch.delitem(specs()._entries, "agentgym")
     assert env_reward(["Action: Answer\nFinal Answer: []"], **columns) == [None]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from trajforge.pipeline.synth.llm import LLMConfig
+from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.synth.salvage import SalvageConfig, read_failures, salvage
 from trajforge.pipeline.synth.job import SynthConfig, synthesize
 from trajforge.pipeline.ingest.validate import validate_record
@@ -273,7 +273,7 @@ def test_unsuccessful_records_are_salvaged_through_their_task_text(db_failures, 
     """Records that end without success (no synthesis task id) find their task by its description."""
     import pyarrow as pa
 
-    from trajforge.pipeline.synth.tasks import load_tasks
+    from trajforge.pipeline.envs.tasks import load_tasks
     from trajforge.schemas import arrow_schema
 
     tasks = {t.id: t for t in load_tasks(DB_FILE)}

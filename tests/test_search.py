@@ -18,9 +18,9 @@ from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.synth.config import AgentConfig, SearchConfig, SynthConfig
 from trajforge.pipeline.synth.envs import make_env
 from trajforge.pipeline.synth.job import synthesize
-from trajforge.pipeline.synth.llm import LLMConfig
+from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.synth.search import step_pairs, step_values, tree_counts
-from trajforge.pipeline.synth.tasks import load_tasks
+from trajforge.pipeline.envs.tasks import load_tasks
 from trajforge.schemas import first_error
 from trajforge.sources import get_source
 from tests.conftest import FIXTURES

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from trajforge.pipeline.synth.llm import LLMConfig, ServerUnreachable
+from trajforge.pipeline.llm.client import LLMConfig, ServerUnreachable
 from trajforge.pipeline.synth.job import USAGE_KEYS, SynthConfig, synthesize
 from trajforge.pipeline.ingest.validate import validate_record
 from tests.conftest import FIXTURES, REPO

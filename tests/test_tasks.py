@@ -6,8 +6,10 @@ import shutil
 
 import pytest
 
-from trajforge.pipeline.synth.tasks import (Task, TaskFormatError, coerce_task, db_answers_match, load_tasks, normalize_db_value,
-                            os_match, table_hash, task_prompt)
+from trajforge.pipeline.envs.tasks import (Task, TaskFormatError, coerce_task, load_tasks,
+                            task_prompt)
+from trajforge.pipeline.envs.db import db_answers_match, normalize_db_value, table_hash
+from trajforge.pipeline.envs.os import os_match
 from tests.conftest import FIXTURES
 
 AB = FIXTURES / "tasks" / "agentbench"

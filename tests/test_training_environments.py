@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from trajforge.pipeline.quality.derived import grpo_env_row, grpo_env_rows, record_task
-from trajforge.pipeline.synth.envs.tool_calls import action_text, tool_call, tool_messages
-from trajforge.pipeline.synth.tasks import load_tasks
+from trajforge.pipeline.envs.tool_calls import action_text, tool_call, tool_messages
+from trajforge.pipeline.envs.tasks import load_tasks
 from trajforge.schemas import first_error
 from trajforge.training.environments import EPISODE_OVER, EnvironmentFactory, ToolEnvironment, make_factories
 from trajforge.training.rewards import tool_call_reward

@@ -112,7 +112,7 @@ def test_accuracy_is_order_insensitive_for_list_answers(sft_rows):
 
 def test_env_reward_replays_db_answers_in_the_registered_environment(raw_dir):
     pytest.importorskip("trajforge.pipeline.synth.envs.db")
-    from trajforge.pipeline.synth.tasks import load_tasks
+    from trajforge.pipeline.envs.tasks import load_tasks
 
     tasks = [t for t in load_tasks(raw_dir.parent / "tasks" / "agentbench" / "db" / "dev.jsonl") if t.data.get("kind") == "select"][:3]
     assert tasks

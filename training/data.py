@@ -190,9 +190,9 @@ def tokenize_trajectory(tokenizer, conversations: list[dict], max_length: int | 
 
 
 def tools_rendering(row: dict) -> dict | None:
-    """A trajectory as tool calls (`pipeline.synth.envs.tool_calls`), the action format of multi-turn
+    """A trajectory as tool calls (`pipeline.envs.tool_calls`), the action format of multi-turn
     GRPO in the environments; None when one of its actions is no tool call."""
-    from trajforge.pipeline.synth.envs.tool_calls import environment_of, tool_messages, trajectory_prompt
+    from trajforge.pipeline.envs.tool_calls import environment_of, tool_messages, trajectory_prompt
     from trajforge.training.environments import tool_schemas
 
     return tool_messages(row, trajectory_prompt(row), tool_schemas(environment_of(row["env"])))

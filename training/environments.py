@@ -1,4 +1,4 @@
-"""Our environments (`os`, `db`, `agentgym`) as TRL environments for `GRPOTrainer(environment_factory=...)`.
+"""Our environments as TRL environments for `GRPOTrainer(environment_factory=...)`.
 
 TRL's contract (trl 1.16, GRPOTrainer): a factory makes instances; each rollout gets one and
 calls `reset(**row)` with the dataset row, whose string result is appended to the last user
@@ -13,20 +13,23 @@ scores the episode and closes it; `EnvironmentFactory.close_all()` (the launcher
 training ends, however it ends) closes whatever an interrupted rollout left open. A factory
 allows at most `max_concurrent` open sandboxes: more is a clear error, not an exhausted machine.
 
-Tools map to the environment's ReAct actions through `pipeline.synth.envs.tool_calls`, the same map the
-SFT `tools` rendering uses, so SFT and RL share one action format.
+An env's adapter is made from its spec's `tools` (pipeline/envs): one method per tool, whose call
+becomes the ReAct action text the tool derives, the same map the SFT `tools` rendering uses
+(pipeline/envs/tool_calls.py), so SFT and RL share one action format.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import threading
 from typing import Any
 
-from trajforge.pipeline.synth.envs import LOCAL_AGENTGYM, make_env
-from trajforge.pipeline.synth.envs.tool_calls import TOOLS, action_text
-from trajforge.pipeline.synth.tasks import coerce_task
+from trajforge.pipeline.envs import Tool, runtimes, spec
+from trajforge.pipeline.envs.tasks import coerce_task
 from trajforge.pipeline.registry import Registry
+from trajforge.pipeline.synth.envs import make_env
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ class ToolEnvironment:
             self._done = True
             return f"No turns left (max_turns={self._max_turns}); the episode is over."
         self._turns += 1
-        action = action_text(self.environment, name, arguments)
+        action = spec(self.environment).action_text(name, arguments)
         self.actions.append(action)
         result = self._env.step(action)
         if result.done:
@@ -119,86 +122,39 @@ class ToolEnvironment:
         return self._env is not None
 
 
-class OsEnvironment(ToolEnvironment):
-    environment = "os"
+def _tool_method(tool: Tool):
+    """A method for one tool of an env spec: its name, signature (string arguments) and Google-style
+    docstring are the tool schema TRL renders."""
+    signature = inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+         *(inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str) for a in tool.arguments)],
+        return_annotation=str)
 
-    def bash(self, command: str) -> str:
-        """Run bash commands in the Linux shell of this task and return their output.
+    def method(self, *args: Any, **kwargs: Any) -> str:
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        arguments.pop("self")
+        return self._act(tool.name, **arguments)
 
-        Args:
-            command: The bash commands to run; they must not wait for input.
-
-        Returns:
-            The output of the commands (cut when long).
-        """
-        return self._act("bash", command=command)
-
-    def answer(self, text: str) -> str:
-        """Give the answer to the question and end the episode.
-
-        Args:
-            text: The answer, nothing else.
-
-        Returns:
-            A note that the episode is over.
-        """
-        return self._act("answer", text=text)
-
-    def finish(self) -> str:
-        """End the episode when the task is done and there is nothing to answer.
-
-        Returns:
-            A note that the episode is over.
-        """
-        return self._act("finish")
+    method.__name__ = method.__qualname__ = tool.name
+    method.__doc__ = tool.docstring()
+    method.__signature__ = signature
+    method.__annotations__ = {**{a.name: str for a in tool.arguments}, "return": str}
+    return method
 
 
-class DbEnvironment(ToolEnvironment):
-    environment = "db"
-
-    def execute_sql(self, query: str) -> str:
-        """Run one SQL statement on the task's database and return the raw result rows.
-
-        Args:
-            query: One SQL statement; quote table and column names with backticks.
-
-        Returns:
-            The result rows as a list of tuples, or the error message.
-        """
-        return self._act("execute_sql", query=query)
-
-    def submit(self, answer: str) -> str:
-        """Commit the final answer and end the episode.
-
-        Args:
-            answer: The list of answer values only, e.g. ["ANSWER1", "ANSWER2"]; after a change to the table, [].
-
-        Returns:
-            A note that the episode is over.
-        """
-        return self._act("submit", answer=answer)
+def adapter(environment: str) -> type[ToolEnvironment]:
+    """The TRL environment class of an env: `ToolEnvironment` with one method per tool of its spec."""
+    tools = spec(environment).tools
+    if not tools:
+        raise ValueError(f"env {environment!r} has no tools")
+    name = "".join(part.capitalize() for part in environment.split("_")) + "Environment"
+    return type(name, (ToolEnvironment,), {"environment": environment, **{t.name: _tool_method(t) for t in tools}})
 
 
-class AgentGymEnvironment(ToolEnvironment):
-    environment = "agentgym"
-
-    def act(self, action: str) -> str:
-        """Take one action in the environment, in its own action syntax (e.g. `search[red shoes]`).
-
-        Args:
-            action: The action to take.
-
-        Returns:
-            What the environment shows after the action.
-        """
-        return self._act("act", action=action)
-
-
-ADAPTERS: Registry[type[ToolEnvironment]] = Registry("environment", {"os": OsEnvironment, "db": DbEnvironment,
-                                                                     "agentgym": AgentGymEnvironment})
-# AgentGym's environments run in-process: the HTTP client's adapter (the `act` tool) on the local env.
-for _name in LOCAL_AGENTGYM:
-    ADAPTERS.register(_name, type(f"{_name.capitalize()}Environment", (AgentGymEnvironment,), {"environment": _name}))
+@functools.cache
+def adapters() -> Registry[type[ToolEnvironment]]:
+    """The adapter of every env that runs and has tools, by name."""
+    return Registry("environment", {name: adapter(name) for name, env in runtimes().items() if env.tools})
 
 
 def tool_schemas(environment: str) -> list[dict]:
@@ -206,8 +162,8 @@ def tool_schemas(environment: str) -> list[dict]:
     adapter's methods: name, type hints, docstring), for SFT examples in the same format."""
     from transformers.utils import get_json_schema
 
-    adapter = ADAPTERS[environment]()
-    return [get_json_schema(getattr(adapter, name)) for name in sorted(TOOLS[environment])]
+    instance = adapters()[environment]()
+    return [get_json_schema(getattr(instance, name)) for name in sorted(t.name for t in spec(environment).tools)]
 
 
 class EnvironmentFactory:
@@ -216,7 +172,7 @@ class EnvironmentFactory:
 
     def __init__(self, environment: str, max_concurrent: int | None = None, max_turns: int | None = None,
                  **config: Any) -> None:
-        ADAPTERS.check([environment])
+        adapters().check([environment])
         self.environment = environment
         self.max_concurrent = max_concurrent
         self._slots = threading.BoundedSemaphore(max_concurrent) if max_concurrent else None
@@ -225,7 +181,7 @@ class EnvironmentFactory:
         self.instances: list[ToolEnvironment] = []
 
     def __call__(self) -> ToolEnvironment:
-        instance = ADAPTERS[self.environment](self._slots, self._max_turns, **self._config)
+        instance = adapters()[self.environment](self._slots, self._max_turns, **self._config)
         self.instances.append(instance)
         return instance
 

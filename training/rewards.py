@@ -135,12 +135,12 @@ def accuracy_reward(completions, **kwargs) -> list[float | None]:
 
 def env_reward(completions, **kwargs) -> list[float | None]:
     """Replay each completion's action in a fresh environment for the row's `env_task` (a task
-    record as `pipeline.tasks` reads it, or its JSON text) and return the environment's reward.
+    record as `pipeline.envs.tasks` reads it, or its JSON text) and return the environment's reward.
     None for rows without a task or whose env has no registered environment."""
     n = len(completions)
     try:
+        from trajforge.pipeline.envs.tasks import coerce_task
         from trajforge.pipeline.synth.envs import env_class
-        from trajforge.pipeline.synth.tasks import coerce_task
     except ImportError:
         logger.warning("env reward: pipeline.envs is not available; the reward is skipped")
         return [None] * n
@@ -167,12 +167,15 @@ def env_reward(completions, **kwargs) -> list[float | None]:
 
 
 def _valid_call(call: dict, environment: str) -> bool:
-    from trajforge.pipeline.synth.envs.tool_calls import TOOLS
+    from trajforge.pipeline.envs import spec
 
     function = call.get("function") or {}
-    expected = TOOLS[environment].get(function.get("name"))
+    try:
+        tool = spec(environment).tool(function.get("name"))
+    except ValueError:  # no tool of the environment
+        return False
     arguments = function.get("arguments")
-    return expected is not None and isinstance(arguments, dict) and set(arguments) == set(expected)
+    return isinstance(arguments, dict) and set(arguments) == {a.name for a in tool.arguments}
 
 
 def tool_call_reward(completions, **kwargs) -> list[float | None]:

@@ -19,7 +19,6 @@ import datetime as dt
 import fcntl
 import json
 import logging
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -28,14 +27,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import atomic_path, write_json, write_parquet
+from trajforge.pipeline.envs import specs
 from trajforge.pipeline.evaluation.metrics import outcome, summarize
 from trajforge.pipeline.evaluation.policies import POLICIES, can_play
 from trajforge.pipeline.evaluation.splits import EVAL_SPLITS, fingerprint_of, training_overlap
 from trajforge.pipeline.synth.agent import Episode, run_episode
 from trajforge.pipeline.synth.config import AgentConfig
 from trajforge.pipeline.synth.job import EpisodeJournal, episode_key
-from trajforge.pipeline.synth.llm import LLMConfig, ServerUnreachable, make_backend, sampling_params
-from trajforge.pipeline.synth.tasks import Task, load_tasks
+from trajforge.pipeline.llm.client import LLMConfig, ServerUnreachable, sampling_params
+from trajforge.pipeline.llm.job import ModelJob
+from trajforge.pipeline.envs.tasks import Task, load_tasks
 
 log = logging.getLogger("trajforge.eval")
 
@@ -89,23 +90,9 @@ class EvalConfig:
 
 
 def env_unavailable(env: str, env_kw: dict) -> str | None:
-    """Why `env` cannot run on this machine, or None."""
-    if env == "os":
-        from trajforge.pipeline.synth.envs.os_sandbox import sandbox_unavailable_reason
-
-        return sandbox_unavailable_reason()
-    if env == "agentgym":
-        return None if env_kw.get("base_url") else "needs an AgentGym server: give its URL (--agentgym-url)"
-    if env in ("babyai", "textcraft", "sciworld"):
-        module = {"babyai": "minigrid", "textcraft": "trajforge.pipeline.synth.envs.textcraft",
-                  "sciworld": "scienceworld"}[env]
-        try:
-            __import__(module)
-        except ImportError as exc:
-            return f"the `envs` extra is not installed ({exc})"
-        if env == "sciworld" and shutil.which("java") is None:
-            return "ScienceWorld needs a Java runtime"
-    return None
+    """Why `env` cannot run on this machine (its spec says), or None."""
+    found = specs().get(env)
+    return found.unavailable(env_kw) if found is not None and found.unavailable else None
 
 
 def split_of(env: str, config: EvalConfig) -> tuple[str, str, list[Task]]:
@@ -161,11 +148,8 @@ def _rows(policy: str, env: str, episodes: list[Episode]) -> list[dict]:
 
 async def evaluate_async(config: EvalConfig) -> dict:
     out = Path(config.out)
-    state = out / ".eval"
-    journal = EpisodeJournal(state / "episodes.sqlite")
-    backend = None
-    if config.llm is not None:
-        backend = make_backend(config.backend, LLMConfig(**{**asdict(config.llm), "cache_path": str(state / "requests.sqlite")}))
+    job = ModelJob.open(out / ".eval", config.backend, config.llm, "episodes", config.episode_concurrency)
+    backend, journal = job.backend, EpisodeJournal(job.journal)
     model = backend.model if backend else None
     report: dict[str, Any] = {"model": model, "label": config.label or model, "n": config.n,
                               "agent": asdict(config.agent), "envs": {}, "not_run": {}}
@@ -214,12 +198,9 @@ async def evaluate_async(config: EvalConfig) -> dict:
                 rows += _rows("model", env, episodes)
             report["envs"][env] = entry
     finally:
+        await job.close()
         if backend is not None:
-            report["llm"] = {"calls": backend.stats.calls, "attempts": backend.stats.attempts,
-                             "cache_hits": backend.stats.cache_hits, "retries": backend.stats.retries,
-                             "usage": backend.stats.usage, "sampling": backend.params}
-            await backend.aclose()
-        journal.close()
+            report["llm"] = job.llm_report()
     report["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     write_parquet(rows, EPISODE_SCHEMA, out / "episodes.parquet")
     from trajforge.pipeline.evaluation.report import write_html

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from trajforge.pipeline.envs import specs
 from trajforge.pipeline.registry import Registry
-from trajforge.pipeline.synth.tasks import Task, load_tasks
+from trajforge.pipeline.envs.tasks import Task, load_tasks
 
 TASKS = Path(__file__).resolve().parent / "tasks"
 
@@ -65,17 +66,9 @@ def fingerprint_of(paths: Iterable[Path]) -> str:
     return digest.hexdigest()[:16]
 
 
-_OS_FILES = tuple(f"agentbench/os/{name}" for name in
-                  ("4-N4.json", "4-N41.json", "4-Q47.json", "4-Q49.json", "6-new.json", "dev.json"))
-
+# Each env spec declares its held-out split (pipeline/envs).
 EVAL_SPLITS: Registry[EvalSplit] = Registry("eval split", {
-    "os": EvalSplit("agentbench-os-dev", "os", _OS_FILES, "text",
-                    "AgentBench OS interaction, the dev tasks the repository carries, in the offline sandbox"),
-    "db": EvalSplit("agentbench-db-dev", "db", ("agentbench/db/dev.jsonl",), "text",
-                    "AgentBench DBBench dev, 39 tasks in SQLite"),
-    "babyai": EvalSplit("agentgym-babyai-heldout", "babyai", ("agentgym/babyai_heldout.jsonl",),
-                        "item", "BabyAI levels at seed 5000 (items 200000+), beyond AgentTraj-L's items"),
-})
+    name: EvalSplit(env=name, **env.eval_split) for name, env in specs().items() if env.eval_split})
 
 
 # --- recognising a split's tasks in training data ---------------------------------------------------

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from trajforge.pipeline.ingest.dialects import (DIALECTS, FREE_TEXT, ParseError, clean_text, extract_answer, parse_turn,
                                                 render_react)
+from trajforge.pipeline.envs import specs
 from trajforge.schemas.record import READABLE_VERSIONS, TrajectoryRecord, Turn, new_record
 from trajforge.sources.base import Source
 
@@ -37,25 +38,6 @@ class NormalizeError(ValueError):
         self.reason = reason
         self.detail = detail
 
-
-# The user turn that states the real task after an upstream demonstration, per env.
-TASK_START = {
-    "os": re.compile(r"^Now, I will start a new problem in a new OS\. My problem is:\s*"),
-    "kg": re.compile(r"^(?:A new question:\s*|Question:\s*)"),
-}
-
-# Pulls the task itself out of the task turn, per env; the whole turn is the fallback.
-TASK_PATTERNS = {
-    "alfworld": re.compile(r"Your task is to:\s*(.+?)(?:\nAVAILABLE ACTIONS|$)", re.S),
-    "webshop": re.compile(r"Instruction:\s*\[SEP\]\s*(.+?)\s*\[SEP\]", re.S),
-    "mind2web": re.compile(r"Task:\s*(.+?)\n", re.S),
-    "os": re.compile(r"My problem is:\s*(.+)$", re.S),
-    "kg": re.compile(r"^(?:A new question:\s*|Question:\s*)?(.+)$", re.S),
-    "movie": re.compile(r"goal:\s*(.+?)(?:\nGive me one action\.|$)", re.S),
-    "todo": re.compile(r"goal:\s*(.+?)(?:\nGive me one action\.|$)", re.S),
-    "weather": re.compile(r"goal:\s*(.+?)(?:\nGive me one action\.|$)", re.S),
-    "sciworld": re.compile(r"^(Your task is to.+?)(?:\n|$)", re.S),
-}
 
 REACT_FORMAT_NOTE = ('\n\nFormat every reply as "Think: <your reasoning>" on the first line and '
                      '"Act: <your action>" after it.')
@@ -104,6 +86,12 @@ def _turns(row: dict) -> list[dict]:
     return turns
 
 
+def _spec_field(env: str, name: str):
+    """The task marker or pattern of an env's spec (pipeline/envs), None for an env without one."""
+    found = specs().get(env)
+    return getattr(found, name) if found is not None else None
+
+
 def _task_index(turns: list[dict], env: str) -> tuple[int, int]:
     """(index of the user turn that states the task, number of demo turns right before it)."""
     first_user = next((i for i, t in enumerate(turns) if t["role"] == "user"), None)
@@ -114,7 +102,7 @@ def _task_index(turns: list[dict], env: str) -> tuple[int, int]:
     default = after_ack if (after_ack < len(turns) and turns[first_user + 1]["role"] == "assistant"
                             and turns[after_ack]["role"] == "user"
                             and parse_turn(turns[first_user + 1]["content"]).dialect == FREE_TEXT) else first_user
-    marker = TASK_START.get(env)
+    marker = _spec_field(env, "task_start")
     if marker is None:
         return default, 0
     starts = [i for i, t in enumerate(turns) if t["role"] == "user" and i > first_user and marker.match(t["content"])]
@@ -126,7 +114,7 @@ def _task_index(turns: list[dict], env: str) -> tuple[int, int]:
 
 
 def _task_text(content: str, env: str) -> str:
-    pattern = TASK_PATTERNS.get(env)
+    pattern = _spec_field(env, "task_pattern")
     m = pattern.search(content) if pattern else None
     return (m.group(1) if m else content).strip()
 

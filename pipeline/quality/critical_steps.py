@@ -33,16 +33,17 @@ import json
 import logging
 import re
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import write_json, write_parquet
-from trajforge.pipeline.synth.llm import ChatBackend, JsonStore, LLMConfig, LLMError, make_backend
+from trajforge.pipeline.llm.client import ChatBackend, LLMConfig, LLMError
+from trajforge.pipeline.llm.job import ModelJob
 from trajforge.schemas.record import SCHEMA_VERSION
-from trajforge.pipeline.synth.reasoning import split_reasoning
+from trajforge.pipeline.llm.reasoning import split_reasoning
 from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.critical_steps")
@@ -238,9 +239,8 @@ async def select_steps_async(config: SelectConfig) -> dict:
     root, files = input_files(config.inputs, config.config_name)
     if out.resolve() == root.resolve():
         raise ValueError(f"--out {out} would overwrite the input records; choose another folder")
-    llm = LLMConfig(**{**asdict(config.llm), "cache_path": str(state / "requests.sqlite")})
-    backend = make_backend(config.backend, llm)
-    journal = JsonStore(state / "selections.sqlite", "selections")
+    job = ModelJob.open(state, config.backend, config.llm, "selections", concurrency=config.batch_size)
+    backend, journal = job.backend, job.journal
     per_env: dict[str, dict] = defaultdict(_env_counts)
     failures: list[dict] = []
     outcomes: Counter[str] = Counter()
@@ -288,9 +288,7 @@ async def select_steps_async(config: SelectConfig) -> dict:
                     annotated.append(record)
             write_parquet(annotated, arrow_schema("trajectory"), out / path.relative_to(root))
     finally:
-        stats = backend.stats
-        await backend.aclose()
-        journal.close()
+        await job.close()
 
     write_parquet(failures, FAILURE_SCHEMA, out / "select_failures.parquet")
     envs = {}
@@ -305,12 +303,11 @@ async def select_steps_async(config: SelectConfig) -> dict:
         "failure_reasons": dict(sorted(Counter(f["reason"] for f in failures).items())),
         "selections_run": outcomes["run"], "selections_resumed": outcomes["resumed"],
         "skipped_env": outcomes["skipped_env"], "envs": envs,
-        "llm": {"model": backend.model, "sampling": backend.params, "calls": stats.calls,
-                "cache_hits": stats.cache_hits, "retries": stats.retries, "failures": stats.failures},
+        "llm": job.llm_report(),
     }
     write_json(out / "report.json", report)
     log.info("select-steps: %d records, %d judged, %d failed %s; %d calls, %d cache hits", report["records"],
-             report["judged"], report["failed"], report["failure_reasons"], stats.calls, stats.cache_hits)
+             report["judged"], report["failed"], report["failure_reasons"], job.stats.calls, job.stats.cache_hits)
     return report
 
 

@@ -13,7 +13,7 @@ Instructions, acknowledgement and upstream demonstrations stay in the prompt: th
 context the agent acts in.
 
 GRPO environment tasks (schemas/grpo_env.schema.json) are whole episodes to run: the tool-format
-prompt, the environment (`os`, `db`, `agentgym`) and the task payload it resets to, from task
+prompt, the environment and the task payload it resets to (what the env spec says of them), from task
 files and from trajectories recorded on a task an environment can load (AgentTraj-L items).
 
 Step labels (schemas/step_labels.schema.json) supervise a process reward model: each assistant step
@@ -22,13 +22,9 @@ of a trajectory labelled good or bad, with where the label comes from (`step_lab
 from __future__ import annotations
 
 import json
-import re
 
-from trajforge.pipeline.synth.envs.agentgym import item_index
-from trajforge.pipeline.synth.envs.tool_calls import INSTRUCTIONS, environment_of
-from trajforge.pipeline.synth.tasks import Task, task_prompt
-
-_ITEM_ID = re.compile(r"[a-z_]+_\d+")
+from trajforge.pipeline.envs import recorded_in, spec
+from trajforge.pipeline.envs.tasks import Task
 
 
 def _messages(turns: list[dict]) -> list[dict]:
@@ -97,40 +93,30 @@ def grpo_prompts(records: list[dict]) -> list[dict]:
 
 def grpo_env_row(task: Task, source: str, row_id: str | None = None, env: str | None = None,
                  answer: str | None = None) -> dict:
-    """The RL task of a `pipeline.tasks.Task` (schemas/grpo_env.schema.json): the tool-format
-    instructions and the first observation where the task fixes it (OS, DB; an AgentGym server
-    sends its own at reset), the environment to run it in, and the task payload it resets to."""
-    first = task_prompt(task) if task.env in ("os", "db") else ""
+    """The RL task of a `pipeline.envs.tasks.Task` (schemas/grpo_env.schema.json): its env's tool-format
+    instructions and the first observation where the task fixes it (an env that sends its own at
+    reset gets ""), the environment to run it in, and the task payload it resets to."""
+    environment = spec(task.env)
+    first = environment.first_prompt(task) if environment.first_prompt else ""
     return {"id": row_id or task.id, "source": source, "environment": task.env,
             "env": env or task.data.get("env_name") or task.env, "task": task.description,
-            "prompt": [{"role": "system", "content": INSTRUCTIONS[task.env]}, {"role": "user", "content": first}],
+            "prompt": [{"role": "system", "content": environment.tool_instructions},
+                       {"role": "user", "content": first}],
             "env_task": json.dumps(task.as_dict(), ensure_ascii=False, sort_keys=True),
             "answer": answer if answer is not None else reference_answer(task)}
 
 
 def reference_answer(task: Task) -> str | None:
-    """What a correct episode answers, where the task file says: an OS `match` answer, a DB SELECT
-    label (JSON list). Tasks scored by a check script or a table hash have none."""
-    if task.env == "os":
-        match = task.data["evaluation"].get("match")
-        if isinstance(match, str):
-            return match
-        return match.get("answer") if isinstance(match, dict) else None
-    if task.env == "db" and task.data["kind"] == "select":
-        return json.dumps(task.data["label"], ensure_ascii=False)
-    return None
+    """What a correct episode answers, where the task file says (its env spec knows where: an OS
+    `match` answer, a DB SELECT label); tasks scored by a check script or a table hash have none."""
+    return spec(task.env).reference_answer(task)
 
 
 def record_task(record: dict) -> Task | None:
-    """The AgentGym task an AgentTraj-L trajectory was recorded on (its `item_id`, `<env>_<n>`,
-    names the server's task index), or None: AgentInstruct / Agent-FLAN rows carry no task an
-    environment can load, and ALFWorld item ids are game names, not indices."""
-    if (record["source"] != "agenttraj_l" or environment_of(record["env"]) != "agentgym"
-            or not _ITEM_ID.fullmatch(record["source_id"])):
-        return None
-    index = item_index(record["source_id"])
-    return Task(f"{record['env']}/{index}", "agentgym", record["task"],
-                {"env_name": record["env"], "item_id": index}, record["source_file"])
+    """The task an environment can reset to for a recorded trajectory (AgentTraj-L items, read by the
+    spec of the env the trajectory runs in), or None."""
+    environment = recorded_in(record["env"])
+    return environment.recorded_task(record) if environment.recorded_task else None
 
 
 def grpo_env_rows(tasks: list[Task], records: list[dict]) -> tuple[list[dict], int]:

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn, render_turn
-from trajforge.pipeline.ingest.grammars import action_name, break_action, grammar_for
+from trajforge.pipeline.envs.grammar import action_name, break_action
+from trajforge.pipeline.ingest.grammars import grammar_for
 from trajforge.pipeline.ingest.validate import LOOP_REPEATS, action_contexts, grammar_breaches, replies_of, reply_to
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.registry import Registry
@@ -129,7 +130,7 @@ def _renamed_action(record: dict, names: tuple[str, ...]) -> list[dict] | None:
 
 
 def make_invalid_action(record: dict, pool: EnvPools, seed: int) -> dict | None:
-    """A real trained action edited to break one rule of its env's grammar (pipeline/ingest/grammars.py):
+    """A real trained action edited to break one rule of its env's grammar (its spec, pipeline/envs):
     the first action that some edit breaks, the rule picked by the seed among those it can break.
     A tool the prompt does not offer is `invented_tool`'s, not this type's."""
     grammar = grammar_for(record["env"])

@@ -29,38 +29,16 @@ from typing import Any, Callable
 
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, ParseError, clean_text, extract_answer, parse_turn
 from trajforge.pipeline.synth.config import AgentConfig
-from trajforge.pipeline.synth.llm import ChatBackend, LLMError, family_of, prepare_messages
-from trajforge.pipeline.synth.reasoning import split_reasoning
+from trajforge.pipeline.llm.client import ChatBackend, LLMError, family_of, prepare_messages
+from trajforge.pipeline.llm.reasoning import split_reasoning
 from trajforge.pipeline.ingest.validate import validate_record
-from trajforge.pipeline.synth.envs import REGISTRY as ENV_REGISTRY, env_class
+from trajforge.pipeline.envs import spec, specs
 from trajforge.pipeline.synth.envs.base import EnvFailure
 from trajforge.schemas.record import TrajectoryRecord, new_record
 from trajforge.sources.synthetic import Synthetic
 
 log = logging.getLogger("trajforge.agent")
 SYNTHETIC = Synthetic()
-
-# The agent's instructions per environment, in each benchmark's own action syntax (AgentBench OS:
-# Think/Act with bash | answer(...) | finish; DBBench: Action: Operation + SQL block | Answer).
-INSTRUCTIONS = {
-    "os": (
-        "You are an assistant working in a Linux (Ubuntu) shell that I operate for you. Solve the problem I "
-        "give you by running commands, or answer the question I ask. In every turn, first think about what to "
-        "do, then take exactly one of three actions.\n\n"
-        "To run bash code:\n\nThink: your reasoning\n\nAct: bash\n\n```bash\n# your commands\n```\n\n"
-        "When the task is done and there is nothing to answer:\n\nThink: your reasoning\n\nAct: finish\n\n"
-        "When you know the answer to the question:\n\nThink: your reasoning\n\nAct: answer(the answer, "
-        "nothing else, inside the parentheses)\n\n"
-        "Long outputs are cut; deal with that yourself. Your commands must not wait for input."),
-    "db": (
-        "I will ask you a question about a table; answer it, or change the table as asked, by operating a "
-        "SQLite database with SQL. In every turn, explain briefly what you will do, then take exactly one "
-        "action.\n\nTo run one SQL statement:\n\nAction: Operation\n```sql\nSELECT * FROM `table` WHERE "
-        "`column` = 'value';\n```\n\nI will reply with the raw result. Quote table and column names with "
-        "backticks. When you are done (also after a change to the table), commit your answer:\n\n"
-        "Action: Answer\nFinal Answer: [\"ANSWER1\", \"ANSWER2\", ...]\n\n"
-        "The answer is a list of the values only. Every statement must be one line of SQL inside the block."),
-}
 
 REPROMPTS = {
     "format_error": "Your reply has no action I can run. Reply again in exactly the format I described, with "
@@ -122,10 +100,9 @@ def conversation_for(model: str, turns: list[dict]) -> list[dict]:
 
 
 def instructions_for(env_name: str, config: AgentConfig) -> str:
-    text = config.instructions.get(env_name) or INSTRUCTIONS.get(env_name)
-    if text is None and env_name in ENV_REGISTRY:
-        # An environment with its benchmark's own instructions (AgentGym's in-process envs) says them.
-        text = getattr(env_class(env_name), "instructions", None)
+    text = config.instructions.get(env_name)
+    if text is None and env_name in specs():
+        text = spec(env_name).instructions
     if text is None:
         raise KeyError(f"no agent instructions for env {env_name!r}; give them in AgentConfig.instructions")
     return text
@@ -152,7 +129,7 @@ def _check_reply(choice) -> tuple[Any, str | None, Any]:
 
 async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: Any, sample: int,
                       config: AgentConfig = AgentConfig(), prefix: list[dict] = ()) -> Episode:
-    """Run one episode of `task` (a pipeline.tasks.Task) as draw number `sample`.
+    """Run one episode of `task` (a pipeline.envs.tasks.Task) as draw number `sample`.
 
     `prefix`: assistant turns (schema turns with `action`) of an earlier trajectory, replayed in the
     fresh environment before the model takes over (salvage, `pipeline.salvage`). They count towards
@@ -305,7 +282,7 @@ def record_id(task_id: str, sample: int) -> str:
 
 def build_record(episode: Episode, backend: ChatBackend, task: Any, config: AgentConfig) -> TrajectoryRecord:
     """A `source: synthetic` record in the trajectory schema; provenance and sampling in `meta`."""
-    env_name = task.data.get("env_name", task.env) if task.env == "agentgym" else task.env
+    env_name = spec(task.env).record_env(task)
     meta = {
         "generator": {"model": backend.model, "family": family_of(backend.model).name},
         "sampling": episode.sampling,

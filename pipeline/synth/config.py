@@ -2,14 +2,14 @@
 
 `SynthConfig` is the job (`pipeline.synth.job`), `AgentConfig` one episode (`pipeline.synth.agent`),
 `SearchConfig` the tree search per task (`pipeline.synth.search`), `LLMConfig` the model endpoint
-(`pipeline.synth.llm`). A `trajforge synth --config` file has their shape (configs/synth.yaml).
+(`pipeline.llm.client`). A `trajforge synth --config` file has their shape (configs/synth.yaml).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from trajforge.pipeline.synth.llm import LLMConfig
+from trajforge.pipeline.llm.client import LLMConfig
 
 KEEP = ("best", "all")
 SEARCH_STRATEGIES = ("best_of_n", "beam", "mcts", "dfsdt")
@@ -25,7 +25,7 @@ class AgentConfig:
     stop: tuple[str, ...] | None = None
     seed: int | None = None           # sample k is drawn with seed + k, so reruns are reproducible
     license: str = "other"            # license of the task source, for the records
-    instructions: dict[str, str] = field(default_factory=dict)  # per env name; overrides INSTRUCTIONS
+    instructions: dict[str, str] = field(default_factory=dict)  # per env name; overrides the env spec's instructions
 
 
 @dataclass(frozen=True)

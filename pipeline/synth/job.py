@@ -36,7 +36,8 @@ import pyarrow.parquet as pq
 from trajforge.pipeline.synth.agent import AgentConfig, Episode, StepLog, record_id, run_episode
 from trajforge.pipeline.atomic import write_json, write_parquet
 from trajforge.pipeline.synth.config import SynthConfig
-from trajforge.pipeline.synth.llm import JsonStore, LLMConfig, ServerUnreachable, make_backend, sampling_params
+from trajforge.pipeline.llm.client import JsonStore, ServerUnreachable, sampling_params
+from trajforge.pipeline.llm.job import ModelJob
 from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.synth")
@@ -53,10 +54,10 @@ FAILURE_SCHEMA = pa.schema([
 
 
 class EpisodeJournal:
-    """Finished episodes by key (a crash loses at most the episodes in flight)."""
+    """Finished episodes by key, in a job's journal (a crash loses at most the episodes in flight)."""
 
-    def __init__(self, path: Path):
-        self._store = JsonStore(path, "episodes")
+    def __init__(self, store: JsonStore):
+        self._store = store
 
     def get(self, key: str) -> Episode | None:
         data = self._store.get(key)
@@ -68,8 +69,6 @@ class EpisodeJournal:
     def put(self, key: str, episode: Episode) -> None:
         self._store.put(key, asdict(episode))
 
-    def close(self) -> None:
-        self._store.close()
 
 
 def episode_key(task: Any, sample: int, model: str, params: dict, agent: AgentConfig) -> str:
@@ -115,7 +114,7 @@ def _write_failures(rows: list[dict], path: Path) -> None:
 
 def job_tasks(config: SynthConfig) -> list[Any]:
     """The tasks of the job's env in its task file."""
-    from trajforge.pipeline.synth.tasks import load_tasks
+    from trajforge.pipeline.envs.tasks import load_tasks
 
     tasks = [t for t in load_tasks(config.tasks) if t.env == config.env]
     if not tasks:
@@ -123,10 +122,9 @@ def job_tasks(config: SynthConfig) -> list[Any]:
     return tasks
 
 
-def job_backend(config: SynthConfig) -> Any:
-    """The job's model backend, its request cache in the output folder."""
-    llm = LLMConfig(**{**asdict(config.llm), "cache_path": str(Path(config.out) / ".synth" / "requests.sqlite")})
-    return make_backend(config.backend, llm)
+def open_job(config: SynthConfig, journal: str) -> ModelJob:
+    """The job's state in `OUT/.synth`: the request cache and the journal named `journal`."""
+    return ModelJob.open(Path(config.out) / ".synth", config.backend, config.llm, journal, config.episode_concurrency)
 
 
 def write_outputs(out: Path, env: str, records: list[dict], failures: list[dict], report: dict) -> None:
@@ -151,11 +149,9 @@ async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], N
 
         return await search_async(config, progress)
     out = Path(config.out)
-    state = out / ".synth"
     tasks = job_tasks(config)
-    backend = job_backend(config)
-    journal = EpisodeJournal(state / "episodes.sqlite")
-    gate = asyncio.Semaphore(config.episode_concurrency)
+    job = open_job(config, "episodes")
+    backend, journal, gate = job.backend, EpisodeJournal(job.journal), job.gate
     counts: Counter[str] = Counter()
     # Keyed by the sampling asked for, not the sampling sent: fields a strict server rejects are dropped
     # during the job, and the journal must still find the episodes of a run that started before that.
@@ -192,9 +188,7 @@ async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], N
     try:
         episodes = await asyncio.gather(*(one(t, k) for t in tasks for k in range(config.n)))
     finally:
-        stats = backend.stats
-        await backend.aclose()
-        journal.close()
+        await job.close()
     if backend.unreachable:
         journaled = sum(1 for e in episodes if not e.transient)
         raise ServerUnreachable(
@@ -223,9 +217,7 @@ async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], N
         "tasks_with_record": sum(1 for es in by_task.values() if any(e.status == "success" for e in es)),
         "episodes_run": counts["run"], "episodes_resumed": counts["resumed"], "skipped": counts["skipped"],
         "usage": usage_totals(episodes), "tasks_with_identical_samples": identical,
-        "llm": {"model": backend.model, "sampling": backend.params, "sampling_dropped": backend.dropped,
-                "calls": stats.calls, "attempts": stats.attempts, "cache_hits": stats.cache_hits,
-                "retries": stats.retries, "failures": stats.failures, "usage": stats.usage},
+        "llm": job.llm_report(),
     }
     if identical and config.n > 1 and backend.params.get("temperature", 1.0) > 0:
         log.warning("%s: %d of %d tasks got the very same replies in all their samples: the server seems to "
@@ -234,8 +226,8 @@ async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], N
                     backend.params, config.n)
     write_outputs(out, config.env, records, failures, report)
     log.info("synth %s: %d tasks x %d: %d records, %d failures %s; %d calls answered of %d attempts, %d cache hits",
-             config.env, len(tasks), config.n, len(records), len(failures), report["failure_reasons"], stats.calls,
-             stats.attempts, stats.cache_hits)
+             config.env, len(tasks), config.n, len(records), len(failures), report["failure_reasons"], job.stats.calls,
+             job.stats.attempts, job.stats.cache_hits)
     return report
 
 

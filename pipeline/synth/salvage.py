@@ -7,9 +7,9 @@ beneficial, and (prefix + continuation) becomes training data. The failing remai
 
 Here the failures come from synthesis (`failures.parquet`: task id, env, the partial conversation)
 or from records that end without success (`success: false`), matched to a task of the task file by
-id or by description. Only envs that can replay an action sequence qualify: `os` (a fresh sandbox),
-`db` (a fresh SQLite copy), and AgentGym's envs run in-process (`babyai`, `textcraft`, `sciworld`:
-the same seeded level, recipe set or simulator variation).
+id or by description. Only envs that can replay an action sequence qualify (their spec says
+`replayable`): the OS sandbox and the SQLite database are fresh copies, and AgentGym's envs run
+in-process rebuild the same seeded level, recipe set or simulator variation.
 
 Before any model call, the failure's actions are replayed in a fresh environment (no model), which
 checks two things. The replay must agree with the record: each replayed observation must equal the
@@ -33,7 +33,7 @@ was given. Each failure ends in exactly one row of `salvage.parquet` with its ou
     no_prefix              fewer than two actions: there is no proper prefix to keep
     no_useful_prefix       every step of the proper prefix was refused, an error, or changed nothing
     replay_mismatch        the replay disagrees with the record from its first step (or in every prefix tried)
-    env_not_replayable     the env cannot replay a trajectory (see REPLAYABLE_ENVS)
+    env_not_replayable     the env cannot replay a trajectory (its spec is not `replayable`)
     no_task                the task is not in the task file
     not_a_task_failure     the run failed outside the model and task (llm_error, env_error, skipped)
     transient              a continuation hit an LLM or env error; the next run tries again
@@ -49,23 +49,30 @@ import json
 import logging
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trajforge.pipeline.envs import specs
 from trajforge.pipeline.synth.agent import EMPTY_OBSERVATION, AgentConfig, Episode, run_episode
 from trajforge.pipeline.synth.envs.base import StepResult
 from trajforge.pipeline.atomic import write_json, write_parquet
-from trajforge.pipeline.synth.llm import ChatBackend, ChatResult, LLMConfig, LLMError, make_backend
+from trajforge.pipeline.llm.client import ChatBackend, ChatResult, LLMConfig, LLMError
+from trajforge.pipeline.llm.job import ModelJob
 from trajforge.pipeline.synth.job import EpisodeJournal, episode_key
 from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.salvage")
 
-REPLAYABLE_ENVS = ("os", "db", "babyai", "textcraft", "sciworld")
+
+def replayable_envs() -> list[str]:
+    """The envs whose spec says a fresh instance replays a recorded prefix the same way."""
+    return [name for name, env in specs().items() if env.replayable]
+
+
 # Synthesis failures that say nothing about the task's solvability from a prefix.
 NOT_TASK_FAILURES = ("llm_error", "env_error", "skipped")
 
@@ -103,9 +110,6 @@ class CallBudget:
         if result.cached:
             self.spent -= 1
         return result
-
-    async def aclose(self) -> None:
-        await self.backend.aclose()
 
 
 @dataclass
@@ -247,7 +251,7 @@ def salvaged_record(episode: Episode, failure: Failure, prefix_steps: int, kept:
 
 async def salvage_async(config: SalvageConfig) -> dict:
     from trajforge.pipeline.synth.envs import make_env
-    from trajforge.pipeline.synth.tasks import load_tasks
+    from trajforge.pipeline.envs.tasks import load_tasks
 
     out = Path(config.out)
     state = out / ".salvage"
@@ -255,11 +259,9 @@ async def salvage_async(config: SalvageConfig) -> dict:
     by_id = {t.id: t for t in tasks}
     by_description = {_space(t.description): t for t in tasks}
     failures = [f for path in config.failures for f in read_failures(path)]
-    llm = LLMConfig(**{**asdict(config.llm), "cache_path": str(state / "requests.sqlite")})
-    inner = make_backend(config.backend, llm)
-    budget = CallBudget(inner, config.max_calls)
-    journal = EpisodeJournal(state / "episodes.sqlite")
-    gate = asyncio.Semaphore(config.episode_concurrency)
+    job = ModelJob.open(state, config.backend, config.llm, "episodes", config.episode_concurrency)
+    budget = CallBudget(job.backend, config.max_calls)
+    journal, gate = EpisodeJournal(job.journal), job.gate
     counts: Counter[str] = Counter()
 
     async def attempt(failure: Failure, task: Any, prefix: list[dict]) -> Episode:
@@ -288,7 +290,7 @@ async def salvage_async(config: SalvageConfig) -> dict:
                "outcome": "", "detail": "", "steps": len(failure.actions), "prefixes_tried": 0,
                "prefix_steps": None, "record_id": None, "dropped_steps": None, "replay_mismatch": None}
         task = by_id.get(failure.task_id) or by_description.get(_space(failure.task_id))
-        if failure.env not in REPLAYABLE_ENVS:
+        if failure.env not in replayable_envs():
             return {**row, "outcome": "env_not_replayable", "detail": f"env {failure.env}"}, None
         if failure.reason.startswith(NOT_TASK_FAILURES):
             return {**row, "outcome": "not_a_task_failure", "detail": failure.reason}, None
@@ -342,16 +344,14 @@ async def salvage_async(config: SalvageConfig) -> dict:
     try:
         results = await asyncio.gather(*(salvage_one(f) for f in failures))
     finally:
-        stats = inner.stats
-        await budget.aclose()
-        journal.close()
+        await job.close()
 
     rows = [row for row, _ in results]
     records_by_env: dict[str, list[dict]] = {}
     for _, record in results:
         if record is not None:
             records_by_env.setdefault(record["env"], []).append(record)
-    for env in REPLAYABLE_ENVS:
+    for env in replayable_envs():
         path = out / "data" / "synthetic" / f"{env}.parquet"
         if env in records_by_env or path.exists():
             write_parquet(records_by_env.get(env, []), arrow_schema("trajectory"), path)
@@ -370,12 +370,11 @@ async def salvage_async(config: SalvageConfig) -> dict:
         "episodes_run": counts["episodes_run"], "episodes_resumed": counts["episodes_resumed"],
         "budget": {"max_calls": config.max_calls, "spent": budget.spent, "refused": budget.refused,
                    "max_prefixes": config.max_prefixes},
-        "llm": {"model": inner.model, "sampling": inner.params, "calls": stats.calls, "cache_hits": stats.cache_hits,
-                "retries": stats.retries, "failures": stats.failures},
+        "llm": job.llm_report(),
     }
     write_json(out / "report.json", report)
     log.info("salvage: %d failures %s; %d records; %d calls (budget %s), %d cache hits", len(rows),
-             report["outcomes"], report["records"], stats.calls, config.max_calls, stats.cache_hits)
+             report["outcomes"], report["records"], job.stats.calls, config.max_calls, job.stats.cache_hits)
     return report
 
 

@@ -68,11 +68,12 @@ from typing import Any, Callable, Protocol
 from trajforge.pipeline.atomic import write_parquet
 from trajforge.pipeline.synth.agent import Episode, conversation_for, run_episode
 from trajforge.pipeline.synth.config import AgentConfig, SearchConfig, SynthConfig
-from trajforge.pipeline.synth.envs import env_class, make_env
+from trajforge.pipeline.synth.envs import make_env
 from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
-from trajforge.pipeline.synth.job import _failure_row, episode_key, job_backend, job_tasks, write_outputs
-from trajforge.pipeline.synth.reasoning import split_reasoning
-from trajforge.pipeline.synth.llm import ChatBackend, ChatResult, JsonStore, LLMError, ServerUnreachable, sampling_params
+from trajforge.pipeline.synth.job import _failure_row, episode_key, job_tasks, open_job, write_outputs
+from trajforge.pipeline.llm.reasoning import split_reasoning
+from trajforge.pipeline.envs import spec
+from trajforge.pipeline.llm.client import ChatBackend, ChatResult, LLMError, ServerUnreachable, sampling_params
 from trajforge.schemas import arrow_schema
 from trajforge.sources.synthetic import Synthetic
 
@@ -165,11 +166,6 @@ class MemoEnv(ClosingEnvironment):
         if self.inner is not None:
             self.inner.close()
             self.inner = None
-
-
-def can_snapshot(env_name: str) -> bool:
-    cls = env_class(env_name)
-    return callable(getattr(cls, "snapshot", None)) and callable(getattr(cls, "restore", None))
 
 
 # --- the value model --------------------------------------------------------------------------
@@ -562,13 +558,12 @@ async def search_async(config: SynthConfig, progress: Callable[[int, int], None]
     out = Path(config.out)
     search = config.search
     tasks = job_tasks(config)
-    backend = job_backend(config)
-    journal = JsonStore(out / ".synth" / "searches.sqlite", "searches")
-    gate = asyncio.Semaphore(config.episode_concurrency)
+    job = open_job(config, "searches")
+    backend, journal, gate = job.backend, job.journal, job.gate
     value_model = VALUE_MODELS[search.value_model]() if search.value_model else None
     requested = sampling_params(backend.model, config.llm.sampling)
     counts: Counter[str] = Counter()
-    snapshots = can_snapshot(config.env)
+    snapshots = spec(config.env).can_snapshot()
 
     async def one(task: Any) -> dict:
         if task.skip_reason:
@@ -597,9 +592,7 @@ async def search_async(config: SynthConfig, progress: Callable[[int, int], None]
     try:
         results = await asyncio.gather(*(one(t) for t in tasks))
     finally:
-        stats = backend.stats
-        await backend.aclose()
-        journal.close()
+        await job.close()
     if backend.unreachable:
         raise ServerUnreachable(f"{backend.unreachable}. Stopped: {counts['finished'] - sum(r['transient'] for r in results)} "
                                 f"of {len(tasks)} searches finished and are journaled; no outputs were written. Rerun "
@@ -631,12 +624,10 @@ async def search_async(config: SynthConfig, progress: Callable[[int, int], None]
                    "calls": sum(r["calls"] for r in results), "completion_tokens": sum(r["tokens"] for r in results),
                    "max_calls_per_task": max((r["calls"] for r in results), default=0)},
         "usage": dict(sum((Counter(r["usage"]) for r in results), Counter())),
-        "llm": {"model": backend.model, "sampling": backend.params, "sampling_dropped": backend.dropped,
-                "calls": stats.calls, "attempts": stats.attempts, "cache_hits": stats.cache_hits,
-                "retries": stats.retries, "failures": stats.failures, "usage": stats.usage},
+        "llm": job.llm_report(),
     }
     write_outputs(out, config.env, records, failures, report)
     log.info("search %s (%s): %d/%d tasks solved, %d nodes, %d step values, %d step pairs; %d calls answered, %d "
              "cache hits", config.env, search.strategy, len(records), len(tasks), len(nodes),
-             len(derived["step_values"]), len(derived["step_pairs"]), stats.calls, stats.cache_hits)
+             len(derived["step_values"]), len(derived["step_pairs"]), job.stats.calls, job.stats.cache_hits)
     return report

@@ -8,7 +8,7 @@ textcraft, ...), following the protocol of AgentGym's own clients (agentenv/envs
   POST /close   {<id>}
 
 The servers differ in small ways (the id's key, the reset arguments, where the reward is), so
-each known server has a profile; any other server gets the common shape. Every request has a
+each known server has a profile (its env's spec holds it); any other server gets the common shape. Every request has a
 timeout, and the instance on the server is closed in `close()`, which the context manager and
 `reset` (for the previous instance) always call: AgentGym's servers keep an instance per
 `create` until it is closed, and leaked instances were what made them fall over under load.
@@ -18,65 +18,19 @@ from __future__ import annotations
 import logging
 import re
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
-from trajforge.pipeline.registry import Registry
 from trajforge.pipeline.synth.envs.base import ClosingEnvironment, EnvFailure, StepResult
-from trajforge.pipeline.synth.tasks import Task, coerce_task
+from trajforge.pipeline.envs.agentgym import extract_action, item_index, server_profile
+from trajforge.pipeline.envs.tasks import Task, coerce_task
 
 log = logging.getLogger(__name__)
 
 
 class AgentGymError(EnvFailure):
     """The environment server failed, answered garbage, or did not answer in time."""
-
-
-@dataclass(frozen=True)
-class ServerProfile:
-    id_key: str = "id"
-    reset_args: Callable[[int], dict[str, Any]] = field(default=lambda idx: {"data_idx": idx})
-    observation_key: str = "observation"
-    reward_key: str = "reward"
-    # WebShop's reset answers no observation; its client reads GET /observation afterwards.
-    observe_after_reset: bool = False
-
-
-PROFILES: Registry[ServerProfile] = Registry("AgentGym server profile", {
-    "webshop": ServerProfile(id_key="env_idx", reset_args=lambda idx: {"session_id": idx},
-                             observation_key="state", observe_after_reset=True),
-    "alfworld": ServerProfile(reset_args=lambda idx: {"game": idx, "world_type": "Text"}),
-    "babyai": ServerProfile(reward_key="score"),
-    "sciworld": ServerProfile(reward_key="score"),
-    "textcraft": ServerProfile(),
-})
-# The shape of AgentGym's generic client: a server with no profile above (a new environment) speaks it.
-COMMON_PROFILE = ServerProfile()
-
-
-def server_profile(env_name: str) -> ServerProfile:
-    """The profile of the server of `env_name`; one without a profile gets the common shape, not an error."""
-    return PROFILES.get(env_name, COMMON_PROFILE)
-
-_ACTION = re.compile(r"Action:\s*", re.I)
-
-
-def extract_action(text: str) -> str:
-    """The text after the last `Action:` (AgentGym clients send only that), else the whole text."""
-    parts = _ACTION.split(text)
-    return parts[-1].strip()
-
-
-def item_index(value: Any) -> int:
-    """AgentGym item ids are ints or `<env>_<n>` strings (AgentTraj-L `item_id`)."""
-    if isinstance(value, int):
-        return value
-    found = re.search(r"(\d+)$", str(value))
-    if not found:
-        raise ValueError(f"no item index in {value!r}")
-    return int(found.group(1))
 
 
 class AgentGymEnv(ClosingEnvironment):

@@ -23,9 +23,9 @@ import copy
 from collections import deque
 from typing import Any
 
-from trajforge.pipeline.synth.envs.agentgym import extract_action, item_index
+from trajforge.pipeline.envs.agentgym import extract_action, item_index
 from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
-from trajforge.pipeline.synth.tasks import Task, coerce_task
+from trajforge.pipeline.envs.tasks import Task, coerce_task
 
 # AgentGym's level list, in its order: item n plays LEVELS[n % 40] with seed n // 40.
 LEVELS = (
@@ -50,17 +50,6 @@ NOT_UNDERSTOOD = "The action is not recognized. Please check valid actions."
 NO_CHANGE = "No change in state."
 COMPLETED = "\n The task is completed."
 
-# The agent's instructions, as AgentGym's BabyAI client words them.
-INSTRUCTIONS = (
-    "You are an exploration master that wants to finish every goal you are given. Every round I will give you an "
-    "observation, and you have to respond an action and your thought based on the observation to finish the given "
-    "task. You are placed in a room and you need to accomplish the given goal with actions.\n\nYou can use the "
-    "following actions: \n\n- turn right \n\n- turn left \n\n- move forward \n\n- go to <obj> <id> \n\n"
-    "- pick up <obj> <id> \n\n- go through <door> <id>: <door> must be an open door. \n\n- toggle and go through "
-    "<door> <id>: <door> can be a closed door or a locked door. If you want to open a locked door, you need to "
-    "carry a key that is of the same color as the locked door. \n\n- toggle: there is a closed or locked door right "
-    "in front of you and you can toggle it.\nYour response should use the following format:\nThought:\n"
-    "<Your Thought>\n\nAction:\n<Your Action>")
 
 
 def level_and_seed(item: int) -> tuple[str, int]:
@@ -255,7 +244,6 @@ class _View:
 
 class BabyAIEnv(ClosingEnvironment):
     name = "babyai"
-    instructions = INSTRUCTIONS
 
     def __init__(self) -> None:
         self._env: Any = None

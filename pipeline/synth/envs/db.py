@@ -19,16 +19,10 @@ import re
 import sqlite3
 from typing import Any
 
-from trajforge.pipeline.ingest.dialects import parse_answer_list, parse_literal
 from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
-from trajforge.pipeline.synth.tasks import Task, coerce_task, db_answers_match, table_hash, task_prompt
-
-_SQL_BLOCK = re.compile(r"```sql\s*\n(.*?)```", re.S | re.I)
-_FINAL = re.compile(r"Final Answer:\s*(.*)", re.S)
-# The declared action (`Action: Operation` / `Action: Answer`, or the bare word the parsed action
-# starts with) decides when a turn holds both a SQL block and the words "Final Answer".
-_DECLARED = re.compile(r"(?:^|\n)\s*(?:Action:\s*)?(Operation|Answer)\b")
-
+from trajforge.pipeline.envs.db import (_DECLARED, _FINAL, _SQL_BLOCK, db_answers_match, parse_answer, table_hash,
+                                        task_prompt)
+from trajforge.pipeline.envs.tasks import Task, coerce_task
 
 def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
@@ -69,16 +63,6 @@ def run_sql(conn: sqlite3.Connection, sql: str) -> str:
     except (sqlite3.Error, sqlite3.Warning) as e:
         return f"Error: {e}"
     return str(rows)
-
-
-def parse_answer(text: str) -> list[Any]:
-    """`Final Answer: [...]` as a list; a bare value becomes a one-element list."""
-    raw = text.strip()
-    listed = parse_answer_list(raw)
-    if listed is not None:
-        return listed
-    value = parse_literal(raw, (str, int, float, bool))
-    return [raw if value is None else value]
 
 
 class DbEnv(ClosingEnvironment):

@@ -56,7 +56,8 @@ from pathlib import Path
 
 from trajforge.pipeline.synth.envs import sandbox_enter, sandbox_root
 from trajforge.pipeline.synth.envs.base import ClosingEnvironment, EnvFailure, StepResult
-from trajforge.pipeline.synth.tasks import Task, coerce_task, os_match, task_prompt
+from trajforge.pipeline.envs.os import os_match, parse_os_action, task_prompt
+from trajforge.pipeline.envs.tasks import Task, coerce_task
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 TRUNCATION_NOTE = "\n[truncated because the output is too long]"
@@ -610,31 +611,6 @@ class Shell:
 
 
 # --- the environment ---------------------------------------------------------------------------
-_BASH_BLOCK = re.compile(r"```(?:bash|sh|shell)?[ \t]*\n(.*?)```", re.S)
-_ACT = re.compile(r"(?:^|\n)\s*Act:\s*", re.I)
-
-
-def parse_os_action(text: str) -> tuple[str, str | None]:
-    """("bash", code) | ("answer", value) | ("finish", None) | ("invalid", reason).
-
-    Takes the action part of a Think/Act turn, or the whole text when there is no `Act:`."""
-    parts = _ACT.split(text)
-    action = parts[-1].strip() if len(parts) > 1 else text.strip()
-    if action.startswith("bash"):
-        m = _BASH_BLOCK.search(action)
-        if not m:
-            return "invalid", "`bash` needs a ```bash code block"
-        return "bash", m.group(1)
-    if action.startswith("answer("):
-        end = action.rfind(")")
-        if end < len("answer("):
-            return "invalid", "`answer(` without a closing parenthesis"
-        return "answer", action[len("answer("):end]
-    if action.startswith("finish"):
-        return "finish", None
-    return "invalid", "the action must be `bash` with a code block, `answer(...)` or `finish`"
-
-
 def clean_observation(text: str, limit: int = 800) -> str:
     """Upstream: ANSI escapes removed, cut at `limit` (first limit-20 + a truncation note)."""
     text = _ANSI.sub("", text).replace("\r\n", "\n").replace("\r", "")

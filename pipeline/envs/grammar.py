@@ -1,0 +1,293 @@
+"""The grammar toolkit every env spec builds its grammar with (pipeline/envs/<env>.py).
+
+A grammar says which actions an env accepts, in the env's own syntax (the action text a dialect
+parses out of a turn, pipeline/ingest/dialects.py), and how an episode of it ends:
+
+- `check(action, context)` returns the first rule the action breaks, as a `Breach` (rule name and
+  what is wrong), or None. Rules are named `<grammar>.<rule>` (`alfworld.command`, `kg.arguments`,
+  `tool.unknown_tool`, ...) so the quarantine and the report can count them.
+- `terminal(action)` says whether an action ends the episode, for envs that have an explicit
+  terminal action (DB `Answer`, OS `answer(...)`/`finish`, KG `Final Answer`, tool `finish`);
+  None for envs that end on their own (ALFWorld, WebShop, the games).
+- `breaks(action, context)` edits a valid action so that it breaks one named rule each: what the
+  `invalid_action` negatives are made from, so a negative is wrong for a stated reason.
+- `replies` says how the env answers an action (`Replies`): the words it uses when it did not carry
+  an action out (`refused`, by name), when it did and nothing changed (`no_op`), and which replies
+  report progress even when they repeat word for word. Validation grounds its verdicts in them
+  (pipeline/ingest/validate.py): what the env refused is not trained on, a repeat the env reports
+  as progress is no loop.
+
+Two shapes cover most envs: a command grammar (a list of templates such as `take {obj} from {recep}`)
+and the tool-call grammar (AgentGym tool envs, ToolBench / Agent-FLAN function calls).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from trajforge.pipeline.ingest.dialects import parse_literal
+
+# Verbs no env offers; the first one that is not a verb of the env replaces a real verb.
+INVENTED_VERBS = ("teleport", "levitate", "summon", "conjure")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What an action is checked against: the turns the agent saw before it."""
+    prompt: str              # every system/user turn before the action, joined
+    observation: str         # the user turn right before the action ("" if none)
+    dialect: str | None = None  # how the turn wrote the action (tool calls have several forms)
+
+
+@dataclass(frozen=True)
+class Breach:
+    rule: str
+    detail: str
+
+
+# Where an env's wrapper puts its own words before the reply (AgentGym tool envs `Observation: `,
+# TextCraft `Instruction:\n`); the reply patterns below read what follows.
+_LEAD = r"^(?:(?:Observation|Instruction)\s*:\s*)?"
+
+
+def starts(*texts: str) -> re.Pattern:
+    """A reply that starts (after the wrapper's lead) with one of `texts`, each a regex."""
+    return re.compile(_LEAD + "(?:" + "|".join(texts) + ")")
+
+
+@dataclass(frozen=True)
+class Replies:
+    """How an env answers an action, in its own words (its code, or its real rows where the code is
+    out of reach): `refused` by name, the replies of an action it did not carry out; `no_op`, carried
+    out and nothing changed; `progress`, a reply that reports a change even when it repeats word for
+    word. A reply none of them matches is a normal answer, and a reply equal to the observation
+    before the action shows a state the action did not change."""
+    refused: dict[str, re.Pattern] = field(default_factory=dict)
+    no_op: re.Pattern | None = None
+    progress: re.Pattern | None = None
+
+    def refusal(self, reply: str) -> str | None:
+        """The name of the refusal `reply` is, or None."""
+        return next((name for name, pattern in self.refused.items() if pattern.search(reply)), None)
+
+    def stuck(self, reply: str, before: str) -> bool:
+        """`reply` shows the action got nowhere: refused, a no-op, or the state unchanged (and it does
+        not report progress)."""
+        if self.progress is not None and self.progress.search(reply):
+            return False
+        return (reply == before or self.refusal(reply) is not None
+                or (self.no_op is not None and self.no_op.search(reply) is not None))
+
+
+@dataclass(frozen=True)
+class Grammar:
+    name: str
+    source: str
+    rules: dict[str, str]                                        # rule -> what it requires
+    check: Callable[[str, Context], Breach | None]
+    breaks: Callable[[str, Context], dict[str, str]]
+    terminal: Callable[[str], bool] | None = None
+    ends: str = "on its own (the final trained turn must be a valid action)"
+    # ToolBench: a final prose reply ends the episode like `Finish`, and a row with a single call
+    # and no observation is a one-step instruction (Agent-FLAN toolbench_instruct_j1s1), complete.
+    tool_replies: bool = False
+    replies: Replies = Replies()
+
+
+# --- command grammars: a list of templates, `{slot}` standing for an argument -----------------
+
+@dataclass(frozen=True)
+class Template:
+    text: str            # as the env's documentation writes it: `take {obj} from {recep}`
+    verb: str            # the literal words before the first slot
+    regex: re.Pattern
+
+
+def templates(slots: dict[str, str], *texts: str) -> list[Template]:
+    out = []
+    for text in texts:
+        parts = re.split(r"(\{\w+\})", text)
+        regex = "".join(f"(?:{slots[p[1:-1]]})" if p.startswith("{") else re.escape(p) for p in parts)
+        verb = parts[0].strip() if len(parts) > 1 else text
+        out.append(Template(text, verb, re.compile(regex, re.S)))
+    # The longest verb first: `toggle and go through` before `toggle`, `go to` before `go`.
+    return sorted(out, key=lambda t: -len(t.verb))
+
+
+def _verb_of(action: str, table: list[Template]) -> str | None:
+    # A verb ends at a space or newline, or is itself bracketed (`search[`).
+    return next((t.verb for t in table if action.startswith(t.verb) and (
+        action == t.verb or t.verb.endswith("[") or action[len(t.verb)] in " \n")), None)
+
+
+def check_commands(name: str, table: list[Template], action: str) -> Breach | None:
+    """`<name>.command` when no template's verb starts the action, `<name>.arguments` when a verb
+    does but its arguments fit none of that verb's templates."""
+    text = action.strip()
+    verb = _verb_of(text, table)
+    if verb is None:
+        known = ", ".join(sorted({f"`{t.text}`" for t in table}))
+        return Breach(f"{name}.command", f"{text[:120]!r} is not one of {known}"[:400])
+    shapes = [t for t in table if t.verb == verb]
+    if any(t.regex.fullmatch(text) for t in shapes):
+        return None
+    return Breach(f"{name}.arguments", f"{text[:120]!r} does not fit " + " or ".join(f"`{t.text}`" for t in shapes))
+
+
+def break_commands(name: str, table: list[Template], action: str) -> dict[str, str]:
+    """A real action with its verb swapped for an invented one, and with its arguments dropped."""
+    text = action.strip()
+    verb = _verb_of(text, table)
+    if verb is None:
+        return {}
+    verbs = {t.verb.split()[0] for t in table}
+    invented = next(v for v in INVENTED_VERBS if v not in verbs)
+    out = {f"{name}.command": invented + text[len(verb):]}
+    if verb != text and check_commands(name, table, verb) is not None:
+        out[f"{name}.arguments"] = verb
+    return out
+
+
+def command_grammar(name: str, source: str, table: list[Template], terminal=None,
+                    extra: Callable[[str, Context], Breach | None] | None = None,
+                    extra_breaks: Callable[[str, Context], dict[str, str]] | None = None,
+                    extra_rules: dict[str, str] | None = None, replies: Replies = Replies()) -> Grammar:
+    def check(action: str, context: Context) -> Breach | None:
+        return check_commands(name, table, action) or (extra(action.strip(), context) if extra else None)
+
+    def breaks(action: str, context: Context) -> dict[str, str]:
+        out = break_commands(name, table, action)
+        if extra_breaks:
+            out.update(extra_breaks(action.strip(), context))
+        return out
+
+    rules = {f"{name}.command": "the action starts with one of the env's verbs: "
+                                + ", ".join(sorted({t.verb for t in table}))}
+    if any("{" in t.text for t in table):
+        rules[f"{name}.arguments"] = "its arguments fit the verb's template: " + "; ".join(
+            t.text for t in sorted(table, key=lambda t: t.text))
+    rules.update(extra_rules or {})
+    return Grammar(name, source, rules, check, breaks, terminal, replies=replies)
+
+
+
+# --- tool use: AgentGym tool envs and ToolBench / Agent-FLAN -------------------------------------
+_AGENTGYM_TOOL = re.compile(r"(?P<name>[\w.\-]+) with Action Input:\s*(?P<input>.*)", re.S)
+_AGENTGYM_TOOL_LIST = re.compile(r"^Name:\s*([\w.\-]+)\(([^)]*)\)", re.M)
+_WORD = re.compile(r"[\w.\-]+")
+
+
+# Read four times per action (whether the tool is offered, its parameters; when validating and when
+# counting): one scan of the prompt. Callers only read the mapping.
+@functools.lru_cache(maxsize=64)
+def offered_tools(prompt: str) -> dict[str, list[str]]:
+    """The tools an AgentGym tool prompt lists (`Name: get_tasks(project_id)`) with their parameters."""
+    return {m.group(1): [p.strip() for p in m.group(2).split(",") if p.strip()]
+            for m in _AGENTGYM_TOOL_LIST.finditer(prompt)}
+
+
+def tool_offered(name: str, prompt: str) -> bool:
+    """AgentGym prompts list every tool (`Name: f(...)`): only those. ToolBench / Agent-FLAN prompts
+    describe their APIs in several layouts (`{'name': 'f', ...}` of tool "t", `t.f: This is the
+    subfunction ...`, a plain list) but always name them: the name, or `t.f` with both t and f named,
+    must appear in the prompt as a whole word (`Finish` included, where the prompt offers it)."""
+    listed = offered_tools(prompt)
+    if listed:
+        return name in listed
+    words = set(_WORD.findall(prompt))
+    tool, _, function = name.partition(".")
+    return name in words or bool(function and tool in words and function in words)
+
+
+def parse_arguments(text: str) -> dict | None:
+    """A tool call's arguments: a JSON object, or the Python dict literal some upstream rows write."""
+    return parse_literal(text.strip(), dict)
+
+
+def tool_call(action: str, dialect: str | None) -> tuple[str | None, str | None]:
+    """(tool name, argument text) of a tool call in any tool dialect; (None, None) if it is none."""
+    text = action.strip()
+    if dialect == "json_tool" or dialect == "dict_tool_call":
+        call = parse_arguments(text)
+        if call is None:
+            return None, None
+        name, args = call.get("Tool" if dialect == "json_tool" else "name"), call.get(
+            "Param" if dialect == "json_tool" else "parameters")
+        return (name if isinstance(name, str) else None), "{}" if args is None else json.dumps(args, ensure_ascii=False)
+    m = _AGENTGYM_TOOL.fullmatch(text)
+    if m:
+        return m["name"], m["input"]
+    name, _, rest = text.partition("\n")
+    if rest.startswith("Action Input:"):
+        return name.strip(), rest[len("Action Input:"):]
+    return None, None
+
+
+_NAME_HEAD = re.compile(r"[A-Za-z_][\w.\-]*")
+
+
+def action_name(action: str, dialect: str | None) -> str | None:
+    """The name of the tool or command an action invokes (`bash`, `get_relations`, `search`, ...)."""
+    if dialect in ("json_tool", "dict_tool_call"):
+        return tool_call(action, dialect)[0]
+    m = _NAME_HEAD.search(action.lstrip("`"))
+    return m.group(0) if m else None
+
+
+def check_tool_call(action: str, context: Context) -> Breach | None:
+    name, args = tool_call(action, context.dialect)
+    if name is None:
+        return Breach("tool.syntax", f"{action[:120]!r} is not a tool call with arguments")
+    if not tool_offered(name, context.prompt):
+        return Breach("tool.unknown_tool", f"{name!r} is not a tool the prompt offers")
+    parsed = parse_arguments(args or "")
+    if parsed is None:
+        return Breach("tool.arguments", f"{name}: the arguments {(args or '')[:100]!r} are not an object")
+    params = offered_tools(context.prompt).get(name)
+    unknown = sorted(set(parsed) - set(params)) if params is not None else []
+    if unknown:
+        return Breach("tool.parameters", f"{name} takes {params}, not {unknown}")
+    return None
+
+
+def break_tool_call(action: str, context: Context) -> dict[str, str]:
+    name, args = tool_call(action, context.dialect)
+    if name is None:
+        return {}
+    if context.dialect in ("json_tool", "dict_tool_call"):
+        # The arguments written as a string instead of an object.
+        call = parse_arguments(action)
+        key = "Param" if context.dialect == "json_tool" else "parameters"
+        call[key] = ", ".join(f"{k}={v}" for k, v in (call.get(key) or {}).items()) or "none"
+        text = json.dumps(call, ensure_ascii=False) if context.dialect == "json_tool" else repr(call)
+        return {"tool.arguments": text}
+    sep = " with Action Input: " if context.dialect == "action_input" else "\nAction Input: "
+    out = {"tool.arguments": f"{name}{sep}{{{(args or '').strip()[1:-1]}"}
+    if name in offered_tools(context.prompt):
+        out["tool.parameters"] = f"{name}{sep}" + json.dumps({"teleport_to": "moon"})
+    return out
+
+
+# agentenv-tool: a turn it cannot parse gets `Format error, please response in the format of ...`, a
+
+TOOL_RULES = {"tool.syntax": "a tool call: `name with Action Input: {...}`, ToolBench `Action:`/`Action Input:`, "
+                             "or a JSON/dict call",
+              "tool.unknown_tool": "the tool is one the prompt offers",
+              "tool.arguments": "the arguments parse as an object (JSON, or a Python dict literal)",
+              "tool.parameters": "every argument is a parameter the prompt lists for the tool (AgentGym lists them)"}
+
+
+def tool_grammar(name: str, source: str, terminal: Callable[[str], bool], ends: str, replies: Replies,
+                  tool_replies: bool = False) -> Grammar:
+    return Grammar(name, source, TOOL_RULES, check_tool_call, break_tool_call, terminal, ends, tool_replies,
+                   replies)
+
+
+
+def break_action(grammar: Grammar, action: str, context: Context) -> dict[str, str]:
+    """Edits of a valid action, one per rule; only those that really break that rule are kept."""
+    return {rule: edited for rule, edited in grammar.breaks(action, context).items()
+            if edited.strip() and (b := grammar.check(edited, context)) is not None and b.rule == rule}
