@@ -11,7 +11,7 @@ from prefect import flow, get_run_logger, task
 
 from trajforge.flows.synth import use_api_key_env
 from trajforge.pipeline.quality.score import ScoreConfig, score_records, summary_lines
-from trajforge.pipeline.synth.llm import LLMConfig
+from trajforge.pipeline.llm.client import LLMConfig
 
 
 @task(name="score-records")
