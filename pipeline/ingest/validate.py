@@ -179,14 +179,15 @@ def replies_of(env: str) -> Replies:
     return grammar.replies if grammar is not None else Replies()
 
 
-def grammar_breaches(record: dict) -> tuple[int, list[tuple[int, str, Breach]]]:
-    """(trained actions checked, [(turn, action, breach)]) against the record's env grammar."""
+def grammar_breaches(record: dict, from_turn: int = 0) -> tuple[int, list[tuple[int, str, Breach]]]:
+    """(trained actions checked, [(turn, action, breach)]) against the record's env grammar, of the
+    turns from `from_turn` on (an action's verdict depends only on it and the turns before it)."""
     grammar = grammar_for(record["env"])
     if grammar is None:
         return 0, []
     checked, breaches = 0, []
     for i, turn, context in action_contexts(record):
-        if turn["loss"]:
+        if turn["loss"] and i >= from_turn:
             checked += 1
             breach = grammar.check(turn["action"], context)
             if breach is not None:
