@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import random
+import re
 from pathlib import Path
 
 import pytest
@@ -59,6 +61,24 @@ def test_no_thought_turns_and_trailing_spaces_and_leading_newline():
 def test_terminal_escape_codes_are_removed():
     raw = "The output of the OS:\n\n\x1b]0;root@287e51facd12: /\x07root@287e51facd12:/# \x1b[K"
     assert clean_text(raw) == "The output of the OS:\n\nroot@287e51facd12:/#"
+
+
+def _clean_line_by_line(text: str) -> str:
+    """The cleaning rule as the docstring states it, one pass per step: the oracle for clean_text's
+    shortcuts (passes skipped where their characters do not occur)."""
+    text = re.sub(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]|\x07", "", text)
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return "\n".join(line.rstrip() for line in text.split("\n")).strip()
+
+
+def test_clean_text_matches_the_line_by_line_rule_on_every_kind_of_space():
+    spaces = [c for c in map(chr, range(0x3001)) if c.isspace()]
+    alphabet = [*spaces, "a", "\u00e9", "\x1b", "[", "m", "]", "\x07", "\\"]
+    rng = random.Random(7)
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) for _ in range(20000)]
+    texts += [f"x{space}\ny" for space in spaces] + [f"x{space}" for space in spaces]
+    mismatched = [t for t in texts if clean_text(t) != _clean_line_by_line(t)]
+    assert not mismatched, mismatched[:5]
 
 
 def test_prose_without_action_is_free_text_and_empty_turn_raises():

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from trajforge.pipeline.envs.grammar import _AGENTGYM_TOOL_LIST, _tool_listings
 from trajforge.pipeline.ingest.grammars import GRAMMARS, grammar_for
 from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
 from trajforge.pipeline.ingest.normalize import normalize_row
@@ -215,3 +216,11 @@ def test_invalid_action_negatives_break_the_rule_they_name(records):
         assert violation.reason == "invalid_action" and violation.rule == rule, (negative["id"], violation)
         rules.add(rule)
     assert len(rules) > 15
+
+
+def test_tool_listings_are_the_regex_scan_matches():
+    prompts = ["Name: get_tasks(project_id)\nName: finish(answer)", "xName: hidden(a)\nName: shown(b)",
+               "Name: a(x,\nName: b(y))\nName: c()", "Name:\nName: d(e)", "Name: broken(\n\nName: ok(z)",
+               "intro\n\nName:  spaced ( p1 , p2 )\ntext Name: inline(q)\nName: last(r)", "", "Name:"]
+    for prompt in prompts:
+        assert [m.span() for m in _tool_listings(prompt)] == [m.span() for m in _AGENTGYM_TOOL_LIST.finditer(prompt)]

@@ -186,7 +186,19 @@ _WORD = re.compile(r"[\w.\-]+")
 def offered_tools(prompt: str) -> dict[str, list[str]]:
     """The tools an AgentGym tool prompt lists (`Name: get_tasks(project_id)`) with their parameters."""
     return {m.group(1): [p.strip() for p in m.group(2).split(",") if p.strip()]
-            for m in _AGENTGYM_TOOL_LIST.finditer(prompt)}
+            for m in _tool_listings(prompt)}
+
+
+def _tool_listings(prompt: str):
+    """`_AGENTGYM_TOOL_LIST.finditer(prompt)`, the same matches: only a line that starts with `Name:`
+    can start one, so the scan jumps from one such line to the next instead of trying every
+    character of a long prompt (what `^` makes the regex engine do)."""
+    at = prompt.find("Name:")
+    while at >= 0:
+        m = _AGENTGYM_TOOL_LIST.match(prompt, at) if at == 0 or prompt[at - 1] == "\n" else None
+        at = prompt.find("Name:", m.end() if m else at + 1)
+        if m:
+            yield m
 
 
 def tool_offered(name: str, prompt: str) -> bool:

@@ -25,6 +25,9 @@ from trajforge.pipeline.registry import Registry
 # CSI (ESC [ ... final byte), OSC (ESC ] ... BEL or ESC \), and two-byte escapes; bare BEL and CR.
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]|\x07")
 
+# An ASCII whitespace character (str.isspace) other than LF and CR, then LF: a line's trailing space.
+_ASCII_SPACE_THEN_LF = tuple(f"{space}\n" for space in " \t\x0b\x0c\x1c\x1d\x1e\x1f")
+
 
 def clean_text(text: str) -> str:
     """Fold what differs between mirrors and terminals but carries no meaning.
@@ -33,7 +36,13 @@ def clean_text(text: str) -> str:
     trailing blank lines go. Leading text is kept: upstream sometimes starts a turn with a
     newline, and that does not change the meaning either, so it goes too.
     """
-    text = _ANSI.sub("", text).replace("\r\n", "\n").replace("\r", "\n")
+    # Each pass only where its characters occur: most turns have no escape, CR or trailing space.
+    if "\x1b" in text or "\x07" in text:
+        text = _ANSI.sub("", text)
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if text.isascii() and not any(space in text for space in _ASCII_SPACE_THEN_LF):
+        return text.strip()
     return "\n".join(line.rstrip() for line in text.split("\n")).strip()
 
 
@@ -135,6 +144,8 @@ def _render_prose_action(thought: str, action: str | None) -> str:
 
 # --- JSON tool call {"goal", "Tool", "Param"} (Agent-FLAN toolbench_instruct_j1s1) ------------
 def _parse_json_tool(text: str) -> ParsedTurn | None:
+    if "{" not in text:
+        return None
     body = text.strip()
     if body.startswith("```"):
         body = re.sub(r"^```\w*\n|\n?```$", "", body).strip()
@@ -161,10 +172,12 @@ def _render_json_tool(thought: str, action: str | None) -> str:
 
 # --- prose + ```python {'name': ..., 'parameters': ...}``` (Agent-FLAN tflan / cot) ----------
 _PY_CALL = re.compile(r"^(?P<thought>.*?)\s*```(?:python|json)?\n(?P<call>\{.*\})\s*\n```$", re.S)
+# What every match of _PY_CALL contains; a turn with none of them is not tried (SQL blocks are many).
+_PY_CALL_OPENINGS = ("```\n{", "```python\n{", "```json\n{")
 
 
 def _parse_dict_call(text: str) -> ParsedTurn | None:
-    m = _PY_CALL.match(text)
+    m = _PY_CALL.match(text) if any(opening in text for opening in _PY_CALL_OPENINGS) else None
     if not m:
         return None
     try:
@@ -203,6 +216,9 @@ def parse_turn(text: str) -> ParsedTurn:
     if not text:
         raise ParseError("empty assistant turn")
     for dialect in DIALECTS.values():
+        # A turn of a dialect with markers contains its action marker: no need to try the others.
+        if dialect.markers is not None and dialect.markers[1] not in text:
+            continue
         parsed = dialect.parse(text)
         if parsed is not None:
             return parsed

@@ -179,14 +179,15 @@ def replies_of(env: str) -> Replies:
     return grammar.replies if grammar is not None else Replies()
 
 
-def grammar_breaches(record: dict) -> tuple[int, list[tuple[int, str, Breach]]]:
-    """(trained actions checked, [(turn, action, breach)]) against the record's env grammar."""
+def grammar_breaches(record: dict, from_turn: int = 0) -> tuple[int, list[tuple[int, str, Breach]]]:
+    """(trained actions checked, [(turn, action, breach)]) against the record's env grammar, of the
+    turns from `from_turn` on (an action's verdict depends only on it and the turns before it)."""
     grammar = grammar_for(record["env"])
     if grammar is None:
         return 0, []
     checked, breaches = 0, []
     for i, turn, context in action_contexts(record):
-        if turn["loss"]:
+        if turn["loss"] and i >= from_turn:
             checked += 1
             breach = grammar.check(turn["action"], context)
             if breach is not None:
@@ -229,7 +230,12 @@ def ground_steps(record: dict, breaches: list[tuple[int, str, Breach]] | None = 
 def _action_grammar(record: dict, config: ValidateConfig) -> Violation | None:
     """No trained action breaks its env's grammar unconfirmed (the final one, which no observation
     follows); under `invalid_steps: drop` none was refused either."""
-    for step in ground_steps(record):
+    return _steps_violation(record, ground_steps(record), config)
+
+
+def _steps_violation(record: dict, steps: list[Step], config: ValidateConfig) -> Violation | None:
+    """`_action_grammar` on the record's `ground_steps`, already known."""
+    for step in steps:
         if step.verdict == UNCONFIRMED or (step.verdict == REFUSED and config.invalid_steps == "drop"):
             action = record["conversations"][step.turn]["action"] or ""
             return Violation("invalid_action", f"turn {step.turn}: {action[:120]!r} breaks {step.rule} "
@@ -364,7 +370,12 @@ def check_record(record: dict, config: ValidateConfig = ValidateConfig()) -> Che
                        checked, len(breaches), steps)
     mask = refused if config.invalid_steps == "mask" else []
     written = mask_steps(record, mask) if mask else record
-    return Checked(written, next(filter(None, (rule(written, config) for rule in RULES.values())), None),
+    # Masking only turns loss flags off and names the steps in meta: the written record still fits
+    # the schema, and its steps are the record's less the masked ones. Neither is checked twice.
+    still_trained = [s for s in steps if s not in mask]
+    known = {"schema": None, "action_grammar": lambda r, c: _steps_violation(r, still_trained, c)}
+    rules = (known.get(name, rule) for name, rule in RULES.items())
+    return Checked(written, next(filter(None, (rule(written, config) for rule in rules if rule is not None)), None),
                    checked, len(breaches), steps, len(mask))
 
 

@@ -356,23 +356,32 @@ class Contamination:
         self.grams: dict[tuple[str, ...], int] = {}
         self.short: dict[int, dict[tuple[str, ...], int]] = {}
         for index, task in enumerate(tasks):
-            words = tuple(w for w in fold(task) if _WORD.fullmatch(w))
+            words = _task_words(task)
             if not words:
                 continue
             if len(words) < n:
                 self.short.setdefault(len(words), {}).setdefault(words, index)
             for k in range(len(words) - n + 1):
                 self.grams.setdefault(words[k:k + n], index)
+        # The words that start an entry of each table: a window starting with another word is no hit.
+        self.tables = [(size, table, {gram[0] for gram in table})
+                       for size, table in [(n, self.grams), *sorted(self.short.items())]]
 
     def match(self, text: str) -> tuple[int, str] | None:
         """(index of an overlapping evaluation task, the shared words) or None."""
-        words = tuple(w for w in fold(text) if _WORD.fullmatch(w))
-        for size, table in [(self.n, self.grams), *sorted(self.short.items())]:
+        words = _task_words(text)
+        for size, table, firsts in self.tables:
             for k in range(len(words) - size + 1):
-                hit = table.get(words[k:k + size])
-                if hit is not None:
-                    return hit, " ".join(words[k:k + size])
+                if words[k] in firsts:
+                    hit = table.get(words[k:k + size])
+                    if hit is not None:
+                        return hit, " ".join(words[k:k + size])
         return None
+
+
+def _task_words(text: str) -> tuple[str, ...]:
+    """The word tokens of `fold(text)`: its maximal \\w+ runs, which `_WORD` finds directly."""
+    return tuple(_WORD.findall(_folded(text)))
 
 
 def decontaminate(records: list[dict], index: Contamination) -> tuple[list[dict], list[tuple[dict, str]]]:

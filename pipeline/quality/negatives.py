@@ -244,9 +244,12 @@ def _breaks_grammar(record: dict, conversations: list[dict]) -> bool:
     """Whether `conversations` break the env's grammar where the parent does not: a parent's step
     that breaks our grammar but that the env accepted (grammar-only) is kept and trained, and is no
     fault of the negative."""
-    parent = {(i, action) for i, action, _ in grammar_breaches(record)[1]}
+    turns = record["conversations"]
+    # The turns both share from the start have the same verdicts: only the rest is checked.
+    same = next((i for i, (a, b) in enumerate(zip(turns, conversations)) if a != b), min(len(turns), len(conversations)))
+    parent = {(i, action) for i, action, _ in grammar_breaches(record, same)[1]}
     return any((i, action) not in parent
-               for i, action, _ in grammar_breaches({**record, "conversations": conversations})[1])
+               for i, action, _ in grammar_breaches({**record, "conversations": conversations}, same)[1])
 
 
 def make_wrong_answer(record: dict, pool: EnvPools, seed: int) -> dict | None:
