@@ -30,10 +30,23 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trajforge.pipeline.build import BuildConfig, process_unit  # noqa: E402
-from trajforge.pipeline.quality.dedup import (DedupConfig, dedup_texts, jaccard, near_duplicates,  # noqa: E402
-                                              shingle_hashes, shingles, signatures)
-from trajforge.pipeline.quality.dedup_table import (band_keys, band_params, resolve, screen_band,  # noqa: E402
-                                                    sketches, write_near_table)
+from trajforge.pipeline.quality.dedup import (  # noqa: E402
+    DedupConfig,
+    dedup_texts,
+    jaccard,
+    near_duplicates,
+    shingle_hashes,
+    shingles,
+    signatures,
+)
+from trajforge.pipeline.quality.dedup_table import (  # noqa: E402
+    band_keys,
+    band_params,
+    resolve,
+    screen_band,
+    sketches,
+    write_near_table,
+)
 from trajforge.sources import get_source  # noqa: E402
 
 SOURCES = ("agentinstruct", "agenttraj_l", "openmanus_rl")

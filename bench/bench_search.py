@@ -22,7 +22,7 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.conftest import FIXTURES  # noqa: E402
 from tests.search_policy import noisy_policy, textcraft_plan  # noqa: E402
+from trajforge.pipeline.envs.tasks import load_tasks  # noqa: E402
+from trajforge.pipeline.llm.client import CallStats, ChatResult, Choice  # noqa: E402
 from trajforge.pipeline.redact import redact  # noqa: E402
 from trajforge.pipeline.synth.config import AgentConfig, SearchConfig  # noqa: E402
 from trajforge.pipeline.synth.envs import make_env  # noqa: E402
-from trajforge.pipeline.llm.client import CallStats, ChatResult, Choice  # noqa: E402
 from trajforge.pipeline.synth.search import JudgeValueModel, StateMemo, TaskBudget, TaskSearch  # noqa: E402
-from trajforge.pipeline.envs.tasks import load_tasks  # noqa: E402
 
 DB_FILE = FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl"
 TEXTCRAFT = FIXTURES / "tasks" / "agentgym" / "textcraft.jsonl"

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.bench_build import DEFAULT_FIXTURES, generate  # noqa: E402
 from trajforge.pipeline import assemble, atomic, build  # noqa: E402
-from trajforge.pipeline.build import BuildConfig, finalize, process_unit  # noqa: E402
+from trajforge.pipeline.build import BuildConfig, process_unit  # noqa: E402
 from trajforge.sources import get_source  # noqa: E402
 
 MAP = ["read", "normalize", "validate", "keys", "stage write"]

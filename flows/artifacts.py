@@ -9,8 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from uuid import UUID
 
-from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
-                               create_table_artifact, update_progress_artifact)
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
 
 def _markdown_table(header: list[str], rows: list[list]) -> str:

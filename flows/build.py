@@ -29,10 +29,17 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from trajforge.flows.artifacts import Progress, build_artifacts
 from trajforge.flows.config import AUTO, BuildRun, auto_runner, merge, stage_config
 from trajforge.flows.names import build_run_name
-from trajforge.pipeline.build import (BuildConfig, UnitResult, finalize, resume_unit, staging_folder, unit_bar,
-                                      units_done)
-from trajforge.pipeline.registry import Registry
+from trajforge.pipeline.build import (
+    BuildConfig,
+    UnitResult,
+    finalize,
+    resume_unit,
+    staging_folder,
+    unit_bar,
+    units_done,
+)
 from trajforge.pipeline.publish.manifest import code_version
+from trajforge.pipeline.registry import Registry
 from trajforge.sources import DEFAULT_SOURCES, SourceError, SourceFile, check_layout, get_source
 
 # The CLI offers the names of flows.config.RUNNERS without loading Prefect; the two must agree (tested).

@@ -14,8 +14,20 @@ import os
 import sys
 from pathlib import Path
 
-from trajforge.flows.config import (AUTO, RUNNERS, SMALL_INPUT_BYTES, SYNTH_PARAMETERS, BuildRun, ConfigError,
-                                     load_build_run, merge, nested, read_config, stage_config, synth_config)
+from trajforge.flows.config import (
+    AUTO,
+    RUNNERS,
+    SMALL_INPUT_BYTES,
+    SYNTH_PARAMETERS,
+    BuildRun,
+    ConfigError,
+    load_build_run,
+    merge,
+    nested,
+    read_config,
+    stage_config,
+    synth_config,
+)
 from trajforge.flows.stopping import stop_on_signals
 from trajforge.pipeline.registry import UnknownName
 from trajforge.sources import DEFAULT_SOURCES, REGISTRY, SourceError, UnknownSource, check_layout, get_source
@@ -302,8 +314,8 @@ def _sampling_arg(value: str) -> tuple[str, object]:
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
-    from trajforge.pipeline.synth.config import SEARCH_STRATEGIES, VALUE_MODELS, AgentConfig, SearchConfig, SynthConfig
     from trajforge.pipeline.llm.client import LLMConfig
+    from trajforge.pipeline.synth.config import SEARCH_STRATEGIES, VALUE_MODELS, AgentConfig, SearchConfig, SynthConfig
 
     # Options default to SUPPRESS: given, they override the --config file; the defaults shown are
     # the dataclasses' (pipeline/synth/config.py), which hold them.
@@ -602,8 +614,8 @@ def _env_file_arg(value: str) -> tuple[str, str]:
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
-    from trajforge.pipeline.synth.config import AgentConfig
     from trajforge.pipeline.llm.client import LLMConfig
+    from trajforge.pipeline.synth.config import AgentConfig
 
     p = sub.add_parser("eval", help="evaluate a model on held-out benchmark tasks, with oracle and random "
                                     "calibration (a Prefect flow)")

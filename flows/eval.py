@@ -16,10 +16,11 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 
 from trajforge.flows.limits import model_api_limit
 from trajforge.flows.synth import use_api_key_env
-from trajforge.pipeline.evaluation.run import EvalConfig, evaluate as run_evaluation
+from trajforge.pipeline.evaluation.run import EvalConfig
+from trajforge.pipeline.evaluation.run import evaluate as run_evaluation
 from trajforge.pipeline.evaluation.splits import EVAL_SPLITS
-from trajforge.pipeline.synth.config import AgentConfig
 from trajforge.pipeline.llm.client import LLMConfig
+from trajforge.pipeline.synth.config import AgentConfig
 
 
 @task(name="evaluate-episodes")

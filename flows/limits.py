@@ -14,8 +14,8 @@ log line each time); `strict` turns that into an error before any request is mad
 """
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 from prefect import get_client, get_run_logger
 from prefect.concurrency.asyncio import concurrency, rate_limit

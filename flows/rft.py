@@ -23,12 +23,12 @@ from trajforge.flows.build import build_dataset
 from trajforge.flows.limits import model_api_limit
 from trajforge.flows.synth import use_api_key_env
 from trajforge.pipeline.atomic import write_json
+from trajforge.pipeline.envs.tasks import load_tasks
 from trajforge.pipeline.evaluation.run import EvalConfig, evaluate
 from trajforge.pipeline.evaluation.splits import EVAL_SPLITS
-from trajforge.pipeline.envs.tasks import load_tasks
-from trajforge.pipeline.synth.agent import AgentConfig
 from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.rft import keep_successes, round_summary, serve_command, serving
+from trajforge.pipeline.synth.agent import AgentConfig
 from trajforge.pipeline.synth.job import SynthConfig, synthesize
 
 

@@ -8,8 +8,8 @@ from prefect import flow, get_run_logger, task
 
 from trajforge.flows.limits import model_api_limit
 from trajforge.flows.synth import use_api_key_env
-from trajforge.pipeline.synth.agent import AgentConfig
 from trajforge.pipeline.llm.client import LLMConfig
+from trajforge.pipeline.synth.agent import AgentConfig
 from trajforge.pipeline.synth.salvage import SalvageConfig
 from trajforge.pipeline.synth.salvage import salvage as run_salvage
 

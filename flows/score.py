@@ -10,8 +10,8 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 
 from trajforge.flows.synth import use_api_key_env
-from trajforge.pipeline.quality.score import ScoreConfig, score_records, summary_lines
 from trajforge.pipeline.llm.client import LLMConfig
+from trajforge.pipeline.quality.score import ScoreConfig, score_records, summary_lines
 
 
 @task(name="score-records")

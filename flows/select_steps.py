@@ -11,9 +11,9 @@ from prefect import flow, get_run_logger, task
 
 from trajforge.flows.limits import model_api_limit
 from trajforge.flows.synth import use_api_key_env
+from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.quality.critical_steps import SelectConfig, summary_lines
 from trajforge.pipeline.quality.critical_steps import select_steps as run_selection
-from trajforge.pipeline.llm.client import LLMConfig
 
 
 @task(name="select-critical-steps")

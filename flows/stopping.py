@@ -31,7 +31,8 @@ import signal
 import socket
 import sys
 import threading
-from typing import Iterator, NoReturn
+from collections.abc import Iterator
+from typing import NoReturn
 
 import psutil
 

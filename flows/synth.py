@@ -13,11 +13,11 @@ from prefect import flow, get_run_logger, task
 from prefect.states import Failed, State
 
 from trajforge.flows.artifacts import Progress, synth_artifacts
+from trajforge.flows.config import merge, nested, synth_config
 from trajforge.flows.limits import model_api_limit
 from trajforge.flows.names import synth_run_name
-from trajforge.flows.config import merge, nested, synth_config
-from trajforge.pipeline.synth.config import SynthConfig
 from trajforge.pipeline.llm.client import LLMConfig, ServerUnreachable
+from trajforge.pipeline.synth.config import SynthConfig
 from trajforge.pipeline.synth.job import synthesize as run_synthesis
 
 

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import polars as pl
@@ -40,10 +40,22 @@ import pyarrow.parquet as pq
 from trajforge.pipeline.atomic import StreamingParquet, atomic_path
 from trajforge.pipeline.evaluation.splits import declared_held_out
 from trajforge.pipeline.quality.dedup import Contamination, DedupConfig, read_eval_tasks
-from trajforge.pipeline.quality.dedup_table import (RANK_COLUMNS, band_columns, duplicates_table, near_matrices,
-                                                    record_keys, shingle_set_hashes)
-from trajforge.pipeline.quality.derived import (grpo_env_row, grpo_prompt, negative_step_labels, preference_pair,
-                                                record_task, step_labels_of)
+from trajforge.pipeline.quality.dedup_table import (
+    RANK_COLUMNS,
+    band_columns,
+    duplicates_table,
+    near_matrices,
+    record_keys,
+    shingle_set_hashes,
+)
+from trajforge.pipeline.quality.derived import (
+    grpo_env_row,
+    grpo_prompt,
+    negative_step_labels,
+    preference_pair,
+    record_task,
+    step_labels_of,
+)
 from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.quarantine import quarantine_entry, shown

@@ -13,9 +13,9 @@ import json
 import logging
 import os
 import secrets
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -102,7 +102,7 @@ class StreamingParquet:
         self.pending: list[dict] = []
         self.count = 0
 
-    def __enter__(self) -> "StreamingParquet":
+    def __enter__(self) -> StreamingParquet:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -12,34 +12,56 @@ import json
 import logging
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import polars as pl
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.assemble import (OUTPUTS, KeysWriter, first_task_rows, global_duplicates, key_table,
-                                        unique_ids, unit_pools, with_unique_ids, write_unit)
+from trajforge.pipeline.assemble import (
+    OUTPUTS,
+    KeysWriter,
+    first_task_rows,
+    global_duplicates,
+    key_table,
+    unique_ids,
+    unit_pools,
+    with_unique_ids,
+    write_unit,
+)
 from trajforge.pipeline.atomic import StreamingParquet, remove_stale_temp_files, write_json, write_parquet
+from trajforge.pipeline.envs.tasks import load_tasks
+from trajforge.pipeline.evaluation.splits import declared_held_out
+from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
+from trajforge.pipeline.ingest.validate import ValidateConfig, check_record, merge_env_figures, tally_env
 from trajforge.pipeline.publish.card import hub_revision, write_card
+from trajforge.pipeline.publish.manifest import (
+    GENERATOR,
+    build_id,
+    code_version,
+    file_sha256,
+    remove_earlier_files,
+    set_manifest_aside,
+    write_manifest,
+)
+from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
+from trajforge.pipeline.publish.shards import (
+    ShardConfig,
+    read_marker,
+    unit_fingerprint,
+    unit_marker,
+    write_config_from_file,
+    write_marker,
+)
 from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.quality.derived import grpo_env_row, reference_answer
-from trajforge.pipeline.evaluation.splits import declared_held_out
-from trajforge.pipeline.publish.manifest import (GENERATOR, build_id, code_version, file_sha256,
-                                                remove_earlier_files, set_manifest_aside, write_manifest)
 from trajforge.pipeline.quality.negatives import NegativesConfig
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.quality.search_steps import stage_step_rows
-from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
 from trajforge.pipeline.quarantine import quarantine_entry, shown
-from trajforge.pipeline.publish.report import report_extras, stage_counts, write_html
-from trajforge.pipeline.publish.shards import (ShardConfig, read_marker, unit_fingerprint, unit_marker,
-                                              write_config_from_file, write_marker)
 from trajforge.pipeline.stages import Dropped, StageTally, in_order, merge_tallies
-from trajforge.pipeline.envs.tasks import load_tasks
-from trajforge.pipeline.ingest.validate import ValidateConfig, check_record, merge_env_figures, tally_env
 from trajforge.schemas import arrow_schema
 from trajforge.sources import RawRow, SourceFile, get_source, iter_rows, looks_like
 

@@ -36,7 +36,7 @@ class StageTally:
         self.seen += n
         self.dropped[reason] += n
 
-    def add(self, other: "StageTally") -> None:
+    def add(self, other: StageTally) -> None:
         self.seen += other.seen
         self.kept += other.kept
         self.dropped.update(other.dropped)
@@ -46,11 +46,11 @@ class StageTally:
                 "dropped": dict(sorted(self.dropped.items()))}
 
     @classmethod
-    def from_dict(cls, entry: dict) -> "StageTally":
+    def from_dict(cls, entry: dict) -> StageTally:
         return cls(entry["stage"], entry["in"], entry["kept"], Counter(entry["dropped"]))
 
     @classmethod
-    def of(cls, stage: str, seen: int, dropped: dict[str, int]) -> "StageTally":
+    def of(cls, stage: str, seen: int, dropped: dict[str, int]) -> StageTally:
         """A global stage's tally: `seen` records in, `dropped` by reason, the rest kept."""
         dropped = Counter({reason: n for reason, n in dropped.items() if n})
         return cls(stage, seen, seen - sum(dropped.values()), dropped)

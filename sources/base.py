@@ -15,10 +15,11 @@ import codecs
 import json
 import logging
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
-from typing import ClassVar, Iterator, Mapping
+from typing import ClassVar
 
 import pyarrow.parquet as pq
 

@@ -44,8 +44,15 @@ def local_path(location: str | os.PathLike) -> Path:
 
 def hub_failure(repo_id: str, exc: Exception) -> HubUnavailable:
     """What a huggingface_hub error means for the user, and whether a retry could change it."""
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
-                                        OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     login = "log in with `hf auth login` or set HF_TOKEN"
     if isinstance(exc, HFValidationError):

@@ -75,7 +75,7 @@ class _Cut(Exception):
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: "HubServer"
+    server: HubServer
 
     def log_message(self, format, *args):  # noqa: A002 - quiet: pytest shows failures, not access logs
         pass
@@ -376,7 +376,7 @@ class HubServer(ThreadingHTTPServer):
         self.endpoint = f"http://127.0.0.1:{self.server_address[1]}"
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
 
-    def __enter__(self) -> "HubServer":
+    def __enter__(self) -> HubServer:
         self._thread.start()
         return self
 

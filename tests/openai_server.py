@@ -41,9 +41,9 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from aiohttp import web
 
@@ -243,7 +243,7 @@ class Server:
         return {"role": "assistant", "content": f"<think>\n{reply.reasoning}\n</think>\n\n{content}"}, finish
 
     # --- running it ----------------------------------------------------------------------------
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         started = threading.Event()
 
         def run() -> None:

@@ -7,14 +7,14 @@ import logging
 
 import pytest
 
+from tests.conftest import FIXTURES
+from tests.openai_server import Reply, Server, fixture_policy
+from trajforge.pipeline.envs.tasks import load_tasks
+from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.pipeline.llm.client import LLMConfig, OpenAIBackend
 from trajforge.pipeline.synth.agent import AgentConfig, conversation_for, run_episode
 from trajforge.pipeline.synth.envs import EnvFailure, make_env
 from trajforge.pipeline.synth.envs.db import DbEnv
-from trajforge.pipeline.llm.client import LLMConfig, OpenAIBackend
-from trajforge.pipeline.envs.tasks import load_tasks
-from trajforge.pipeline.ingest.validate import validate_record
-from tests.conftest import FIXTURES
-from tests.openai_server import Reply, Server, fixture_policy
 
 DB_FILE = FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl"
 DB_TASKS = {t.description: t for t in load_tasks(DB_FILE)}

@@ -13,8 +13,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trajforge.pipeline.atomic import (StreamingParquet, TEMP_GLOB, atomic_path, remove_stale_temp_files, write_json,
-                                       write_parquet, write_text)
+from trajforge.pipeline.atomic import (
+    TEMP_GLOB,
+    StreamingParquet,
+    atomic_path,
+    remove_stale_temp_files,
+    write_json,
+    write_parquet,
+    write_text,
+)
 
 SCHEMA = pa.schema([("writer", pa.int64()), ("payload", pa.string())])
 

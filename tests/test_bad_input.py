@@ -8,12 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import RAW
 from trajforge.flows.cli import main
 from trajforge.pipeline.build import BuildConfig, process_unit
 from trajforge.sources import SourceError, get_source, iter_rows
 from trajforge.sources.base import SourceFile
-
-from tests.conftest import RAW
 
 # A real AgentTraj-L maze row; each case below breaks it in one way.
 GOOD = json.loads((RAW / "agenttraj_l" / "lmrlgym_maze_train.json").read_text())[2]

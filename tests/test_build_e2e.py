@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections import Counter
 import sys
+from collections import Counter
 
 import datasets
 import polars as pl
 import pytest
 
+from tests.conftest import FIXTURE_QUARANTINE, FIXTURES, REPO
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.schemas import validator
-from tests.conftest import FIXTURE_QUARANTINE, FIXTURES, REPO
 
 
 @pytest.mark.slow

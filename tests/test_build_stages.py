@@ -12,14 +12,14 @@ from dataclasses import asdict
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 from fuzz_corpus import generate
+
+from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, RAW
 from trajforge.pipeline.build import BuildConfig, UnitResult, process_unit, unit_key
 from trajforge.pipeline.publish.shards import read_marker, unit_marker, write_marker
 from trajforge.pipeline.stages import StageTally, merge_tallies
 from trajforge.sources import get_source
 from trajforge.sources.base import SourceFile
-from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, RAW
 
 STAGES = ["read", "normalize", "validate", "stage"]
 # An unreadable Parquet row group is one quarantine entry standing for the rows its detail names.

@@ -17,12 +17,12 @@ import time
 
 import pytest
 
+from tests.conftest import RAW, REPO
+from tests.hub_server import HubServer
 from trajforge.flows.cli import _check_out
 from trajforge.sources import REGISTRY, SourceError
 from trajforge.sources.base import download_from_hub
 from trajforge.sources.locate import is_local_path
-from tests.conftest import RAW, REPO
-from tests.hub_server import HubServer
 
 WALL_BOUND_S = 15.0
 CPU_BOUND_S = 2.0

@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import trajforge.pipeline.build as build
+from tests.conftest import RAW
 from trajforge.pipeline.build import BuildConfig, StreamingParquet, finalize, process_unit
 from trajforge.pipeline.publish.manifest import EARLIER_MANIFEST, GENERATOR, MANIFEST, read_manifest
 from trajforge.sources import get_source, iter_rows
-from tests.conftest import RAW
 
 ROWS = json.loads((RAW / "agenttraj_l" / "webshop_train.json").read_text())
 

@@ -11,13 +11,24 @@ from dataclasses import replace
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import FIXTURE_SOURCES
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
-from trajforge.pipeline.quality.dedup import (Contamination, DedupConfig, decontaminate, dedup_group, dedup_texts,
-                                              deduplicate, exact_key, fold, jaccard, read_eval_tasks, shingles,
-                                              signatures)
+from trajforge.pipeline.quality.dedup import (
+    Contamination,
+    DedupConfig,
+    decontaminate,
+    dedup_group,
+    dedup_texts,
+    deduplicate,
+    exact_key,
+    fold,
+    jaccard,
+    read_eval_tasks,
+    shingles,
+    signatures,
+)
 from trajforge.schemas import validator
 from trajforge.sources import get_source
-from tests.conftest import FIXTURE_SOURCES
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from conftest import RAW
 
 pytestmark = pytest.mark.slow

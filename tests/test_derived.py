@@ -6,10 +6,10 @@ import pyarrow.parquet as pq
 import pytest
 from datasets import load_dataset
 
-from trajforge.pipeline.quality.derived import grpo_prompt, preference_pair, preference_pairs
 from trajforge.pipeline.ingest.dialects import parse_turn
-from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
 from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.pipeline.quality.derived import grpo_prompt, preference_pair, preference_pairs
+from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
 from trajforge.schemas import validator
 
 

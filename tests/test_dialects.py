@@ -8,11 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from trajforge.pipeline.ingest.dialects import (DIALECTS, FREE_TEXT, ParseError, clean_text, parse_turn, render_react,
-                               render_turn)
+from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES
+from trajforge.pipeline.ingest.dialects import (
+    DIALECTS,
+    FREE_TEXT,
+    ParseError,
+    clean_text,
+    parse_turn,
+    render_react,
+    render_turn,
+)
 from trajforge.sources import iter_rows
 from trajforge.sources.base import find_data_files
-from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES
 
 CASES = {
     "think_act": ("Think: To count the files in /etc, I need to print all the files in it.\n\nAct: bash\n\n```bash\nls /etc\n```",
@@ -90,7 +97,7 @@ def test_prose_without_action_is_free_text_and_empty_turn_raises():
 
 def _real_assistant_turns():
     sources = dict(FIXTURE_SOURCES, agent_flan=str(AGENT_FLAN))
-    for name, location in sources.items():
+    for location in sources.values():
         for path in find_data_files(Path(location)):
             for raw in iter_rows(path):
                 if raw.row is None:

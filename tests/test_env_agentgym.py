@@ -9,8 +9,8 @@ import time
 import pytest
 from aiohttp import web
 
-from trajforge.pipeline.synth.envs import make_env
 from trajforge.pipeline.envs.agentgym import extract_action, item_index
+from trajforge.pipeline.synth.envs import make_env
 from trajforge.pipeline.synth.envs.agentgym import AgentGymError
 
 

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from trajforge.pipeline.synth.envs import make_env
-from trajforge.pipeline.envs.tasks import Task, load_tasks, record_to_task
 from tests.conftest import FIXTURES
+from trajforge.pipeline.envs.tasks import Task, load_tasks, record_to_task
+from trajforge.pipeline.synth.envs import make_env
 
 DB_FILE = FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl"
 
@@ -66,7 +66,7 @@ def test_modify_task_reference_statement_reproduces_answer_md5(task: Task):
 
 
 def test_modify_task_without_md5_uses_the_reference_statement():
-    line = next(json.loads(l) for l in DB_FILE.read_text().splitlines() if '"UPDATE"' in l)
+    line = next(json.loads(text) for text in DB_FILE.read_text().splitlines() if '"UPDATE"' in text)
     del line["answer_md5"]
     task = record_to_task(line, "dev.jsonl")
     assert task.data["answer_md5"] is None

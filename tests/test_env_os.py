@@ -14,12 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from trajforge.pipeline.synth.envs import make_env
-from trajforge.pipeline.synth.envs.os_sandbox import (SandboxConfig, SandboxUnavailable, TaskNotRunnable, TaskSetupError,
-                                      _Cgroup, cgroup_roots, clean_observation, parse_os_action,
-                                      sandbox_unavailable_reason)
-from trajforge.pipeline.envs.tasks import Task, load_tasks
 from tests.conftest import FIXTURES, REPO
+from trajforge.pipeline.envs.tasks import Task, load_tasks
+from trajforge.pipeline.synth.envs import make_env
+from trajforge.pipeline.synth.envs.os_sandbox import (
+    SandboxConfig,
+    SandboxUnavailable,
+    TaskNotRunnable,
+    TaskSetupError,
+    _Cgroup,
+    cgroup_roots,
+    clean_observation,
+    parse_os_action,
+    sandbox_unavailable_reason,
+)
 
 OS_DIR = FIXTURES / "tasks" / "agentbench" / "os"
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from trajforge.pipeline.synth.envs import make_env
-from trajforge.pipeline.envs.tasks import TaskFormatError
 from tests.local_agentgym import agenttraj_rows, episode
+from trajforge.pipeline.envs.tasks import TaskFormatError
+from trajforge.pipeline.synth.envs import make_env
 
 ROWS = {row["item_id"]: row for row in agenttraj_rows("textcraft")}
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import FIXTURES, RAW
+from tests.openai_server import Reply, Server
 from trajforge.flows.cli import main
 from trajforge.pipeline.evaluation.metrics import pass_at_k, wilson
 from trajforge.pipeline.evaluation.splits import EVAL_SPLITS
 from trajforge.pipeline.synth.envs.os_sandbox import sandbox_unavailable_reason
-from tests.conftest import FIXTURES, RAW
-from tests.openai_server import Reply, Server
 
 DB_DEV = FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl"
 MODEL = "deepseek-ai/DeepSeek-R1"
@@ -166,7 +166,7 @@ def _planted_source(tmp_path: Path) -> tuple[Path, str]:
     rows = [json.loads(line) for line in (RAW / "agentinstruct" / "db.jsonl").read_text().splitlines() if line.strip()]
     question = _db_line(3)["description"]
     turn = next(i for i, t in enumerate(rows[0]["conversations"]) if t["from"] == "human" and "?" in t["value"] and i > 1)
-    rows[0]["conversations"][turn]["value"] = re.sub(r"(?s)^.*?\n", f"{question}\n", rows[0]["conversations"][turn]["value"], 1)
+    rows[0]["conversations"][turn]["value"] = re.sub(r"(?s)^.*?\n", f"{question}\n", rows[0]["conversations"][turn]["value"], count=1)
     (source / "db.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return source, rows[0]["id"]
 

@@ -13,8 +13,8 @@ from collections import Counter, defaultdict
 
 import pyarrow.parquet as pq
 import pytest
-
 from fuzz_corpus import generate
+
 from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, REPO
 
 pytestmark = pytest.mark.slow

@@ -12,13 +12,13 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import RAW
 from trajforge.pipeline.build import BuildConfig, process_unit
+from trajforge.pipeline.envs.db import parse_answer
 from trajforge.pipeline.ingest.dialects import parse_answer_list
 from trajforge.pipeline.ingest.validate import ValidateConfig, check_record
-from trajforge.pipeline.envs.db import parse_answer
 from trajforge.sources import SourceFile
 from trajforge.training.rewards import answers_match
-from tests.conftest import RAW
 
 # The refusals the envs' own code writes (agentenv-babyai, agentenv-textcraft, agentenv-tool,
 # ScienceWorld, TextWorld, AgentBench KG and DBBench), written out here as the test's own oracle.
@@ -179,7 +179,7 @@ def test_an_episode_whose_every_trained_step_was_refused_is_quarantined():
 
     row = raw_row("babyai_train.json", "babyai_401")
     turns = row["conversations"]
-    for i, turn in enumerate(turns[3:-1], 3):
+    for turn in turns[3:-1]:
         if turn["from"] == "human":
             turn["value"] = "The action is not recognized. Please check valid actions."
     turns[-1]["loss"] = False

@@ -12,9 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from trajforge.pipeline.llm.client import (LLMConfig, LLMError, OpenAIBackend, ServerUnreachable, VLLMBackend,
-                                          family_of, parse_body, unsupported_params, vllm_available)
 from tests.openai_server import Server, down_url
+from trajforge.pipeline.llm.client import (
+    LLMConfig,
+    LLMError,
+    OpenAIBackend,
+    ServerUnreachable,
+    VLLMBackend,
+    family_of,
+    parse_body,
+    unsupported_params,
+    vllm_available,
+)
 
 SECRET = "sk-test-0123456789abcdefSECRET"
 MESSAGES = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "List /etc."}]

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+
 import pyarrow.parquet as pq
 import pytest
 
-from trajforge.pipeline.quality.negatives import EXPECTED_VIOLATION, NEGATIVE_TYPES, NegativesConfig, make_negatives
-from trajforge.pipeline.ingest.validate import validate_record
-from trajforge.schemas import validator
 from tests.conftest import AGENT_FLAN
+from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.pipeline.quality.negatives import EXPECTED_VIOLATION, NEGATIVE_TYPES, NegativesConfig, make_negatives
+from trajforge.schemas import validator
 
 ALL = NegativesConfig(rates=dict.fromkeys(NEGATIVE_TYPES, 1.0))
 

@@ -7,14 +7,13 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import AGENT_FLAN, FIXTURE_QUARANTINE, FIXTURE_SOURCES, RAW
 from trajforge.pipeline.build import BuildConfig, process_unit
 from trajforge.pipeline.ingest.dialects import parse_turn
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, normalize_row
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.schemas import arrow_schema, validator
 from trajforge.sources import get_source, iter_rows
-from tests.conftest import AGENT_FLAN, FIXTURE_QUARANTINE, FIXTURE_SOURCES, RAW, REPO
-
 
 
 def _records(fixtures_build):

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
+from tests.conftest import FIXTURES
 from trajforge.pipeline.ingest.dialects import parse_turn
 from trajforge.pipeline.llm.client import parse_body
 from trajforge.pipeline.llm.reasoning import recover_action, split_reasoning
-from tests.conftest import FIXTURES
 
 R1 = FIXTURES / "reasoning" / "openhands_deepseek_r1"
 

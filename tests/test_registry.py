@@ -7,19 +7,19 @@ import pytest
 
 from tests.conftest import FIXTURES
 from trajforge.flows.build import make_task_runner
+from trajforge.pipeline.envs import spec, specs
+from trajforge.pipeline.envs.agentgym import COMMON_PROFILE, server_profile
+from trajforge.pipeline.envs.tasks import TaskFormatError, load_tasks, record_to_task
 from trajforge.pipeline.ingest.dialects import DIALECTS
 from trajforge.pipeline.ingest.grammars import GRAMMARS
 from trajforge.pipeline.ingest.validate import RULES
+from trajforge.pipeline.llm.client import BACKENDS, FAMILIES, LLMConfig, make_backend
 from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.quality.negatives import NegativesConfig
 from trajforge.pipeline.registry import Registry, UnknownName
 from trajforge.pipeline.rft import SERVE_COMMANDS, serve_command
 from trajforge.pipeline.synth.envs import make_env
-from trajforge.pipeline.envs import spec, specs
-from trajforge.pipeline.envs.agentgym import COMMON_PROFILE, server_profile
 from trajforge.pipeline.synth.envs.agentgym import AgentGymEnv
-from trajforge.pipeline.llm.client import BACKENDS, FAMILIES, LLMConfig, make_backend
-from trajforge.pipeline.envs.tasks import TaskFormatError, load_tasks, record_to_task
 from trajforge.sources import SourceError, get_source
 from trajforge.training.environments import EnvironmentFactory
 from trajforge.training.rewards import env_reward, get_rewards
@@ -110,8 +110,8 @@ def test_cli_runner_names_are_the_registered_task_runners():
 
 
 def test_an_unknown_serve_command_name_lists_the_known_ones_where_it_is_looked_up(tmp_path):
-    from trajforge.flows.rft import rft
     from tests.test_cli_args import trajforge
+    from trajforge.flows.rft import rft
 
     message = "unknown serve command 'vlm'; known: transformers, vllm"
     with pytest.raises(UnknownName, match=message):  # the flow, before any round

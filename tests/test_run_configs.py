@@ -8,15 +8,24 @@ from pathlib import Path
 
 import pytest
 
-from trajforge.flows.cli import _build_run, _synth_run, parser
-from trajforge.flows.config import (BuildRun, ConfigError, from_dict, load_build_run, merge, nested, read_config,
-                                    stage_config, synth_config)
-from trajforge.pipeline.synth.config import AgentConfig, SynthConfig
-from trajforge.pipeline.llm.client import LLMConfig
-from trajforge.pipeline.build import BuildConfig
-from trajforge.pipeline.quality.dedup import DedupConfig
-from trajforge.sources import REGISTRY
 from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, REPO
+from trajforge.flows.cli import _build_run, _synth_run, parser
+from trajforge.flows.config import (
+    BuildRun,
+    ConfigError,
+    from_dict,
+    load_build_run,
+    merge,
+    nested,
+    read_config,
+    stage_config,
+    synth_config,
+)
+from trajforge.pipeline.build import BuildConfig
+from trajforge.pipeline.llm.client import LLMConfig
+from trajforge.pipeline.quality.dedup import DedupConfig
+from trajforge.pipeline.synth.config import AgentConfig, SynthConfig
+from trajforge.sources import REGISTRY
 
 EXAMPLE = REPO / "configs" / "build.yaml"
 SYNTH_EXAMPLE = REPO / "configs" / "synth.yaml"

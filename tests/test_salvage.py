@@ -8,12 +8,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from trajforge.pipeline.llm.client import LLMConfig
-from trajforge.pipeline.synth.salvage import SalvageConfig, read_failures, salvage
-from trajforge.pipeline.synth.job import SynthConfig, synthesize
-from trajforge.pipeline.ingest.validate import validate_record
 from tests.conftest import FIXTURES
 from tests.openai_server import FixturePolicy, Server, fixture_policy
+from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.pipeline.llm.client import LLMConfig
+from trajforge.pipeline.synth.job import SynthConfig, synthesize
+from trajforge.pipeline.synth.salvage import SalvageConfig, read_failures, salvage
 
 AGENTBENCH = FIXTURES / "tasks" / "agentbench"
 DB_FILE = AGENTBENCH / "db" / "dev.jsonl"

@@ -11,20 +11,20 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from tests.conftest import FIXTURES
+from tests.search_policy import LOST_THOUGHT, SeededServer, noisy_policy
 from trajforge.flows.cli import _synth_run, parser
 from trajforge.flows.config import merge, nested, synth_config
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
+from trajforge.pipeline.envs.tasks import load_tasks
 from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.synth.config import AgentConfig, SearchConfig, SynthConfig
 from trajforge.pipeline.synth.envs import make_env
 from trajforge.pipeline.synth.job import synthesize
-from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.synth.search import step_pairs, step_values, tree_counts
-from trajforge.pipeline.envs.tasks import load_tasks
 from trajforge.schemas import first_error
 from trajforge.sources import get_source
-from tests.conftest import FIXTURES
-from tests.search_policy import LOST_THOUGHT, SeededServer, noisy_policy
 
 DB_FILE = FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl"
 TEXTCRAFT = FIXTURES / "tasks" / "agentgym" / "textcraft.jsonl"

@@ -6,11 +6,10 @@ import shutil
 
 import pytest
 
-from trajforge.pipeline.envs.tasks import (Task, TaskFormatError, coerce_task, load_tasks,
-                            task_prompt)
+from tests.conftest import FIXTURES
 from trajforge.pipeline.envs.db import db_answers_match, normalize_db_value, table_hash
 from trajforge.pipeline.envs.os import os_match
-from tests.conftest import FIXTURES
+from trajforge.pipeline.envs.tasks import Task, TaskFormatError, coerce_task, load_tasks, task_prompt
 
 AB = FIXTURES / "tasks" / "agentbench"
 

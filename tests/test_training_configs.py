@@ -9,8 +9,15 @@ import yaml
 
 pytest.importorskip("trl")
 
-from trajforge.training.arguments import (DPOTrainConfig, GRPOTrainConfig, ProcessRewardTrainConfig,  # noqa: E402
-                                          RewardTrainConfig, RLOOTrainConfig, SFTTrainConfig, parse)
+from trajforge.training.arguments import (  # noqa: E402
+    DPOTrainConfig,
+    GRPOTrainConfig,
+    ProcessRewardTrainConfig,
+    RewardTrainConfig,
+    RLOOTrainConfig,
+    SFTTrainConfig,
+    parse,
+)
 from trajforge.training.cli import main  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "training" / "configs"

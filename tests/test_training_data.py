@@ -9,8 +9,17 @@ import pytest
 pytest.importorskip("trl")
 
 from tiny_model import CHATML, build_tokenizer, fixture_texts, read_config  # noqa: E402
-from trajforge.training.data import (IGNORE, TemplateError, load_release, prepare_sft, tokenize_trajectory,  # noqa: E402
-                           train_eval_split, trajectory_group, turn_boundaries)
+
+from trajforge.training.data import (  # noqa: E402
+    IGNORE,
+    TemplateError,
+    load_release,
+    prepare_sft,
+    tokenize_trajectory,
+    train_eval_split,
+    trajectory_group,
+    turn_boundaries,
+)
 
 # A second template family: plain-text headers, a default system prompt when there is none,
 # and a different end-of-turn text; the masks must follow whatever the template renders.

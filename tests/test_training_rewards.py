@@ -5,10 +5,17 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_model import read_config
 
 from trajforge.pipeline.ingest.dialects import render_react
-from tiny_model import read_config
-from trajforge.training.rewards import REWARDS, accuracy_reward, env_reward, format_reward, get_rewards, tag_count_reward
+from trajforge.training.rewards import (
+    REWARDS,
+    accuracy_reward,
+    env_reward,
+    format_reward,
+    get_rewards,
+    tag_count_reward,
+)
 
 
 @pytest.fixture(scope="module")

@@ -62,8 +62,9 @@ def test_rule_catches_its_case(record, change, reason):
 
 def test_compiled_and_reference_validators_agree(fixtures_build, record):
     """fastjsonschema decides, jsonschema explains: they must agree on valid and invalid records."""
-    from trajforge.schemas import _compiled, validator
     import fastjsonschema
+
+    from trajforge.schemas import _compiled, validator
 
     def compiled_ok(r):
         try:

@@ -204,7 +204,7 @@ class ProcessRewardModel:
         self.aggregate = aggregate
 
     @classmethod
-    def load(cls, path: str, max_length: int | None = None, aggregate: str = "min") -> "ProcessRewardModel":
+    def load(cls, path: str, max_length: int | None = None, aggregate: str = "min") -> ProcessRewardModel:
         from transformers import AutoTokenizer
 
         return cls(AutoModelForTokenClassification.from_pretrained(path), AutoTokenizer.from_pretrained(path),

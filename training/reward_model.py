@@ -21,6 +21,7 @@ import glob
 import logging
 import math
 import os
+
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset
 from transformers import AutoModelForSequenceClassification
 from trl import RewardTrainer, get_peft_config
@@ -92,7 +93,7 @@ class RewardModel:
         self.truncated = 0  # conversations longer than max_length, scored on their last max_length tokens
 
     @classmethod
-    def load(cls, path: str, max_length: int | None = None, batch_size: int = 8) -> "RewardModel":
+    def load(cls, path: str, max_length: int | None = None, batch_size: int = 8) -> RewardModel:
         from transformers import AutoTokenizer
 
         return cls(AutoModelForSequenceClassification.from_pretrained(path), AutoTokenizer.from_pretrained(path),

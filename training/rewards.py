@@ -27,7 +27,7 @@ import importlib
 import json
 import logging
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from trajforge.pipeline.ingest.dialects import DIALECTS, FREE_TEXT, extract_answer, parse_answer_list, parse_turn
 from trajforge.pipeline.registry import Registry, UnknownName

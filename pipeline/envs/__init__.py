@@ -22,8 +22,9 @@ import functools
 import importlib
 import pkgutil
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from trajforge.pipeline.registry import Registry
 

@@ -12,8 +12,9 @@ import functools
 import importlib
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from trajforge.pipeline.envs import Argument, EnvSpec, Tool, specs
 from trajforge.pipeline.envs.grammar import Grammar

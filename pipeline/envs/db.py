@@ -14,7 +14,8 @@ import hashlib
 import json
 import math
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from trajforge.pipeline.envs import Argument, EnvSpec, Tool
 from trajforge.pipeline.envs.grammar import INVENTED_VERBS, Breach, Context, Grammar, Replies, starts

@@ -25,8 +25,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from trajforge.pipeline.ingest.dialects import parse_literal
 

@@ -5,8 +5,17 @@ from __future__ import annotations
 import re
 
 from trajforge.pipeline.envs.agentgym import ServerProfile, in_process, needs
-from trajforge.pipeline.envs.grammar import (Breach, Context, Grammar, Replies, break_commands, check_commands,
-                                              command_grammar, starts, templates)
+from trajforge.pipeline.envs.grammar import (
+    Breach,
+    Context,
+    Grammar,
+    Replies,
+    break_commands,
+    check_commands,
+    command_grammar,
+    starts,
+    templates,
+)
 
 INSTRUCTIONS = (
     "You are an agent for science world. Every round I will give you an observation, you have to respond an action "

@@ -22,6 +22,7 @@ from typing import Any
 from trajforge.pipeline.envs import spec, specs
 from trajforge.pipeline.registry import Registry, UnknownName
 
+
 class TaskFormatError(ValueError):
     """A task record that none of the supported formats describes."""
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 FORMAT_REASONS = frozenset({"format_error", "no_answer", "empty_response", "truncated"})
 OUTCOMES = ("success", "wrong_answer", "format_error", "refused_action", "turn_cap", "env_error", "timeout",

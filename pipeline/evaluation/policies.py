@@ -20,9 +20,10 @@ import random
 from typing import Any
 
 from trajforge.pipeline.envs import spec
-from trajforge.pipeline.registry import Registry
-from trajforge.pipeline.llm.client import CallStats, ChatResult, Choice, LLMConfig
 from trajforge.pipeline.envs.tasks import Task
+from trajforge.pipeline.llm.client import CallStats, ChatResult, Choice, LLMConfig
+from trajforge.pipeline.registry import Registry
+
 
 def reference_steps(task: Task) -> list | None:
     """The oracle's replies for `task`, from its env spec; None when the task has no reference."""

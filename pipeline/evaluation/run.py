@@ -19,24 +19,25 @@ import datetime as dt
 import fcntl
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import atomic_path, write_json, write_parquet
 from trajforge.pipeline.envs import specs
+from trajforge.pipeline.envs.tasks import Task, load_tasks
 from trajforge.pipeline.evaluation.metrics import outcome, summarize
 from trajforge.pipeline.evaluation.policies import POLICIES, can_play
 from trajforge.pipeline.evaluation.splits import EVAL_SPLITS, fingerprint_of, training_overlap
+from trajforge.pipeline.llm.client import LLMConfig, ServerUnreachable, sampling_params
+from trajforge.pipeline.llm.job import ModelJob
 from trajforge.pipeline.synth.agent import Episode, run_episode
 from trajforge.pipeline.synth.config import AgentConfig
 from trajforge.pipeline.synth.job import EpisodeJournal, episode_key
-from trajforge.pipeline.llm.client import LLMConfig, ServerUnreachable, sampling_params
-from trajforge.pipeline.llm.job import ModelJob
-from trajforge.pipeline.envs.tasks import Task, load_tasks
 
 log = logging.getLogger("trajforge.eval")
 
@@ -201,7 +202,7 @@ async def evaluate_async(config: EvalConfig) -> dict:
         await job.close()
         if backend is not None:
             report["llm"] = job.llm_report()
-    report["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    report["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     write_parquet(rows, EPISODE_SCHEMA, out / "episodes.parquet")
     from trajforge.pipeline.evaluation.report import write_html
 

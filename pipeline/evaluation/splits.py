@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from trajforge.pipeline.envs import specs
-from trajforge.pipeline.registry import Registry
 from trajforge.pipeline.envs.tasks import Task, load_tasks
+from trajforge.pipeline.registry import Registry
 
 TASKS = Path(__file__).resolve().parent / "tasks"
 
@@ -95,7 +95,7 @@ class HeldOut:
     splits: dict[str, str]              # split name -> fingerprint
 
     @classmethod
-    def of(cls, splits: Iterable[EvalSplit]) -> "HeldOut":
+    def of(cls, splits: Iterable[EvalSplit]) -> HeldOut:
         texts, items, names = [], {}, {}
         for split in splits:
             names[split.name] = split.fingerprint()
@@ -138,7 +138,7 @@ def training_overlap(train_dir: str | Path, splits: dict[str, tuple[str, list[Ta
     if not files and not held:
         raise FileNotFoundError(f"{train_dir}: no data/sft/*.parquet and no report.json; give a `trajforge build` folder")
     overlap = {}
-    for name, (env, tasks) in splits.items():
+    for name, (_env, tasks) in splits.items():
         split = next((s for s in EVAL_SPLITS.values() if s.name == name), None)
         if split is not None and held.get(name) == split.fingerprint():
             overlap[name] = 0

@@ -17,8 +17,8 @@ import ast
 import functools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from trajforge.pipeline.registry import Registry
 

@@ -16,9 +16,16 @@ import json
 import re
 from dataclasses import dataclass
 
-from trajforge.pipeline.ingest.dialects import (DIALECTS, FREE_TEXT, ParseError, clean_text, extract_answer, parse_turn,
-                                                render_react)
 from trajforge.pipeline.envs import specs
+from trajforge.pipeline.ingest.dialects import (
+    DIALECTS,
+    FREE_TEXT,
+    ParseError,
+    clean_text,
+    extract_answer,
+    parse_turn,
+    render_react,
+)
 from trajforge.schemas.record import READABLE_VERSIONS, TrajectoryRecord, Turn, new_record
 from trajforge.sources.base import Source
 

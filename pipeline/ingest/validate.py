@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
-from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn
 from trajforge.pipeline.envs.grammar import Breach, Context, Replies
+from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn
 from trajforge.pipeline.ingest.grammars import GRAMMARS, grammar_for
 from trajforge.pipeline.registry import Registry
 from trajforge.schemas import first_error

@@ -33,10 +33,11 @@ import random
 import re
 import sqlite3
 import threading
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from trajforge.pipeline.redact import redact
 from trajforge.pipeline.registry import Registry
@@ -120,7 +121,7 @@ class LLMConfig:
     # shared by all jobs on one endpoint (flows/limits.py puts a Prefect global concurrency limit here).
     request_gate: Callable[[], AbstractAsyncContextManager] | None = field(default=None, repr=False, compare=False)
 
-    def resolved(self) -> "LLMConfig":
+    def resolved(self) -> LLMConfig:
         """Fill model, base URL and key from the environment when the config leaves them out."""
         key = self.api_key or next((os.environ[k] for k in ENV_API_KEYS if os.environ.get(k)), None)
         model = self.model or os.environ.get(ENV_MODEL)
@@ -300,7 +301,7 @@ class ChatBackend(Protocol):
     model: str
     params: dict[str, Any]            # the sampling parameters sent (fields the server rejected are dropped)
     config: LLMConfig
-    stats: "CallStats"
+    stats: CallStats
     unreachable: str | None           # why the server counts as gone (set by the circuit breaker)
     dropped: list[str]                # sampling fields the server rejected, no longer sent
 

@@ -54,8 +54,8 @@ def _dedent(text: str) -> str:
     # R1 indents calls it writes inside its reasoning ("   <function=read_file>"); the parsers
     # expect the marker at the start of a line.
     lines = text.strip("\n").split("\n")
-    indent = min((len(l) - len(l.lstrip()) for l in lines if l.strip()), default=0)
-    return "\n".join(l[indent:] for l in lines).strip()
+    indent = min((len(line) - len(line.lstrip()) for line in lines if line.strip()), default=0)
+    return "\n".join(line[indent:] for line in lines).strip()
 
 
 def split_reasoning(content: str | None, reasoning_content: str | None = None) -> Split:

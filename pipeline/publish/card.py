@@ -23,8 +23,16 @@ from datasets.utils.metadata import MetadataConfigs
 from huggingface_hub import DatasetCardData
 
 from trajforge.pipeline.atomic import write_text
-from trajforge.pipeline.publish.report import (GROUNDING_HEADER, GROUNDING_NOTE, STEPS_HEADER, STEPS_NOTE,
-                                               VALIDATION_HEADER, grounding_rows, steps_rows, validation_rows)
+from trajforge.pipeline.publish.report import (
+    GROUNDING_HEADER,
+    GROUNDING_NOTE,
+    STEPS_HEADER,
+    STEPS_NOTE,
+    VALIDATION_HEADER,
+    grounding_rows,
+    steps_rows,
+    validation_rows,
+)
 from trajforge.pipeline.publish.shards import layout
 from trajforge.schemas import load_schema
 from trajforge.sources import REGISTRY

@@ -13,9 +13,9 @@ import hashlib
 import importlib
 import json
 import os
+from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
-from typing import Iterable
 
 from trajforge.pipeline.atomic import write_json
 

@@ -42,9 +42,9 @@ import pyarrow.parquet as pq
 from trajforge.pipeline.atomic import write_json, write_parquet
 from trajforge.pipeline.llm.client import ChatBackend, LLMConfig, LLMError
 from trajforge.pipeline.llm.job import ModelJob
-from trajforge.schemas.record import SCHEMA_VERSION
 from trajforge.pipeline.llm.reasoning import split_reasoning
 from trajforge.schemas import arrow_schema
+from trajforge.schemas.record import SCHEMA_VERSION
 
 log = logging.getLogger("trajforge.critical_steps")
 

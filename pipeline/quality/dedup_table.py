@@ -31,15 +31,22 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import polars as pl
 
-from trajforge.pipeline.quality.dedup import (DedupConfig, ShingleSets, dedup_group, dedup_texts, exact_key,
-                                              signatures, word_shingle_hashes)
+from trajforge.pipeline.quality.dedup import (
+    DedupConfig,
+    ShingleSets,
+    dedup_group,
+    dedup_texts,
+    exact_key,
+    signatures,
+    word_shingle_hashes,
+)
 from trajforge.pipeline.stages import in_order
 from trajforge.sources import keep_rank
 

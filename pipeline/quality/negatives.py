@@ -21,11 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn, render_turn
 from trajforge.pipeline.envs.grammar import action_name, break_action
+from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn, render_turn
 from trajforge.pipeline.ingest.grammars import grammar_for
 from trajforge.pipeline.ingest.validate import LOOP_REPEATS, action_contexts, grammar_breaches, replies_of, reply_to
 from trajforge.pipeline.quality.pools import EnvPools

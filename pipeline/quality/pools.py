@@ -32,7 +32,7 @@ class EnvPools:
     tool_prompts: dict[str, list[str | None]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, records, max_answers: int = MAX_ANSWERS) -> "EnvPools":
+    def of(cls, records, max_answers: int = MAX_ANSWERS) -> EnvPools:
         pools = cls(max_answers)
         for record in records:
             pools.add(record)
@@ -50,7 +50,7 @@ class EnvPools:
         if record["domain"] == "tool" and first is not None and first["role"] == "user":
             self._add_prompt(env, first["content"])
 
-    def merge(self, later: "EnvPools") -> None:
+    def merge(self, later: EnvPools) -> None:
         """Add the pool of records that come after this pool's records (in place)."""
         for env, answers in later.answers.items():
             seen = self.answers.setdefault(env, {})

@@ -40,11 +40,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import write_json, write_parquet
+from trajforge.pipeline.llm.client import JsonStore, LLMConfig, LLMError, make_backend
+from trajforge.pipeline.llm.reasoning import split_reasoning
 from trajforge.pipeline.quality.critical_steps import input_files, trajectory_lines
 from trajforge.pipeline.quarantine import quarantine_entry, shown
 from trajforge.pipeline.registry import Registry
-from trajforge.pipeline.llm.client import JsonStore, LLMConfig, LLMError, make_backend
-from trajforge.pipeline.llm.reasoning import split_reasoning
 from trajforge.pipeline.synth.salvage import CallBudget
 from trajforge.schemas import arrow_schema
 

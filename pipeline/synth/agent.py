@@ -23,16 +23,17 @@ import asyncio
 import logging
 import re
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
+from trajforge.pipeline.envs import spec, specs
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, ParseError, clean_text, extract_answer, parse_turn
-from trajforge.pipeline.synth.config import AgentConfig
+from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.llm.client import ChatBackend, LLMError, family_of, prepare_messages
 from trajforge.pipeline.llm.reasoning import split_reasoning
-from trajforge.pipeline.ingest.validate import validate_record
-from trajforge.pipeline.envs import spec, specs
+from trajforge.pipeline.synth.config import AgentConfig
 from trajforge.pipeline.synth.envs.base import EnvFailure
 from trajforge.schemas.record import TrajectoryRecord, new_record
 from trajforge.sources.synthetic import Synthetic

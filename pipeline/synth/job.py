@@ -26,18 +26,19 @@ import hashlib
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.synth.agent import AgentConfig, Episode, StepLog, record_id, run_episode
 from trajforge.pipeline.atomic import write_json, write_parquet
-from trajforge.pipeline.synth.config import SynthConfig
 from trajforge.pipeline.llm.client import JsonStore, ServerUnreachable, sampling_params
 from trajforge.pipeline.llm.job import ModelJob
+from trajforge.pipeline.synth.agent import AgentConfig, Episode, StepLog, record_id, run_episode
+from trajforge.pipeline.synth.config import SynthConfig
 from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.synth")

@@ -56,12 +56,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.envs import specs
-from trajforge.pipeline.synth.agent import EMPTY_OBSERVATION, AgentConfig, Episode, run_episode
-from trajforge.pipeline.synth.envs.base import StepResult
 from trajforge.pipeline.atomic import write_json, write_parquet
+from trajforge.pipeline.envs import specs
 from trajforge.pipeline.llm.client import ChatBackend, ChatResult, LLMConfig, LLMError
 from trajforge.pipeline.llm.job import ModelJob
+from trajforge.pipeline.synth.agent import EMPTY_OBSERVATION, AgentConfig, Episode, run_episode
+from trajforge.pipeline.synth.envs.base import StepResult
 from trajforge.pipeline.synth.job import EpisodeJournal, episode_key
 from trajforge.schemas import arrow_schema
 
@@ -250,8 +250,8 @@ def salvaged_record(episode: Episode, failure: Failure, prefix_steps: int, kept:
 
 
 async def salvage_async(config: SalvageConfig) -> dict:
-    from trajforge.pipeline.synth.envs import make_env
     from trajforge.pipeline.envs.tasks import load_tasks
+    from trajforge.pipeline.synth.envs import make_env
 
     out = Path(config.out)
     state = out / ".salvage"

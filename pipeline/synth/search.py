@@ -61,19 +61,20 @@ import logging
 import math
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from trajforge.pipeline.atomic import write_parquet
+from trajforge.pipeline.envs import spec
+from trajforge.pipeline.llm.client import ChatBackend, ChatResult, LLMError, ServerUnreachable, sampling_params
+from trajforge.pipeline.llm.reasoning import split_reasoning
 from trajforge.pipeline.synth.agent import Episode, conversation_for, run_episode
 from trajforge.pipeline.synth.config import AgentConfig, SearchConfig, SynthConfig
 from trajforge.pipeline.synth.envs import make_env
 from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
 from trajforge.pipeline.synth.job import _failure_row, episode_key, job_tasks, open_job, write_outputs
-from trajforge.pipeline.llm.reasoning import split_reasoning
-from trajforge.pipeline.envs import spec
-from trajforge.pipeline.llm.client import ChatBackend, ChatResult, LLMError, ServerUnreachable, sampling_params
 from trajforge.schemas import arrow_schema
 from trajforge.sources.synthetic import Synthetic
 
@@ -129,7 +130,7 @@ class StateMemo:
         self.make = make
         self.states: dict[tuple[str, ...], tuple[Any, Any]] = {}
 
-    def env(self) -> "MemoEnv":
+    def env(self) -> MemoEnv:
         return MemoEnv(self)
 
 

@@ -16,15 +16,14 @@ timeout, and the instance on the server is closed in `close()`, which the contex
 from __future__ import annotations
 
 import logging
-import re
 import time
 from typing import Any
 
 import httpx
 
-from trajforge.pipeline.synth.envs.base import ClosingEnvironment, EnvFailure, StepResult
 from trajforge.pipeline.envs.agentgym import extract_action, item_index, server_profile
 from trajforge.pipeline.envs.tasks import Task, coerce_task
+from trajforge.pipeline.synth.envs.base import ClosingEnvironment, EnvFailure, StepResult
 
 log = logging.getLogger(__name__)
 

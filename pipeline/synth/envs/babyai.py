@@ -24,8 +24,8 @@ from collections import deque
 from typing import Any
 
 from trajforge.pipeline.envs.agentgym import extract_action, item_index
-from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
 from trajforge.pipeline.envs.tasks import Task, coerce_task
+from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
 
 # AgentGym's level list, in its order: item n plays LEVELS[n % 40] with seed n // 40.
 LEVELS = (

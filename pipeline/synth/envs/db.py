@@ -15,14 +15,21 @@ Actions (DBBench dialect, the action part of the turn or the whole turn):
 """
 from __future__ import annotations
 
-import re
 import sqlite3
 from typing import Any
 
-from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
-from trajforge.pipeline.envs.db import (_DECLARED, _FINAL, _SQL_BLOCK, db_answers_match, parse_answer, table_hash,
-                                        task_prompt)
+from trajforge.pipeline.envs.db import (
+    _DECLARED,
+    _FINAL,
+    _SQL_BLOCK,
+    db_answers_match,
+    parse_answer,
+    table_hash,
+    task_prompt,
+)
 from trajforge.pipeline.envs.tasks import Task, coerce_task
+from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
+
 
 def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'

@@ -54,10 +54,10 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
-from trajforge.pipeline.synth.envs import sandbox_enter, sandbox_root
-from trajforge.pipeline.synth.envs.base import ClosingEnvironment, EnvFailure, StepResult
 from trajforge.pipeline.envs.os import os_match, parse_os_action, task_prompt
 from trajforge.pipeline.envs.tasks import Task, coerce_task
+from trajforge.pipeline.synth.envs import sandbox_enter, sandbox_root
+from trajforge.pipeline.synth.envs.base import ClosingEnvironment, EnvFailure, StepResult
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 TRUNCATION_NOTE = "\n[truncated because the output is too long]"
@@ -252,7 +252,7 @@ def _seccomp_memfd() -> int:
         from trajforge.pipeline.synth.envs import seccomp_filter
         return seccomp_filter.memfd()
     except (ImportError, RuntimeError, OSError) as e:
-        raise SandboxUnavailable(f"the seccomp filter could not be built (install libseccomp2 and pyseccomp): {e}")
+        raise SandboxUnavailable(f"the seccomp filter could not be built (install libseccomp2 and pyseccomp): {e}") from e
 
 
 @dataclass
@@ -407,7 +407,7 @@ class Sandbox:
         self._release()
         self._cgroup = self._anchor = None
 
-    def __enter__(self) -> "Sandbox":
+    def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,8 +14,8 @@ import shutil
 from typing import Any
 
 from trajforge.pipeline.envs.agentgym import extract_action, item_index
-from trajforge.pipeline.synth.envs.base import ClosingEnvironment, EnvFailure, StepResult
 from trajforge.pipeline.envs.tasks import Task, coerce_task
+from trajforge.pipeline.synth.envs.base import ClosingEnvironment, EnvFailure, StepResult
 
 # The simulator's answer to an action it cannot parse.
 UNKNOWN_ACTION = "No known action matches that input."

@@ -35,9 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from trajforge.pipeline.envs.agentgym import extract_action
-from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
 from trajforge.pipeline.envs.tasks import Task, TaskFormatError, coerce_task
-
+from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
 
 _TASK = re.compile(r"Crafting commands:\n(?P<commands>.*?)\n\nGoal: craft (?P<goal>[^\n]*?)\.?\s*$", re.S)
 _COMMAND = re.compile(r"craft (\d+) (.+?) using (.+)")
