@@ -17,7 +17,7 @@ whitespace while the task and the trajectory stay.
 - Only records of the same kind (and negative type) are compared: an upstream negative is not a
   duplicate of a positive even when it repeats its task.
 
-Keep preference, in order (documented in the README): upstream loss flags over inferred ones, an
+Keep preference, in order (documented in docs/build.md): upstream loss flags over inferred ones, an
 original upstream release over a re-release (OpenManus-RL) over synthetic rows (each source states
 its `keep_rank`), more known outcome fields (answer, reward, success), then build order. It
 depends only on the records, so reruns keep the same representatives.
