@@ -377,7 +377,9 @@ def test_beam_with_the_judge_as_value_model(tmp_path):
 
 
 def test_search_flags_reach_the_config(tmp_path):
-    args = parser().parse_args(["synth", "--tasks", "t.jsonl", "--env", "db", "--model", MODEL, "--out",
+    tasks = tmp_path / "t.jsonl"  # the CLI checks the task file exists before anything starts
+    tasks.write_text(DB_FILE.read_text().splitlines(keepends=True)[0])
+    args = parser().parse_args(["synth", "--tasks", str(tasks), "--env", "db", "--model", MODEL, "--out",
                                       str(tmp_path), "--search", "beam", "--branch", "2", "--max-calls", "9",
                                       "--max-task-tokens", "500", "--value-model", "judge"])
     config, _, given = _synth_run(args)
