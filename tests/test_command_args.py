@@ -25,8 +25,8 @@ def rft(out, **changes) -> list[str]:
     ({"--sft-config": "sft.yaml"}, "--sft-config sft.yaml: no such file; give an SFT config"),
     ({"--base-model": "/tmp/no/such/tiny"}, "--base-model /tmp/no/such/tiny: no such model folder"),
     ({"--base-model": "not a model"}, "--base-model not a model: neither a model folder nor a Hub model id"),
-    ({"--source": "agentinstruct=no/such/agentinstruct"},
-     "--source agentinstruct=no/such/agentinstruct: no such file or folder"),
+    ({"--source": "agentinstruct=./no/such/agentinstruct"},
+     "--source agentinstruct=./no/such/agentinstruct: no such file or folder"),
     ({"--source": "nope=x"}, "--source nope: unknown source 'nope'"),
     ({"--rounds": "0"}, "--rounds 0: must be at least 1"),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else "")
