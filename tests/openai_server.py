@@ -91,8 +91,14 @@ class Server:
     def __init__(self, policy: Policy = echo_policy, latency_s: float = 0.0, fault: Fault | None = None,
                  shapes: tuple[str, ...] = SHAPES, slow_s: float = 5.0, retry_after: str = "1",
                  echo_request: bool = False, strict: bool = False, sampling: bool = False,
-                 port: int = 0):
+                 port: int = 0, overlap: bool = False):
         self.policy = policy
+        # With `overlap`, the very first request is held (in flight) until a request for another model
+        # arrives: two clients' spans then overlap however far apart they start, and the held request
+        # takes only one slot of a limit they share, so the other client can still get in.
+        self.overlap = overlap
+        self._held_model: str | None = None
+        self._other_model: asyncio.Event | None = None
         self.echo_request = echo_request
         self.strict = strict
         self.sampling = sampling
@@ -137,10 +143,22 @@ class Server:
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         start = time.monotonic()
         try:
+            if self.overlap:
+                await self._hold_until_another_model(str(body.get("model")))
             return await self._answer(request, body)
         finally:
             self.in_flight -= 1
             self.spans.append((start, time.monotonic(), str(body.get("model"))))
+
+    async def _hold_until_another_model(self, model: str, timeout_s: float = 120) -> None:
+        if self._held_model is None:
+            self._held_model, self._other_model = model, asyncio.Event()
+            try:
+                await asyncio.wait_for(self._other_model.wait(), timeout_s)
+            except TimeoutError:
+                pass  # the test's overlap check then fails and says so
+        elif model != self._held_model:
+            self._other_model.set()
 
     async def _answer(self, request: web.Request, body: dict) -> web.StreamResponse:
         self.calls += 1

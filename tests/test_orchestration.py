@@ -124,7 +124,7 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
         CustomWebhookNotificationBlock(name="trajforge", url=webhook.url,
                                        json_data={"text": "{{subject}}\n{{body}}"}).save("trajforge-alerts")
         install("custom-webhook/trajforge-alerts")
-    with Server(fixture_policy(db_files=[DB_FILE]), latency_s=0.05) as model, HubServer(token=TOKEN) as hub:
+    with Server(fixture_policy(db_files=[DB_FILE]), latency_s=0.05, overlap=True) as model, HubServer(token=TOKEN) as hub:
         worker_env = {**env, "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0", "HF_TOKEN": TOKEN,
                       "PREFECT_WORKER_QUERY_SECONDS": "1"}
         # What the chained deployments build and where to in this test. The folders they read are not
@@ -182,7 +182,8 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
         assert f"share the rate limit '{RATE_LIMIT}'" in logs[adhoc]
         assert "global concurrency limit 'no-such-limit' does not exist" in logs[failing]
 
-        # The shared limit held across both runs, which overlapped in time.
+        # The shared limit held across both runs, which overlapped in time (the model server holds the
+        # first request until the other run's first one arrives, however far apart the worker starts them).
         # (Each run alone would have up to 8 in flight: its own `concurrency`.)
         assert model.max_in_flight == SLOTS, model.max_in_flight
         spans = {m: [s for s in model.spans if s[2] == m] for m in {s[2] for s in model.spans}}
