@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from trajforge.pipeline.envs import Argument, EnvSpec, Tool
+from trajforge.pipeline.envs import Argument, EnvSpec, Tool, spec
 from trajforge.pipeline.envs.grammar import INVENTED_VERBS, Breach, Context, Grammar, Replies, starts
 from trajforge.pipeline.envs.tasks import Task, TaskFormatError
 
@@ -210,9 +210,9 @@ def reference_steps(task: Task) -> list | None:
 
 
 def unavailable(settings: dict) -> str | None:
-    from trajforge.pipeline.synth.envs.os_sandbox import sandbox_unavailable_reason
-
-    return sandbox_unavailable_reason()
+    """Why the sandbox cannot run here: its runtime's own probe, reached through the spec's `runtime`
+    name as every runtime is (the runtime imports this module's parser and scorer, not the reverse)."""
+    return spec(NAME).env_class().unavailable_reason()
 
 
 _OS_FILES = tuple(f"agentbench/os/{name}" for name in
