@@ -23,14 +23,17 @@ from typing import ClassVar
 
 import pyarrow.parquet as pq
 
-from trajforge.sources.locate import hub_failure, is_local_path, local_path
+from trajforge.sources.locate import (
+    DATA_SUFFIXES,
+    JSONL_SUFFIXES,
+    PARQUET_SUFFIXES,
+    SourceError,
+    hub_failure,
+    is_local_path,
+    local_path,
+)
 
 log = logging.getLogger("trajforge.sources")
-
-PARQUET_SUFFIXES = (".parquet",)
-JSON_SUFFIXES = (".json",)
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
-DATA_SUFFIXES = PARQUET_SUFFIXES + JSON_SUFFIXES + JSONL_SUFFIXES
 
 # One record's raw text larger than this is not read into a record; it is quarantined.
 MAX_RAW_BYTES = 8 * 1024 * 1024
@@ -45,10 +48,6 @@ SHARD_SUFFIX = re.compile(r"-\d{5}-of-\d{5}(?:-[0-9a-fA-F]+)?$")
 # its place resumes at the next object with one of them.
 ROW_KEYS = frozenset({"id", "item_id", "conversations", "conversation", "schema_version"})
 TURN_KEYS = frozenset({"from", "role", "value", "content", "loss"})
-
-
-class SourceError(ValueError):
-    """An unusable argument: unknown source, missing path, no data files. Fails the build fast."""
 
 
 @dataclass

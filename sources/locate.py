@@ -5,7 +5,9 @@ A value is a local path if it exists, if its first component exists here, or if 
 so a mistyped path or an offline machine fails in a second with a message that says what was
 tried and how to read a local copy instead, rather than after Prefect's start-up and retries.
 
-Only light modules are imported here: the CLI runs these checks before Prefect loads.
+Only light modules are imported here: the CLI runs these checks before Prefect loads. The lowest
+module of `sources`: what a location may hold (the data file suffixes) and the error of an unusable
+one (SourceError) are defined here, for sources/base.py to read the files.
 """
 from __future__ import annotations
 
@@ -14,6 +16,15 @@ from pathlib import Path
 
 # Seconds to wait for the Hub's answer to one metadata request.
 HUB_CHECK_TIMEOUT = float(os.environ.get("TRAJFORGE_HUB_TIMEOUT", "5"))
+
+PARQUET_SUFFIXES = (".parquet",)
+JSON_SUFFIXES = (".json",)
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+DATA_SUFFIXES = PARQUET_SUFFIXES + JSON_SUFFIXES + JSONL_SUFFIXES
+
+
+class SourceError(ValueError):
+    """An unusable argument: unknown source, missing path, no data files. Fails the build fast."""
 
 
 class HubUnavailable(Exception):
@@ -110,31 +121,40 @@ def check_hub_repo(repo_id: str, patterns: list[str]) -> None:
         raise failure from None
 
 
+def _source_arg(source, location: str | None) -> str:
+    """The argument as the user gave it, for the first words of an error."""
+    if location is not None:
+        return f"--source {source.name}={location}"
+    return f"--source {source.name} (Hub dataset {source.hub_repo})" if source.hub_repo else f"--source {source.name}"
+
+
+def _local_files(source, location: str | None, arg: str) -> list:
+    """The SourceFiles of a local location (None: a local-only source's own default)."""
+    suffixes = ", ".join(DATA_SUFFIXES)
+    path = local_path(location or "")
+    if location is not None and not path.exists():
+        raise SourceError(f"{arg}: no such file or folder {path.absolute()}; give the folder or data file "
+                          f"of a local copy")
+    if location is not None and path.is_file() and path.suffix.lower() not in DATA_SUFFIXES:
+        raise SourceError(f"{arg}: {path.name} is not a data file (suffix {path.suffix or 'none'}); "
+                          f"give a {suffixes} file or a folder of them")
+    try:
+        return source.files(location)  # the source's own discovery of its files, local and cheap
+    except SourceError:
+        if location is None:
+            raise  # a local-only source without a path: its own message says what to give
+        raise SourceError(f"{arg}: no data files ({suffixes}) under {path.absolute()}; give the folder "
+                          f"that holds the upstream files") from None
+
+
 def check_source(source, location: str | None) -> list | None:
     """Raise SourceError (one line: the argument, what is wrong, what to do) unless `source`
     (a sources.Source) can be read from `location` (a path, a repo id, or None: its own Hub repo).
     Returns the files of a local location (its SourceFiles), None for a Hub repo."""
-    from trajforge.sources.base import DATA_SUFFIXES, SourceError
-
     name = source.name
-    arg = (f"--source {name}={location}" if location is not None else
-           f"--source {name} (Hub dataset {source.hub_repo})" if source.hub_repo else f"--source {name}")
-    suffixes = ", ".join(DATA_SUFFIXES)
+    arg = _source_arg(source, location)
     if not source.hub_repo or (location is not None and is_local_path(location)):
-        path = local_path(location or "")
-        if location is not None and not path.exists():
-            raise SourceError(f"{arg}: no such file or folder {path.absolute()}; give the folder or data file "
-                              f"of a local copy")
-        if location is not None and path.is_file() and path.suffix.lower() not in DATA_SUFFIXES:
-            raise SourceError(f"{arg}: {path.name} is not a data file (suffix {path.suffix or 'none'}); "
-                              f"give a {suffixes} file or a folder of them")
-        try:
-            return source.files(location)  # the source's own discovery of its files, local and cheap
-        except SourceError:
-            if location is None:
-                raise  # a local-only source without a path: its own message says what to give
-            raise SourceError(f"{arg}: no data files ({suffixes}) under {path.absolute()}; give the folder "
-                              f"that holds the upstream files") from None
+        return _local_files(source, location, arg)
     repo_id = location or source.hub_repo
     try:
         check_hub_repo(repo_id, list(source.hub_patterns))

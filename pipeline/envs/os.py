@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from trajforge.pipeline.envs import Argument, EnvSpec, Tool
+from trajforge.pipeline.envs import Argument, EnvSpec, Tool, spec
 from trajforge.pipeline.envs.grammar import INVENTED_VERBS, Breach, Context, Grammar, Replies, starts
 from trajforge.pipeline.envs.tasks import Task, TaskFormatError
 
@@ -46,35 +46,43 @@ class _NeedsScriptFile(TaskFormatError):
     """The record points into upstream's scripts folder, which task files do not carry."""
 
 
+def _init_scripts(create: dict) -> list[dict[str, str]]:
+    init = create.get("init")
+    return [] if init is None else [_script(s, "create.init") for s in (init if isinstance(init, list) else [init])]
+
+
+def _os_evaluation(evaluation: dict) -> dict[str, Any]:
+    """`match` or `check` (scripts, None where the example fills in), plus `example`."""
+    if "match" in evaluation:
+        match = evaluation["match"]
+        if not (isinstance(match, str) or (isinstance(match, dict) and ("answer" in match or "regex" in match))):
+            raise TaskFormatError(f"evaluation.match: unsupported {match!r}")
+        ev: dict[str, Any] = {"match": match}
+    elif "check" in evaluation:
+        check = evaluation["check"]
+        ev = {"check": [None if c is None else _script(c, "evaluation.check")
+                        for c in (check if isinstance(check, list) else [check])]}
+    else:
+        raise TaskFormatError("evaluation needs `match` or `check`")
+    ev["example"] = _script(evaluation["example"], "evaluation.example") if evaluation.get("example") else None
+    if None in ev.get("check", []) and ev["example"] is None:
+        raise TaskFormatError("evaluation.check has a null entry but there is no example to fill it")
+    return ev
+
+
 def _os_task(record: dict, tid: str, source_file: str) -> Task:
     description = record.get("description")
     evaluation = record.get("evaluation")
     if not isinstance(description, str) or not isinstance(evaluation, dict):
         raise TaskFormatError("an OS task needs a string `description` and an `evaluation` object")
-    skip = None
     try:
         create = record.get("create")
         # Upstream treats a non-dict `create` (two records hold a copy of `check` there) as
         # "default image, no init".
         create = create if isinstance(create, dict) else {}
-        init = create.get("init")
-        init_scripts = [] if init is None else [
-            _script(s, "create.init") for s in (init if isinstance(init, list) else [init])]
+        init_scripts = _init_scripts(create)
         start = _script(record["start"], "start") if record.get("start") is not None else None
-        if "match" in evaluation:
-            match = evaluation["match"]
-            if not (isinstance(match, str) or (isinstance(match, dict) and ("answer" in match or "regex" in match))):
-                raise TaskFormatError(f"evaluation.match: unsupported {match!r}")
-            ev: dict[str, Any] = {"match": match}
-        elif "check" in evaluation:
-            check = evaluation["check"]
-            ev = {"check": [None if c is None else _script(c, "evaluation.check")
-                            for c in (check if isinstance(check, list) else [check])]}
-        else:
-            raise TaskFormatError("evaluation needs `match` or `check`")
-        ev["example"] = _script(evaluation["example"], "evaluation.example") if evaluation.get("example") else None
-        if None in ev.get("check", []) and ev["example"] is None:
-            raise TaskFormatError("evaluation.check has a null entry but there is no example to fill it")
+        ev = _os_evaluation(evaluation)
     except _NeedsScriptFile as e:
         # Keep the task visible (counted, reported) but unrunnable, with the reason.
         return Task(tid, NAME, description, {"raw": record}, source_file, skip_reason=str(e))
@@ -83,6 +91,7 @@ def _os_task(record: dict, tid: str, source_file: str) -> Task:
             # Top-level `example` is ignored upstream; kept as an informational reference solution.
             "example": _script(record["example"], "example") if record.get("example") else None}
     scripts = [*init_scripts, start, ev["example"], *ev.get("check", [])]
+    skip = None
     if any(s is not None and _NEEDS_NETWORK.search(s["code"]) for s in scripts):
         skip = "needs the network (package install/download in its setup, check or reference solution); the sandbox is offline"
     return Task(tid, NAME, description, data, source_file, skip_reason=skip)
@@ -210,9 +219,9 @@ def reference_steps(task: Task) -> list | None:
 
 
 def unavailable(settings: dict) -> str | None:
-    from trajforge.pipeline.synth.envs.os_sandbox import sandbox_unavailable_reason
-
-    return sandbox_unavailable_reason()
+    """Why the sandbox cannot run here: its runtime's own probe, reached through the spec's `runtime`
+    name as every runtime is (the runtime imports this module's parser and scorer, not the reverse)."""
+    return spec(NAME).env_class().unavailable_reason()
 
 
 _OS_FILES = tuple(f"agentbench/os/{name}" for name in

@@ -92,31 +92,48 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
+def _mean(values: list[float] | list[int]) -> float | None:
+    return _round(sum(values) / len(values)) if values else None
+
+
+def _rounded(interval: tuple[float, float] | None) -> list[float | None] | None:
+    return [_round(x) for x in interval] if interval else None
+
+
+def _pass_at_ks(by_task: dict[str, list[bool]], n: int) -> dict[str, float | None]:
+    """pass@k for k in `ks_for(n)`, averaged over the tasks (`by_task`: task -> success of each sample)."""
+    if not by_task:
+        return {}
+    return {str(k): _round(sum(pass_at_k(len(v), sum(v), k) for v in by_task.values()) / len(by_task))
+            for k in ks_for(n)}
+
+
+def _effort(episodes: list[Any]) -> dict:
+    """Turns and tokens per episode, and the actions the environment refused."""
+    turns = [sum(1 for t in e.turns if t["role"] == "assistant") for e in episodes]
+    tokens = [e.usage.get("total_tokens", 0) for e in episodes]
+    return {"mean_turns": _mean(turns), "mean_tokens": _mean(tokens), "tokens": sum(tokens),
+            "refused_actions": sum(1 for e in episodes for s in e.steps if s.issue == "invalid_action")}
+
+
 def summarize(episodes: Iterable[Any], n: int, threshold: float = 1.0) -> dict:
     """The figures of one (policy, env): episodes are `Episode`s of the same tasks x n samples."""
     episodes = list(episodes)
     outcomes = [outcome(e) for e in episodes]
     runnable = [(e, o) for e, o in zip(episodes, outcomes) if o != "not_runnable"]
-    wins = sum(1 for _, o in runnable if o == "success")
+    won = [o == "success" for _, o in runnable]
     scores = [float(e.reward or 0.0) for e, _ in runnable]
     by_task: dict[str, list[bool]] = {}
-    for e, o in runnable:
-        by_task.setdefault(e.task_id, []).append(o == "success")
-    rate_ci, score_ci = wilson(wins, len(runnable)), mean_interval(scores)
-    turns = [sum(1 for t in e.turns if t["role"] == "assistant") for e, _ in runnable]
-    tokens = [e.usage.get("total_tokens", 0) for e, _ in runnable]
+    for (e, _), success in zip(runnable, won):
+        by_task.setdefault(e.task_id, []).append(success)
     return {
         "tasks": len({e.task_id for e in episodes}), "runnable_tasks": len(by_task), "samples_per_task": n,
-        "episodes": len(runnable), "not_runnable": outcomes.count("not_runnable"), "successes": wins,
-        "success_rate": _round(wins / len(runnable)) if runnable else None,
-        "success_ci95": [_round(x) for x in rate_ci] if rate_ci else None,
-        "mean_score": _round(sum(scores) / len(scores)) if scores else None,
-        "score_ci95": [_round(x) for x in score_ci] if score_ci else None,
-        "pass_at_k": {str(k): _round(sum(pass_at_k(len(v), sum(v), k) for v in by_task.values()) / len(by_task))
-                      for k in ks_for(n)} if by_task else {},
-        "mean_turns": _round(sum(turns) / len(turns)) if turns else None,
-        "mean_tokens": _round(sum(tokens) / len(tokens)) if tokens else None,
-        "tokens": sum(tokens),
-        "refused_actions": sum(1 for e, _ in runnable for s in e.steps if s.issue == "invalid_action"),
-        "outcomes": {o: c for o, c in sorted(Counter(outcomes).items(), key=lambda kv: OUTCOMES.index(kv[0]))},
+        "episodes": len(runnable), "not_runnable": outcomes.count("not_runnable"), "successes": sum(won),
+        "success_rate": _mean(won),
+        "success_ci95": _rounded(wilson(sum(won), len(runnable))),
+        "mean_score": _mean(scores),
+        "score_ci95": _rounded(mean_interval(scores)),
+        "pass_at_k": _pass_at_ks(by_task, n),
+        **_effort([e for e, _ in runnable]),
+        "outcomes": dict(sorted(Counter(outcomes).items(), key=lambda kv: OUTCOMES.index(kv[0]))),
     }

@@ -147,6 +147,49 @@ def _rows(policy: str, env: str, episodes: list[Episode]) -> list[dict]:
              "total_tokens": e.usage.get("total_tokens", 0)} for e in episodes]
 
 
+def _runnable_splits(config: EvalConfig, not_run: dict[str, str]) -> dict[str, tuple[str, str, list[Task]]]:
+    """env -> `split_of` for each env that can run here; each other env's reason goes into `not_run`."""
+    splits = {}
+    for env in config.envs:
+        why = env_unavailable(env, config.env_kw.get(env, {}))
+        if why:
+            not_run[env] = why
+            log.warning("eval: %s not run: %s", env, why)
+            continue
+        splits[env] = split_of(env, config)
+    return splits
+
+
+def _overlap_warnings(config: EvalConfig, overlap: dict[str, int]) -> list[str]:
+    """Refuses (EvalRefused) when the training data holds eval tasks, unless allowed: then the warning."""
+    if not any(overlap.values()):
+        return []
+    message = (f"the training data {config.train_data} holds tasks of the eval splits "
+               f"({', '.join(f'{k}: {v} records' for k, v in overlap.items() if v)}): the scores would "
+               f"measure memory, not skill")
+    if not config.allow_overlap:
+        raise EvalRefused(message + "; rebuild it with the default decontamination, or pass --allow-overlap")
+    log.warning("EVALUATING ON TRAINING TASKS: %s", message)
+    return [message]
+
+
+async def _calibrate(entry: dict[str, Any], env: str, tasks: list[Task], config: EvalConfig,
+                     journal: EpisodeJournal, rows: list[dict]) -> None:
+    """The calibration policies' figures into `entry`, and `broken` when the oracle fails."""
+    for policy in config.calibrate:
+        playable = [t for t in tasks if can_play(policy, t) is None]
+        episodes = await _episodes(lambda t, k, p=policy: POLICIES[p](t, k), f"policy/{policy}", {},
+                                   playable, 1, env, config, journal)
+        entry["policies"][policy] = {**summarize(episodes, 1), "unplayable": len(tasks) - len(playable)}
+        rows.extend(_rows(policy, env, episodes))
+    if "oracle" in entry["policies"]:
+        oracle = entry["policies"]["oracle"]["success_rate"]
+        entry["broken"] = oracle is None or oracle < ORACLE_OK
+        if entry["broken"]:
+            log.warning("eval: the %s oracle scores %s on %s: the env, its scorer or its task file is broken",
+                        env, oracle, entry["split"])
+
+
 async def evaluate_async(config: EvalConfig) -> dict:
     out = Path(config.out)
     job = ModelJob.open(out / ".eval", config.backend, config.llm, "episodes", config.episode_concurrency)
@@ -156,39 +199,15 @@ async def evaluate_async(config: EvalConfig) -> dict:
                               "agent": asdict(config.agent), "envs": {}, "not_run": {}}
     rows: list[dict] = []
     try:
-        splits = {}
-        for env in config.envs:
-            why = env_unavailable(env, config.env_kw.get(env, {}))
-            if why:
-                report["not_run"][env] = why
-                log.warning("eval: %s not run: %s", env, why)
-                continue
-            splits[env] = split_of(env, config)
+        splits = _runnable_splits(config, report["not_run"])
         overlap = training_overlap(config.train_data, {name: (env, tasks) for env, (name, _, tasks) in splits.items()}) \
             if config.train_data else {}
-        if any(overlap.values()):
-            message = (f"the training data {config.train_data} holds tasks of the eval splits "
-                       f"({', '.join(f'{k}: {v} records' for k, v in overlap.items() if v)}): the scores would "
-                       f"measure memory, not skill")
-            if not config.allow_overlap:
-                raise EvalRefused(message + "; rebuild it with the default decontamination, or pass --allow-overlap")
-            log.warning("EVALUATING ON TRAINING TASKS: %s", message)
-            report["warnings"] = [message]
+        if warnings := _overlap_warnings(config, overlap):
+            report["warnings"] = warnings
         for env, (name, fingerprint, tasks) in splits.items():
             entry: dict[str, Any] = {"split": name, "fingerprint": fingerprint, "tasks": len(tasks),
                                      "training_overlap": overlap.get(name), "policies": {}}
-            for policy in config.calibrate:
-                playable = [t for t in tasks if can_play(policy, t) is None]
-                episodes = await _episodes(lambda t, k, p=policy: POLICIES[p](t, k), f"policy/{policy}", {},
-                                           playable, 1, env, config, journal)
-                entry["policies"][policy] = {**summarize(episodes, 1), "unplayable": len(tasks) - len(playable)}
-                rows += _rows(policy, env, episodes)
-            if "oracle" in entry["policies"]:
-                oracle = entry["policies"]["oracle"]["success_rate"]
-                entry["broken"] = oracle is None or oracle < ORACLE_OK
-                if entry["broken"]:
-                    log.warning("eval: the %s oracle scores %s on %s: the env, its scorer or its task file is broken",
-                                env, oracle, name)
+            await _calibrate(entry, env, tasks, config, journal, rows)
             if backend is not None:
                 params = sampling_params(backend.model, config.llm.sampling)
                 episodes = await _episodes(lambda t, k: backend, backend.model, params, tasks, config.n, env, config,

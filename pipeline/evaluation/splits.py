@@ -116,40 +116,48 @@ def declared_held_out() -> HeldOut:
     return HeldOut.of(EVAL_SPLITS.values())
 
 
-def training_overlap(train_dir: str | Path, splits: dict[str, tuple[str, list[Task]]]) -> dict[str, int]:
-    """Per split name: records of the training build in `train_dir` that are tasks of the split
-    (`splits`: name -> (env, tasks)). A split the build's report lists as held out, at the same
-    fingerprint, is clean by construction (0); any other is checked against the build's `sft`
-    records, by task text and AgentGym item, as the build's decontamination would."""
+def _held_at_build(train_dir: Path) -> dict[str, str]:
+    """Split name -> fingerprint of the splits the build's report lists as held out whole."""
     import json
 
-    import pyarrow.parquet as pq
-
-    from trajforge.pipeline.quality.dedup import Contamination
-
-    train_dir = Path(train_dir)
     try:
         held_out = json.loads((train_dir / "report.json").read_text()).get("held_out", {})
     except (OSError, ValueError):
         held_out = {}
     # A build that spared some tasks of its splits is checked record by record.
-    held = {} if held_out.get("spared") else held_out.get("splits", {})
+    return {} if held_out.get("spared") else held_out.get("splits", {})
+
+
+def _records_of(split: EvalSplit | None, tasks: list[Task], files: list[Path]) -> int:
+    """Records in the sft `files` that are one of `tasks`: by AgentGym item for an `item` split, else by task text."""
+    import pyarrow.parquet as pq
+
+    from trajforge.pipeline.quality.dedup import Contamination
+
+    by_item = split is not None and split.held_out_by == "item"
+    index = None if by_item else Contamination([t.description for t in tasks])
+    items = {task_item(t) for t in tasks} if by_item else set()
+    count = 0
+    for path in files:
+        table = pq.read_table(path, columns=["task", "env", "source_id"]).to_pylist()
+        count += sum(1 for r in table if (item_key(r["env"], r["source_id"]) in items if by_item
+                                          else index.match(r["task"] or "") is not None))
+    return count
+
+
+def training_overlap(train_dir: str | Path, splits: dict[str, tuple[str, list[Task]]]) -> dict[str, int]:
+    """Per split name: records of the training build in `train_dir` that are tasks of the split
+    (`splits`: name -> (env, tasks)). A split the build's report lists as held out, at the same
+    fingerprint, is clean by construction (0); any other is checked against the build's `sft`
+    records, by task text and AgentGym item, as the build's decontamination would."""
+    train_dir = Path(train_dir)
+    held = _held_at_build(train_dir)
     files = sorted((train_dir / "data" / "sft").glob("*.parquet"))
     if not files and not held:
         raise FileNotFoundError(f"{train_dir}: no data/sft/*.parquet and no report.json; give a `trajforge build` folder")
     overlap = {}
     for name, (_env, tasks) in splits.items():
         split = next((s for s in EVAL_SPLITS.values() if s.name == name), None)
-        if split is not None and held.get(name) == split.fingerprint():
-            overlap[name] = 0
-            continue
-        by_item = split is not None and split.held_out_by == "item"
-        index = None if by_item else Contamination([t.description for t in tasks])
-        items = {task_item(t) for t in tasks} if by_item else set()
-        count = 0
-        for path in files:
-            table = pq.read_table(path, columns=["task", "env", "source_id"]).to_pylist()
-            count += sum(1 for r in table if (item_key(r["env"], r["source_id"]) in items if by_item
-                                              else index.match(r["task"] or "") is not None))
-        overlap[name] = count
+        clean = split is not None and held.get(name) == split.fingerprint()
+        overlap[name] = 0 if clean else _records_of(split, tasks, files)
     return overlap

@@ -142,6 +142,31 @@ def _schema_lines() -> list[str]:
             + ["", "Each turn of `conversations` holds " + ", ".join(f"`{k}`" for k in turn) + "."])
 
 
+def _where(units: list[dict]) -> str:
+    """The Hub revisions the units were read at, and the local files by content."""
+    revisions = sorted({u["revision"] for u in units if u.get("revision")})
+    local = [u for u in units if not u.get("revision")]
+    where = ", ".join(f"`{r}`" for r in revisions)
+    if local:
+        # A local copy has no Hub revision: name its files by content instead.
+        where += (", " if where else "") + "local files " + ", ".join(
+            f"`{u['source_file']}` (sha256 `{u['sha256']}`)" for u in sorted(local, key=lambda u: u["source_file"]))
+    return where or "-"
+
+
+def _stated_license(source: str, units: list[dict], licenses: dict[str, list[str]]) -> str:
+    """The license the source's files state (else the registered one), and that of what they look like."""
+    registered = REGISTRY.get(source)
+    stated = "; ".join(licenses.get(source, [])) or (registered.license if registered else "see records")
+    foreign = sorted({u["looks_like"] for u in units if u.get("looks_like")})
+    if foreign:
+        # Read at the user's word (--source-as): say what the files look like, and its license.
+        stated += (f" ({source}'s license); {sum(bool(u.get('looks_like')) for u in units)} of {len(units)} "
+                   "files look like " + " and ".join(f"{other} ({REGISTRY[other].license})" for other in foreign)
+                   + f" and were read as {source} at the builder's word (`--source-as {source}`)")
+    return stated
+
+
 def _provenance_rows(provenance: list[dict], licenses: dict[str, list[str]]) -> list[list]:
     by_source: dict[str, list[dict]] = defaultdict(list)
     for unit in provenance:
@@ -150,22 +175,9 @@ def _provenance_rows(provenance: list[dict], licenses: dict[str, list[str]]) -> 
     for source in sorted(set(by_source) | set(licenses)):
         units = by_source.get(source, [])
         registered = REGISTRY.get(source)
-        revisions = sorted({u["revision"] for u in units if u.get("revision")})
-        local = [u for u in units if not u.get("revision")]
-        where = ", ".join(f"`{r}`" for r in revisions)
-        if local:
-            # A local copy has no Hub revision: name its files by content instead.
-            where += (", " if where else "") + "local files " + ", ".join(
-                f"`{u['source_file']}` (sha256 `{u['sha256']}`)" for u in sorted(local, key=lambda u: u["source_file"]))
-        stated = "; ".join(licenses.get(source, [])) or (registered.license if registered else "see records")
-        foreign = sorted({u["looks_like"] for u in units if u.get("looks_like")})
-        if foreign:
-            # Read at the user's word (--source-as): say what the files look like, and its license.
-            stated += (f" ({source}'s license); {sum(bool(u.get('looks_like')) for u in units)} of {len(units)} "
-                       "files look like " + " and ".join(f"{other} ({REGISTRY[other].license})" for other in foreign)
-                       + f" and were read as {source} at the builder's word (`--source-as {source}`)")
-        rows.append([source, f"[{registered.hub_repo}](https://huggingface.co/datasets/{registered.hub_repo})"
-                     if registered else "-", where or "-", stated])
+        repo = (f"[{registered.hub_repo}](https://huggingface.co/datasets/{registered.hub_repo})"
+                if registered else "-")
+        rows.append([source, repo, _where(units), _stated_license(source, units, licenses)])
     return rows
 
 
@@ -204,6 +216,46 @@ def _steps_lines(counts: dict | None) -> list[str]:
     return ["## Step-level data", "", STEPS_NOTE, ""] + _table(STEPS_HEADER, steps_rows(counts)) + [""]
 
 
+def _config_lines(out: Path, files: dict[str, dict[str, list[str]]]) -> list[str]:
+    rows = [[f"`{name}`" + (" (default)" if name == DEFAULT_CONFIG else ""), split,
+             _split_stats(out, paths)[0], len(paths), CONFIG_NOTES.get(name, "")]
+            for name, splits in sorted(files.items()) for split, paths in sorted(splits.items())]
+    return _table(["config", "split", "rows", "shards", "what"], rows)
+
+
+def _count_lines(report: dict) -> list[str]:
+    """Records per source, then the quarantine's reasons."""
+    counted = ["read", "written", "quarantined", "duplicates"]
+    lines = _table(["source", *counted],
+                   [[name, *(e[c] for c in counted)] for name, e in sorted(report["sources"].items())]
+                   + [["**total**", *(report["total"][c] for c in counted)]])
+    lines += ["", "Per source, read = written + quarantined + duplicates."]
+    lines += ["", "## Quarantine", ""]
+    reasons = report["total"].get("reasons", {})
+    lines += (_table(["reason", "records"], [[f"`{r}`", n] for r, n in sorted(reasons.items())]) if reasons
+              else ["Nothing was quarantined."])
+    return lines + ["", "The quarantined records, with their raw input and a reason code, are in `quarantine/`.", ""]
+
+
+def _held_out_lines(held_out: dict | None) -> list[str]:
+    lines = ["## Held-out evaluation tasks", ""]
+    if not (held_out or {}).get("splits"):
+        return lines + ["No eval split was held out of this build.", ""]
+    return (lines + ["Trajectories of these eval splits' tasks were quarantined as `contaminated` (trajforge "
+                     "`pipeline/evaluation/splits.py`; split name and fingerprint of its task files):", ""]
+            + _table(["eval split", "fingerprint"], [[f"`{n}`", f"`{f}`"] for n, f in sorted(held_out["splits"].items())])
+            + [""])
+
+
+def _validation_lines(by_env: dict | None) -> list[str]:
+    if not by_env:
+        return []
+    return (["## Validation per environment", "",
+             "Every trained action is checked against its environment's action grammar, and every "
+             "episode against its env's end rule (trajforge `pipeline/ingest/grammars.py`).", ""]
+            + _table(VALIDATION_HEADER, validation_rows(by_env)) + [""])
+
+
 def render_card(out: Path, report: dict, provenance: list[dict], build: str, code: str) -> str:
     """The full README.md text for the build in `out`."""
     files = layout(out)
@@ -217,36 +269,12 @@ def render_card(out: Path, report: dict, provenance: list[dict], build: str, cod
              "[trajforge](https://github.com/trajforge/trajforge): every input record is either in a "
              "config below, in the quarantine (with a reason), or in the duplicate map.", "",
              f"- build id: `{build}`", f"- code version: `{code}`", "", "## Configs", ""]
-    config_rows = []
-    for name, splits in sorted(files.items()):
-        for split, paths in sorted(splits.items()):
-            config_rows.append([f"`{name}`" + (" (default)" if name == DEFAULT_CONFIG else ""), split,
-                                _split_stats(out, paths)[0], len(paths), CONFIG_NOTES.get(name, "")])
-    lines += _table(["config", "split", "rows", "shards", "what"], config_rows)
+    lines += _config_lines(out, files)
     lines += ["", "```python", "from datasets import load_dataset",
               'ds = load_dataset("<this repo or folder>", "sft", split="train")', "```", "", "## Counts", ""]
-    counted = ["read", "written", "quarantined", "duplicates"]
-    lines += _table(["source", *counted],
-                    [[name, *(e[c] for c in counted)] for name, e in sorted(report["sources"].items())]
-                    + [["**total**", *(report["total"][c] for c in counted)]])
-    lines += ["", "Per source, read = written + quarantined + duplicates."]
-    lines += ["", "## Quarantine", ""]
-    reasons = report["total"].get("reasons", {})
-    lines += (_table(["reason", "records"], [[f"`{r}`", n] for r, n in sorted(reasons.items())]) if reasons
-              else ["Nothing was quarantined."])
-    lines += ["", "The quarantined records, with their raw input and a reason code, are in `quarantine/`.", ""]
-    held_out = report.get("held_out") or {}
-    lines += ["## Held-out evaluation tasks", ""]
-    lines += (["Trajectories of these eval splits' tasks were quarantined as `contaminated` (trajforge "
-               "`pipeline/evaluation/splits.py`; split name and fingerprint of its task files):", ""]
-              + _table(["eval split", "fingerprint"], [[f"`{n}`", f"`{f}`"] for n, f in sorted(held_out["splits"].items())])
-              if held_out.get("splits") else ["No eval split was held out of this build."])
-    lines += [""]
-    if report.get("validation_by_env"):
-        lines += ["## Validation per environment", "",
-                  "Every trained action is checked against its environment's action grammar, and every "
-                  "episode against its env's end rule (trajforge `pipeline/ingest/grammars.py`).", ""]
-        lines += _table(VALIDATION_HEADER, validation_rows(report["validation_by_env"])) + [""]
+    lines += _count_lines(report)
+    lines += _held_out_lines(report.get("held_out"))
+    lines += _validation_lines(report.get("validation_by_env"))
     lines += _grounding_lines(report.get("validation_by_env"))
     lines += _dedup_lines(report.get("duplicates")) + _negative_lines(report.get("negatives"))
     lines += _steps_lines(report.get("search_steps"))

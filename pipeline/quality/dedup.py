@@ -122,24 +122,28 @@ def _tokenized(texts: list[str]) -> tuple[list[str], list[str]]:
     return tokens, words
 
 
+def _layout(record: dict, texts: list[str]) -> list[str | int]:
+    """Appends the record's folded texts to `texts`; returns their indices there, with the markers
+    that go between them."""
+    layout: list[str | int] = [len(texts)]
+    texts.append(_folded(record["task"]))
+    turns = record["conversations"]
+    start = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), len(turns))
+    for turn in turns[start:]:
+        layout.append("\x1e")  # a turn boundary, so "a b" + "c" differs from "a" + "b c"
+        if turn["role"] == "assistant":
+            layout += [len(texts), "\x1d", len(texts) + 1]
+            texts += [_folded(turn["thought"] or ""), _folded(turn["action"] or "")]
+        else:
+            layout.append(len(texts))
+            texts.append(_folded(turn["content"]))
+    return layout
+
+
 def dedup_texts(records: Sequence[dict]) -> list[DedupText]:
     """The `DedupText` of each record, the texts of all of them tokenized at once."""
     texts: list[str] = []
-    layouts: list[list[str | int]] = []  # per record: indices into texts, and the markers between
-    for record in records:
-        layout: list[str | int] = [len(texts)]
-        texts.append(_folded(record["task"]))
-        turns = record["conversations"]
-        start = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), len(turns))
-        for turn in turns[start:]:
-            layout.append("\x1e")  # a turn boundary, so "a b" + "c" differs from "a" + "b c"
-            if turn["role"] == "assistant":
-                layout += [len(texts), "\x1d", len(texts) + 1]
-                texts += [_folded(turn["thought"] or ""), _folded(turn["action"] or "")]
-            else:
-                layout.append(len(texts))
-                texts.append(_folded(turn["content"]))
-        layouts.append(layout)
+    layouts = [_layout(record, texts) for record in records]  # per record: indices into texts, and markers
     tokens, words = _tokenized(texts)
     return [DedupText("\x1f".join(part if isinstance(part, str) else tokens[part] for part in layout
                                    if isinstance(part, str) or tokens[part]),

@@ -54,14 +54,33 @@ def trajectory_fates(unit, kept_rows: np.ndarray, contaminated: dict[int, str]) 
     return fates
 
 
+def _search_units(units) -> list[tuple[int, object, dict[str, Path]]]:
+    """(index, unit, config -> its search file) of each synthetic unit with search outputs."""
+    found = [(u, unit, {name: search_file(Path(unit.input_path), name) for name in STEP_CONFIGS})
+             for u, unit in enumerate(units) if unit.source == Synthetic.name and unit.input_path]
+    return [(u, unit, {name: path for name, path in files.items() if path is not None})
+            for u, unit, files in found if any(files.values())]
+
+
+def _stage_file(name: str, path: Path, fates: dict[str, str | None], writer: StreamingParquet, counts: dict) -> None:
+    """The rows of one search file of config `name`: those of a kept trajectory to `writer`, counted."""
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
+        for row in batch.to_pylist():
+            counts["read"] += 1
+            reason = "invalid" if first_error(name, row) else fates.get(row["task_id"], "no_trajectory")
+            if reason is None:
+                writer.append(row)
+                counts["written"] += 1
+            else:
+                counts["dropped"][reason] += 1
+
+
 def stage_step_rows(units, kept_rows: list[np.ndarray], contaminated: list[dict[int, str]],
                     staged: Path) -> tuple[dict[str, list[tuple[str, int, int]]], dict]:
     """The step rows of every synthetic unit with search outputs whose trajectory the build kept,
     staged under `staged` per config as (path, Arrow bytes, rows), and per config the rows read,
     written and dropped by reason. Nothing (two empty mappings) when no unit has search outputs."""
-    found = [(u, unit, {name: search_file(Path(unit.input_path), name) for name in STEP_CONFIGS})
-             for u, unit in enumerate(units) if unit.source == Synthetic.name and unit.input_path]
-    found = [(u, unit, files) for u, unit, files in found if any(files.values())]
+    found = _search_units(units)
     if not found:
         return {}, {}
     counts = {name: {"read": 0, "written": 0, "dropped": Counter()} for name in STEP_CONFIGS}
@@ -69,17 +88,7 @@ def stage_step_rows(units, kept_rows: list[np.ndarray], contaminated: list[dict[
     for u, unit, files in found:
         fates = trajectory_fates(unit, kept_rows[u], contaminated[u])
         for name, path in files.items():
-            if path is None:
-                continue
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
-                for row in batch.to_pylist():
-                    counts[name]["read"] += 1
-                    reason = "invalid" if first_error(name, row) else fates.get(row["task_id"], "no_trajectory")
-                    if reason is None:
-                        writers[name].append(row)
-                        counts[name]["written"] += 1
-                    else:
-                        counts[name]["dropped"][reason] += 1
+            _stage_file(name, path, fates, writers[name], counts[name])
     parts = {}
     for name, writer in writers.items():
         writer.close()

@@ -621,6 +621,8 @@ def clean_observation(text: str, limit: int = 800) -> str:
 
 class OsSandboxEnv(ClosingEnvironment):
     name = "os"
+    # The os spec's `unavailable` (pipeline/envs/os.py) asks this.
+    unavailable_reason = staticmethod(sandbox_unavailable_reason)
 
     def __init__(self, **config: object):
         known = {f.name for f in fields(SandboxConfig)}
