@@ -27,7 +27,7 @@ def all_pairs(positives):
 
 @pytest.fixture(scope="module")
 def tokenizer(fixtures_build):
-    from tests.tiny_model import build_tokenizer, fixture_texts
+    from tests.support.tiny_model import build_tokenizer, fixture_texts
 
     return build_tokenizer(fixture_texts(fixtures_build)[:300], vocab_size=400)
 

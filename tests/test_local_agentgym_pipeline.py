@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("minigrid", reason="the `envs` extra (minigrid) is not installed")
 
 from tests.conftest import FIXTURES  # noqa: E402
-from tests.openai_server import Reply, Server  # noqa: E402
+from tests.support.openai_server import Reply, Server  # noqa: E402
 from trajforge.pipeline.envs.tasks import load_tasks  # noqa: E402
 from trajforge.pipeline.envs.tool_calls import tool_messages, trajectory_prompt  # noqa: E402
 from trajforge.pipeline.ingest.validate import grammar_breaches, validate_record  # noqa: E402
