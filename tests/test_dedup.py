@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import FIXTURE_SOURCES
+from tests.support.oracles import deduplicate, fold, jaccard
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 from trajforge.pipeline.quality.dedup import (
     Contamination,
@@ -19,10 +20,7 @@ from trajforge.pipeline.quality.dedup import (
     decontaminate,
     dedup_group,
     dedup_texts,
-    deduplicate,
     exact_key,
-    fold,
-    jaccard,
     read_eval_tasks,
     shingles,
     signatures,

@@ -6,10 +6,11 @@ import pyarrow.parquet as pq
 import pytest
 from datasets import load_dataset
 
+from tests.support.oracles import make_negatives, preference_pairs
 from trajforge.pipeline.ingest.dialects import parse_turn
 from trajforge.pipeline.ingest.validate import validate_record
-from trajforge.pipeline.quality.derived import grpo_prompt, preference_pair, preference_pairs
-from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
+from trajforge.pipeline.quality.derived import grpo_prompt, preference_pair
+from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig
 from trajforge.schemas import validator
 
 

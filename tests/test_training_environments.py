@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FIXTURES
+from tests.support.oracles import grpo_env_rows
 from tests.test_env_agentgym import serve  # noqa: F401  (the loopback AgentGym server fixture)
 from tests.test_env_os import _sandbox_leftovers
 from trajforge.pipeline.envs.tasks import load_tasks
 from trajforge.pipeline.envs.tool_calls import action_text, tool_call, tool_messages
-from trajforge.pipeline.quality.derived import grpo_env_row, grpo_env_rows, record_task
+from trajforge.pipeline.quality.derived import grpo_env_row, record_task
 from trajforge.schemas import first_error
 from trajforge.training.environments import EPISODE_OVER, EnvironmentFactory, ToolEnvironment, make_factories
 from trajforge.training.rewards import tool_call_reward
