@@ -383,17 +383,3 @@ def _scratch(workdir: Path | None) -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-@dataclass
-class RecordsInMemory:
-    """Records in a list, with their key table: the `records` of `duplicates_table` for one unit."""
-    records: list[dict]
-    keys: pl.DataFrame
-    config: DedupConfig
-
-    def near_rows(self, table: pl.DataFrame):
-        yield np.arange(table.height), *near_matrices(self.keys[table["row"].to_numpy()], self.config)
-
-    def shingle_sets(self, refs: list[tuple[int, int]], size: int) -> list[np.ndarray]:
-        return shingle_set_hashes([self.records[row] for _, row in refs], size)

@@ -3,7 +3,8 @@ production code to (same input, same output). None of this runs in a build; each
 production path it mirrors.
 
 - `deduplicate`: all records in one list, exact then near with datasketch's MinHashLSH index; the
-  build runs `pipeline.quality.dedup_table` (`deduplicate_in_memory` is that path on one list).
+  build runs `pipeline.quality.dedup_table` (`deduplicate_in_memory` is that path on one list,
+  `RecordsInMemory` its records).
 - `preference_pairs`, `grpo_prompts`, `grpo_env_rows`: the derived sets of a list of records; the
   build makes them record by record (`pipeline.quality.derived`'s row makers).
 - `make_negatives`: the negatives of a list of records; the build runs `negatives_of` per record.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ from trajforge.pipeline.quality.dedup import (
     shingles,
     signatures,
 )
-from trajforge.pipeline.quality.dedup_table import RecordsInMemory, duplicates_table, record_keys
+from trajforge.pipeline.quality.dedup_table import duplicates_table, near_matrices, record_keys, shingle_set_hashes
 from trajforge.pipeline.quality.derived import grpo_env_row, grpo_prompt, preference_pair, record_task, reference_answer
 from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
@@ -121,6 +122,20 @@ def deduplicate(records: list[dict], config: DedupConfig = DedupConfig()) -> tup
     kept = [r for i, r in enumerate(records) if i not in dropped]
     duplicates = [dropped[i] for i in sorted(dropped)]
     return kept, duplicates
+
+
+@dataclass
+class RecordsInMemory:
+    """Records in a list, with their key table: the `records` of `duplicates_table` for one unit."""
+    records: list[dict]
+    keys: pl.DataFrame
+    config: DedupConfig
+
+    def near_rows(self, table: pl.DataFrame):
+        yield np.arange(table.height), *near_matrices(self.keys[table["row"].to_numpy()], self.config)
+
+    def shingle_sets(self, refs: list[tuple[int, int]], size: int) -> list[np.ndarray]:
+        return shingle_set_hashes([self.records[row] for _, row in refs], size)
 
 
 def deduplicate_in_memory(records: list[dict], config: DedupConfig = DedupConfig(),
