@@ -9,7 +9,7 @@ replaced, so the originals are distinct from one another; a quarter of them get 
 the positives.
 
 Three contenders, on the same shingle sets (shingling is shared and timed apart):
-- `datasketch`: datasketch's MinHash signatures and its MinHashLSH index (`pipeline.dedup.near_duplicates`,
+- `datasketch`: datasketch's MinHash signatures and its MinHashLSH index (`near_duplicates` in tests/support/oracles.py,
   candidates confirmed by the true Jaccard);
 - `numpy`: the same index with our vectorized signatures;
 - `table`: what `trajforge build` runs (`pipeline.quality.dedup_table`): vectorized signatures, band
@@ -29,12 +29,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.support.oracles import jaccard, near_duplicates  # noqa: E402
 from trajforge.pipeline.build import BuildConfig, process_unit  # noqa: E402
 from trajforge.pipeline.quality.dedup import (  # noqa: E402
     DedupConfig,
     dedup_texts,
-    jaccard,
-    near_duplicates,
     shingle_hashes,
     shingles,
     signatures,

@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.2)
     args = parser.parse_args()
 
-    server = subprocess.Popen([sys.executable, "-m", "tests.openai_server", "--latency", str(args.latency)],
+    server = subprocess.Popen([sys.executable, "-m", "tests.support.openai_server", "--latency", str(args.latency)],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         base_url = server.stdout.readline().strip()

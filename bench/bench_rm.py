@@ -21,12 +21,11 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 
 
 def fixtures_build(out: Path) -> Path:
-    from conftest import FIXTURE_SOURCES
-
+    from tests.conftest import FIXTURE_SOURCES
     from trajforge.pipeline.build import BuildConfig, finalize, process_unit
     from trajforge.sources import get_source
 
@@ -90,7 +89,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from tiny_model import build_tiny_model
+    from tests.support.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -1,6 +1,6 @@
 """Tree search vs best-of-N at equal call budgets, with a scripted agent whose per-step error rate is set.
 
-The agent (`tests/search_policy.NoisyPolicy`) follows each task's reference solution and, at every
+The agent (`tests/support/search_policy.NoisyPolicy`) follows each task's reference solution and, at every
 step, errs with probability p, after which it is lost; so the truth is known: one rollout of an
 L-step task succeeds with probability (1 - p)^L. Every strategy gets the same budget of calls per
 task and stops at its first success. Tasks: the DBBench fixture tasks the reference solves (L = 2),
@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.conftest import FIXTURES  # noqa: E402
-from tests.search_policy import noisy_policy, textcraft_plan  # noqa: E402
+from tests.support.search_policy import noisy_policy, textcraft_plan  # noqa: E402
 from trajforge.pipeline.envs.tasks import load_tasks  # noqa: E402
 from trajforge.pipeline.llm.client import CallStats, ChatResult, Choice  # noqa: E402
 from trajforge.pipeline.redact import redact  # noqa: E402

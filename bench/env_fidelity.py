@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.local_agentgym import agenttraj_rows, episode  # noqa: E402
+from tests.support.local_agentgym import agenttraj_rows, episode  # noqa: E402
 from trajforge.pipeline.ingest.dialects import parse_turn  # noqa: E402
 from trajforge.pipeline.synth.envs import make_env  # noqa: E402
 

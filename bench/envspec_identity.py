@@ -1,6 +1,6 @@
 """Byte-identity of the environment-spec move: sha256 of every published file of the fixture build
 (with every task file as RL tasks, so each env's `grpo_env` row is built) and of a synthesis run per
-in-process env against the loopback OpenAI-compatible server (tests/openai_server.py).
+in-process env against the loopback OpenAI-compatible server (tests/support/openai_server.py).
 
 Run it once on the commit before the move and once after, then compare:
 
@@ -63,7 +63,7 @@ def fixture_build(out: Path) -> dict[str, str]:
 
 def synthesis(out: Path) -> dict[str, str]:
     import trajforge.pipeline.synth.job as synth_job
-    from tests.openai_server import Server, fixture_policy
+    from tests.support.openai_server import Server, fixture_policy
     from tests.test_local_agentgym_pipeline import GoalPolicy
 
     try:

@@ -16,7 +16,7 @@ import json
 import logging
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 from typing import ClassVar
@@ -419,15 +419,6 @@ def download_from_hub(repo_id: str, patterns: list[str], revision: str | None = 
     return Path(local)
 
 
-@dataclass
-class SourceSpec:
-    """What one source needs to be read: its name, Hub repo, license, and file -> split rule."""
-    name: str
-    hub_repo: str
-    license: str
-    hub_patterns: list[str] = field(default_factory=lambda: ["data/*", "*.json", "*.jsonl", "*.parquet"])
-
-
 class KeepRank(IntEnum):
     """Which copy of a duplicate the dedup keeps, by source (lower is kept): a re-release drops
     upstream fields (loss flags, ids), and synthetic rows are ours."""
@@ -452,10 +443,6 @@ class Source:
         super().__init_subclass__(**kwargs)
         if not isinstance(getattr(cls, "keep_rank", None), KeepRank):
             raise TypeError(f"source {cls.__name__} must state its keep_rank (a KeepRank)")
-
-    @property
-    def re_release(self) -> bool:
-        return self.keep_rank == KeepRank.RE_RELEASE
 
     def files(self, location: str | None) -> list[SourceFile]:
         """Data files at a local path (folder or file), or in the Hub repo (`None` or a repo id)."""

@@ -12,9 +12,9 @@ from dataclasses import asdict
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from fuzz_corpus import generate
 
 from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, RAW
+from tests.support.fuzz_corpus import generate
 from trajforge.pipeline.build import BuildConfig, UnitResult, process_unit, unit_key
 from trajforge.pipeline.publish.shards import read_marker, unit_marker, write_marker
 from trajforge.pipeline.stages import StageTally, merge_tallies

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from tests.conftest import RAW, REPO
-from tests.hub_server import HubServer
+from tests.support.hub_server import HubServer
 from trajforge.flows.cli import _check_out
 from trajforge.sources import REGISTRY, SourceError
 from trajforge.sources.base import download_from_hub

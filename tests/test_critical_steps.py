@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.openai_server import _ERROR_WORDS, CriticalStepPolicy, Server
+from tests.support.openai_server import _ERROR_WORDS, CriticalStepPolicy, Server
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.quality.critical_steps import SelectConfig, SelectionError, parse_selection, select_steps
@@ -173,8 +173,8 @@ def test_select_steps_cli_runs_the_flow(fixtures_build, tmp_path, capsys):
 def test_label_mask_with_loss_on_critical_is_exactly_the_critical_turns(selected, fixtures_build, template):
     pytest.importorskip("trl")
     from datasets import Dataset
-    from tiny_model import build_tokenizer, fixture_texts
 
+    from tests.support.tiny_model import build_tokenizer, fixture_texts
     from tests.test_training_data import CHATML, END_OF_TURN, HEADERS, labelled_runs
     from trajforge.training.data import prepare_sft, tokenize_trajectory
 
@@ -224,9 +224,9 @@ def test_sft_launcher_trains_critical_steps_as_tool_calls(selected, fixtures_bui
     pytest.importorskip("trl")
     torch = pytest.importorskip("torch")
     from datasets import Dataset
-    from tiny_model import build_tiny_model, tool_chat_template
     from transformers import AutoTokenizer
 
+    from tests.support.tiny_model import build_tiny_model, tool_chat_template
     from trajforge.flows.cli import main
     from trajforge.training.data import IGNORE, prepare_sft, tools_rendering
 

@@ -7,20 +7,20 @@ import numpy as np
 import polars as pl
 import pytest
 
+from tests.support.oracles import deduplicate, deduplicate_in_memory, jaccard, make_negatives
 from tests.test_dedup import merged  # noqa: F401  (the fixture: every valid fixture record, ids unique)
 from trajforge.pipeline.quality import dedup_table
-from trajforge.pipeline.quality.dedup import DedupConfig, dedup_texts, deduplicate, jaccard, shingles
+from trajforge.pipeline.quality.dedup import DedupConfig, dedup_texts, shingles
 from trajforge.pipeline.quality.dedup_table import (
     band_keys,
     band_pairs,
-    deduplicate_in_memory,
     near_matrices,
     record_keys,
     resolve,
     sketch_similarity,
     verify_chunks,
 )
-from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
+from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig
 from trajforge.pipeline.quality.pools import EnvPools
 
 

@@ -6,10 +6,11 @@ import pyarrow.parquet as pq
 import pytest
 from datasets import load_dataset
 
+from tests.support.oracles import make_negatives, preference_pairs
 from trajforge.pipeline.ingest.dialects import parse_turn
 from trajforge.pipeline.ingest.validate import validate_record
-from trajforge.pipeline.quality.derived import grpo_prompt, preference_pair, preference_pairs
-from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
+from trajforge.pipeline.quality.derived import grpo_prompt, preference_pair
+from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig
 from trajforge.schemas import validator
 
 
@@ -27,7 +28,7 @@ def all_pairs(positives):
 
 @pytest.fixture(scope="module")
 def tokenizer(fixtures_build):
-    from tests.tiny_model import build_tokenizer, fixture_texts
+    from tests.support.tiny_model import build_tokenizer, fixture_texts
 
     return build_tokenizer(fixture_texts(fixtures_build)[:300], vocab_size=400)
 

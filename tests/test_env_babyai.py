@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("minigrid", reason="the `envs` extra (minigrid) is not installed")
 
-from tests.local_agentgym import agenttraj_rows, episode  # noqa: E402
+from tests.support.local_agentgym import agenttraj_rows, episode  # noqa: E402
 from trajforge.pipeline.ingest.dialects import parse_turn  # noqa: E402
 from trajforge.pipeline.synth.envs import make_env  # noqa: E402
 from trajforge.pipeline.synth.envs.babyai import level_and_seed  # noqa: E402

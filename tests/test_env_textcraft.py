@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.local_agentgym import agenttraj_rows, episode
+from tests.support.local_agentgym import agenttraj_rows, episode
 from trajforge.pipeline.envs.tasks import TaskFormatError
 from trajforge.pipeline.synth.envs import make_env
 

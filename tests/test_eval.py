@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import FIXTURES, RAW
-from tests.openai_server import Reply, Server
+from tests.support.openai_server import Reply, Server
 from trajforge.flows.cli import main
 from trajforge.pipeline.evaluation.metrics import pass_at_k, wilson
 from trajforge.pipeline.evaluation.splits import EVAL_SPLITS

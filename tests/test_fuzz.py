@@ -1,6 +1,6 @@
 """Fuzz: `trajforge build` over thousands of mutated real rows in every container and damage.
 
-The corpus (tests/fuzz_corpus.py) is seeded: a failure reproduces with the same seed and size.
+The corpus (tests/support/fuzz_corpus.py) is seeded: a failure reproduces with the same seed and size.
 `--fuzz-records N` sets the size (default 3000 for CI; run it once with 10000+).
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections import Counter, defaultdict
 
 import pyarrow.parquet as pq
 import pytest
-from fuzz_corpus import generate
 
 from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, REPO
+from tests.support.fuzz_corpus import generate
 
 pytestmark = pytest.mark.slow
 SEED = 20261201

@@ -9,11 +9,12 @@ import json
 import pytest
 
 from tests.conftest import FIXTURE_SOURCES
+from tests.support.oracles import make_negatives
 from trajforge.pipeline.envs.grammar import _AGENTGYM_TOOL_LIST, _tool_listings
 from trajforge.pipeline.ingest.grammars import GRAMMARS, grammar_for
 from trajforge.pipeline.ingest.normalize import normalize_row
 from trajforge.pipeline.ingest.validate import ValidateConfig, action_contexts, validate_record
-from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig, make_negatives
+from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig
 from trajforge.sources import get_source, iter_rows
 from trajforge.sources.agentinstruct import SPLITS
 from trajforge.sources.agenttraj_l import ENVS

@@ -209,7 +209,7 @@ def test_the_sft_labels_leave_a_masked_step_untrained(fixtures_build):
     """textcraft_251 as the build wrote it: the label tensor trains the recovery, never the refused
     `get end stone brick stairs`."""
     pytest.importorskip("trl")
-    from tests.tiny_model import build_tokenizer, fixture_texts
+    from tests.support.tiny_model import build_tokenizer, fixture_texts
     from trajforge.training.data import IGNORE, tokenize_trajectory
 
     rows = pq.read_table(fixtures_build / "data" / "sft").to_pylist()

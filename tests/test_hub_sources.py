@@ -15,7 +15,7 @@ import pytest
 from huggingface_hub import CommitOperationAdd, HfApi
 
 from tests.conftest import AGENT_FLAN, RAW, REPO
-from tests.hub_server import HubServer
+from tests.support.hub_server import HubServer
 
 # Upstream repo -> {path in the repo: local file with that content}.
 UPSTREAM = {

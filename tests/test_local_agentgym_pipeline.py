@@ -15,12 +15,12 @@ import pytest
 pytest.importorskip("minigrid", reason="the `envs` extra (minigrid) is not installed")
 
 from tests.conftest import FIXTURES  # noqa: E402
-from tests.openai_server import Reply, Server  # noqa: E402
+from tests.support.openai_server import Reply, Server  # noqa: E402
+from tests.support.oracles import grpo_env_rows  # noqa: E402
 from trajforge.pipeline.envs.tasks import load_tasks  # noqa: E402
 from trajforge.pipeline.envs.tool_calls import tool_messages, trajectory_prompt  # noqa: E402
 from trajforge.pipeline.ingest.validate import grammar_breaches, validate_record  # noqa: E402
 from trajforge.pipeline.llm.client import LLMConfig  # noqa: E402
-from trajforge.pipeline.quality.derived import grpo_env_rows  # noqa: E402
 from trajforge.pipeline.synth.agent import AgentConfig  # noqa: E402
 from trajforge.pipeline.synth.job import SynthConfig, synthesize  # noqa: E402
 from trajforge.pipeline.synth.salvage import SalvageConfig, salvage  # noqa: E402

@@ -9,8 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import AGENT_FLAN
+from tests.support.oracles import make_negatives
 from trajforge.pipeline.ingest.validate import validate_record
-from trajforge.pipeline.quality.negatives import EXPECTED_VIOLATION, NEGATIVE_TYPES, NegativesConfig, make_negatives
+from trajforge.pipeline.quality.negatives import EXPECTED_VIOLATION, NEGATIVE_TYPES, NegativesConfig
 from trajforge.schemas import validator
 
 ALL = NegativesConfig(rates=dict.fromkeys(NEGATIVE_TYPES, 1.0))
@@ -121,8 +122,8 @@ def test_build_writes_negatives_config(fixtures_build):
 
 
 def test_agent_flan_rows_keep_their_label_and_their_negatives_fail_validation(tmp_path):
+    from tests.support.oracles import deduplicate
     from trajforge.pipeline.build import BuildConfig, process_unit
-    from trajforge.pipeline.quality.dedup import deduplicate
     from trajforge.sources import get_source
     records = [r for f in get_source("agent_flan").files(str(AGENT_FLAN))
                for r in pq.read_table(process_unit("agent_flan", f, tmp_path, BuildConfig()).records_path).to_pylist()]

@@ -20,14 +20,14 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 from conftest import FIXTURES, RAW
-from hub_server import HubServer
-from openai_server import CriticalStepPolicy, Server, fixture_policy
 from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from test_deployments import PREFECT, REPO, prefect_server, run  # noqa: F401 - prefect_server is a fixture
 
+from tests.support.hub_server import HubServer
+from tests.support.openai_server import CriticalStepPolicy, Server, fixture_policy
 from trajforge.flows.notify import install
 
 pytestmark = pytest.mark.slow

@@ -18,11 +18,12 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hub_server import HubServer
 
+from tests.support.hub_server import HubServer
+from tests.support.oracles import write_config
 from trajforge.pipeline.publish.manifest import read_manifest, write_manifest
 from trajforge.pipeline.publish.release import ReleaseError, ReleaseVerificationError, plan_release, release
-from trajforge.pipeline.publish.shards import ShardConfig, layout, write_config
+from trajforge.pipeline.publish.shards import ShardConfig, layout
 
 TOKEN = "hf_loopbackTestToken_7f3a9c"
 REPO = "trajforge-test/agent-trajectories"

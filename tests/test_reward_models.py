@@ -12,8 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
-from tiny_model import warm_start  # noqa: E402
-
+from tests.support.tiny_model import warm_start  # noqa: E402
 from tests.test_training_trainers import CONFIGS, launch, one_thread, tiny  # noqa: E402,F401  (the same fixtures)
 
 

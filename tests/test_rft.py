@@ -43,7 +43,7 @@ def test_rft_rounds_keep_successes_and_build_again(tiny, held_out, tmp_path):
 
     out = tmp_path / "rft"
     # The server knows every DBBench dev task, so it also solves some of the held-out split.
-    serve = [sys.executable, "-m", "tests.openai_server", "--port", "{port}", "--db-tasks", str(DB_FILE)]
+    serve = [sys.executable, "-m", "tests.support.openai_server", "--port", "{port}", "--db-tasks", str(DB_FILE)]
     report = rft(sources=SOURCES, tasks=str(held_out), env="db", base_model=str(tiny), out=str(out), rounds=2,
                  sft_args=SFT_ARGS, serve=serve, n=1, max_turns=4, startup_timeout_s=60)
     assert json.loads((out / "report.json").read_text()) == report

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import FIXTURES
-from tests.openai_server import FixturePolicy, Server, fixture_policy
+from tests.support.openai_server import FixturePolicy, Server, fixture_policy
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.synth.job import SynthConfig, synthesize

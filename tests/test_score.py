@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.openai_server import Reply, Server
+from tests.support.openai_server import Reply, Server
 from trajforge.pipeline.quality.critical_steps import step_turns
 from trajforge.pipeline.quality.score import parse_rating
 
@@ -48,8 +48,9 @@ def reward_head(tmp_path_factory, fixtures_build) -> Path:
     """A reward head on the tiny model: untrained, but a real model giving real, varied scores."""
     pytest.importorskip("torch")
     pytest.importorskip("trl")
-    from tiny_model import build_tiny_model
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tests.support.tiny_model import build_tiny_model
 
     tiny = build_tiny_model(tmp_path_factory.mktemp("tiny"), fixtures_build)
     out = tmp_path_factory.mktemp("reward_head")

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import FIXTURES
-from tests.search_policy import LOST_THOUGHT, SeededServer, noisy_policy
+from tests.support.search_policy import LOST_THOUGHT, SeededServer, noisy_policy
 from trajforge.flows.cli import _synth_run, parser
 from trajforge.flows.config import merge, nested, synth_config
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, FIXTURES, REPO
-from tests.openai_server import Server, fixture_policy
+from tests.support.openai_server import Server, fixture_policy
 from trajforge.pipeline.build import build_in_process
 from trajforge.pipeline.publish.manifest import read_manifest
 

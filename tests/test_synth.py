@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import FIXTURES, REPO
-from tests.openai_server import Server, down_url, fixture_policy
+from tests.support.openai_server import Server, down_url, fixture_policy
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.llm.client import LLMConfig, ServerUnreachable
 from trajforge.pipeline.synth.job import USAGE_KEYS, SynthConfig, synthesize

@@ -8,8 +8,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tiny_model import CHATML, build_tokenizer, fixture_texts, read_config  # noqa: E402
-
+from tests.support.tiny_model import CHATML, build_tokenizer, fixture_texts, read_config  # noqa: E402
 from trajforge.training.data import (  # noqa: E402
     IGNORE,
     TemplateError,

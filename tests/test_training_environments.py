@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FIXTURES
+from tests.support.oracles import grpo_env_rows
 from tests.test_env_agentgym import serve  # noqa: F401  (the loopback AgentGym server fixture)
 from tests.test_env_os import _sandbox_leftovers
 from trajforge.pipeline.envs.tasks import load_tasks
 from trajforge.pipeline.envs.tool_calls import action_text, tool_call, tool_messages
-from trajforge.pipeline.quality.derived import grpo_env_row, grpo_env_rows, record_task
+from trajforge.pipeline.quality.derived import grpo_env_row, record_task
 from trajforge.schemas import first_error
 from trajforge.training.environments import EPISODE_OVER, EnvironmentFactory, ToolEnvironment, make_factories
 from trajforge.training.rewards import tool_call_reward
@@ -58,7 +59,7 @@ def test_grpo_env_rows_from_task_files_are_valid_and_reset_to_their_task():
 
 
 def test_grpo_env_rows_from_trajectories_only_where_an_env_can_reset(fixtures_build):
-    from tiny_model import read_config
+    from tests.support.tiny_model import read_config
 
     records = read_config(fixtures_build, "sft")
     rows, _ = grpo_env_rows([], records)
@@ -216,10 +217,11 @@ def test_sft_example_and_rl_rollout_of_a_task_share_one_action_format(tmp_path):
     """The SFT `tools` rendering of a trajectory and an RL rollout of the same task: same prompt
     tokens (tools included), and every trained SFT reply parses (as TRL parses a generation) to a
     call that the adapter runs, giving the observation the SFT example shows."""
-    from tiny_model import build_tokenizer, tool_chat_template
     from transformers import AutoTokenizer
     from transformers.utils import get_json_schema
     from trl.chat_template_utils import add_response_schema, parse_response
+
+    from tests.support.tiny_model import build_tokenizer, tool_chat_template
 
     tokenizer = add_response_schema(build_tokenizer(["SELECT Floors FROM x"] * 20, chat_template=tool_chat_template()))
     tokenizer.save_pretrained(tmp_path)
@@ -315,9 +317,9 @@ def train_grpo_env(model: Path, data: Path, out: Path, *overrides: str, generate
 @needs_sandbox
 def test_two_grpo_steps_run_episodes_in_sqlite_and_the_os_sandbox(fixtures_build, tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
-    from tiny_model import build_tiny_model, fit_texts, tool_chat_template
     from transformers import AutoTokenizer
 
+    from tests.support.tiny_model import build_tiny_model, fit_texts, tool_chat_template
     from trajforge.pipeline.synth.envs.os_sandbox import OsSandboxEnv
 
     torch.set_num_threads(1)
@@ -396,9 +398,9 @@ def test_max_concurrent_envs_must_cover_one_generation_batch():
 
 def test_sft_in_the_tools_format_trains_on_calls_not_on_observations(fixtures_build, tmp_path):
     from datasets import Dataset
-    from tiny_model import build_tokenizer, read_config, tool_chat_template
     from transformers import AutoTokenizer
 
+    from tests.support.tiny_model import build_tokenizer, read_config, tool_chat_template
     from trajforge.training.data import IGNORE, prepare_sft, tools_rendering
 
     records = [r for r in read_config(fixtures_build, "sft") if r["env"] in ("os", "db", "webshop")][:12]
@@ -475,8 +477,9 @@ class ScriptedPolicy:
 def test_multi_turn_grpo_episodes_read_the_observation_and_are_scored_by_the_env(fixtures_build, tmp_path,
                                                                                   monkeypatch):
     torch = pytest.importorskip("torch")
-    from tiny_model import build_tiny_model, tool_chat_template
     from transformers import AutoTokenizer
+
+    from tests.support.tiny_model import build_tiny_model, tool_chat_template
 
     torch.set_num_threads(1)
     tasks = [t for t in load_tasks(DB_FILE) if t.description in (DB_SELECT, DB_DOVER)]
@@ -526,9 +529,9 @@ def test_multi_turn_grpo_episodes_read_the_observation_and_are_scored_by_the_env
 
 def test_max_prompt_tokens_counts_the_prompt_as_trl_renders_it_with_the_tools(tmp_path):
     from datasets import Dataset
-    from tiny_model import build_tokenizer, tool_chat_template
     from transformers import AutoTokenizer
 
+    from tests.support.tiny_model import build_tokenizer, tool_chat_template
     from trajforge.training.grpo import limit_prompts, prompt_tokens
 
     build_tokenizer(["SELECT Floors FROM x"] * 20, chat_template=tool_chat_template()).save_pretrained(tmp_path)

@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_model import read_config
 
+from tests.support.tiny_model import read_config
 from trajforge.pipeline.ingest.dialects import render_react
 from trajforge.training.rewards import (
     REWARDS,

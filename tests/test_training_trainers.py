@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
-from tiny_model import build_tiny_model, warm_start  # noqa: E402
+from tests.support.tiny_model import build_tiny_model, warm_start  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "training" / "configs"
 

@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
 import re
 from collections.abc import Callable
 
 from trajforge.pipeline.ingest.dialects import DIALECTS, FREE_TEXT, extract_answer, parse_answer_list, parse_turn
 from trajforge.pipeline.registry import Registry, UnknownName
-
-logger = logging.getLogger(__name__)
 
 REACT_DIALECT = "think_act"
 
@@ -138,12 +135,9 @@ def env_reward(completions, **kwargs) -> list[float | None]:
     record as `pipeline.envs.tasks` reads it, or its JSON text) and return the environment's reward.
     None for rows without a task or whose env has no registered environment."""
     n = len(completions)
-    try:
-        from trajforge.pipeline.envs.tasks import coerce_task
-        from trajforge.pipeline.synth.envs import env_class
-    except ImportError:
-        logger.warning("env reward: pipeline.envs is not available; the reward is skipped")
-        return [None] * n
+    from trajforge.pipeline.envs.tasks import coerce_task
+    from trajforge.pipeline.synth.envs import env_class
+
     rewards: list[float | None] = []
     for completion, task in zip(completions, _column(kwargs, "env_task", n)):
         if task is None:

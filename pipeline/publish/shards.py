@@ -7,8 +7,8 @@ row groups small enough that a streaming reader holds one group at a time.
 Same table + same ShardConfig -> same file names and byte-identical files: nothing in a shard
 depends on time, host, runner or worker count.
 
-Crash safety: every file is written to a temp name and renamed; a shard (or a staged unit) is
-done when its completion marker exists and names the same input fingerprint. Markers live under
+Crash safety: every file is written to a temp name and renamed; a staged unit is done when its
+completion marker exists and names the same input fingerprint. Markers live under
 `<out>/.staging`, which a release never publishes.
 """
 from __future__ import annotations
@@ -16,13 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.atomic import atomic_path, write_json, write_table
+from trajforge.pipeline.atomic import atomic_path, write_json
 from trajforge.pipeline.publish.manifest import code_version, file_sha256
 from trajforge.pipeline.stages import in_order
 
@@ -45,16 +45,16 @@ def shard_name(split: str, index: int, count: int) -> str:
     return f"{split}-{index:05d}-of-{count:05d}.parquet"
 
 
-def plan_shards(table: pa.Table, config: ShardConfig) -> list[tuple[int, int]]:
-    """(offset, length) of each shard; at least one row per shard, none for an empty table."""
-    n = table.num_rows
-    if n == 0:
+def plan_shards(rows: int, nbytes: int, config: ShardConfig) -> list[tuple[int, int]]:
+    """(offset, length) of each shard of a split of `rows` rows and `nbytes` Arrow bytes; at least
+    one row per shard, none for an empty split."""
+    if rows == 0:
         return []
     if config.max_rows is not None:
         per_shard = max(1, config.max_rows)
     else:
-        per_shard = max(1, int(config.max_bytes // max(1, table.nbytes / n)))
-    return [(offset, min(per_shard, n - offset)) for offset in range(0, n, per_shard)]
+        per_shard = max(1, int(config.max_bytes // max(1, nbytes / rows)))
+    return [(offset, min(per_shard, rows - offset)) for offset in range(0, rows, per_shard)]
 
 
 # -- completion markers ------------------------------------------------------------------------
@@ -72,58 +72,7 @@ def write_marker(path: Path, fingerprint: str, payload: dict) -> None:
     write_json(path, {"fingerprint": fingerprint, "payload": payload}, indent=None)
 
 
-def marker_dir(out: Path) -> Path:
-    return out / ".staging" / "markers"
-
-
-def _table_fingerprint(table: pa.Table, config: ShardConfig) -> str:
-    digest = hashlib.sha256(json.dumps([asdict(config), pa.__version__]).encode())
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    digest.update(sink.getvalue())
-    return digest.hexdigest()
-
-
 # -- shards ------------------------------------------------------------------------------------
-
-def write_shard(table: pa.Table, path: Path, config: ShardConfig) -> None:
-    write_table(table, path, compression_level=config.compression_level, row_group_size=config.row_group_rows)
-
-
-def write_config(out: Path, config_name: str, splits: dict[str, pa.Table],
-                 config: ShardConfig = ShardConfig()) -> dict[str, list[str]]:
-    """Write every split of one config as shards; returns split -> shard paths relative to `out`.
-
-    A shard whose marker matches its content fingerprint and whose file is intact is not
-    rewritten (resume after a crash). An empty split is one shard without rows, so the config
-    still loads. Shards of an earlier build that this one does not produce (another shard count,
-    a split that is gone) are removed, so the folder holds one build.
-    """
-    folder = out / "data" / config_name
-    written: dict[str, list[str]] = {}
-    keep: set[str] = set()
-    for split, table in splits.items():
-        plan = plan_shards(table, config) or [(0, 0)]
-        for index, (offset, length) in enumerate(plan):
-            name = shard_name(split, index, len(plan))
-            path = folder / name
-            shard = table.slice(offset, length)
-            fingerprint = _table_fingerprint(shard, config)
-            marker = marker_dir(out) / "shards" / config_name / f"{name}.done"
-            done = read_marker(marker, fingerprint)
-            if not (done and path.exists() and path.stat().st_size == done["size"]
-                    and file_sha256(path) == done["sha256"]):
-                write_shard(shard, path, config)
-                write_marker(marker, fingerprint, {"size": path.stat().st_size, "sha256": file_sha256(path)})
-            keep.add(name)
-            written.setdefault(split, []).append(path.relative_to(out).as_posix())
-    if folder.exists():
-        for stale in folder.iterdir():
-            if SHARD_RE.match(stale.name) and stale.name not in keep:
-                stale.unlink()
-    return written
-
 
 def layout(out: Path) -> dict[str, dict[str, list[str]]]:
     """config -> split -> shard paths (relative, sorted) found under `out/data`."""
@@ -200,18 +149,17 @@ def write_shard_from_files(path: str, staged: list[str], offset: int, length: in
 
 def write_config_from_file(out: Path, config_name: str, split: str, staged: list[Path], schema: pa.Schema,
                            nbytes: int, config: ShardConfig = ShardConfig(), map_units=in_order) -> dict[str, list[str]]:
-    """`write_config` for a split staged as Parquet files (their rows in order), one row group of a
-    shard in memory at a time; each shard is a step of `map_units` (shards are independent, so a
-    flow writes them on its task runner). `nbytes` is the split's Arrow size (what `plan_shards`
-    divides by); shards hold the same rows and row groups as `write_config` of the whole table would
-    write. `schema` is the split's Arrow schema (a Parquet round trip renames list items, which would
-    change the bytes)."""
+    """Write one split of one config, staged as Parquet files (their rows in order), as shards, one
+    row group of a shard in memory at a time; returns split -> shard paths relative to `out`. Each
+    shard is a step of `map_units` (shards are independent, so a flow writes them on its task
+    runner). `nbytes` is the split's Arrow size (what `plan_shards` divides by). `schema` is the
+    split's Arrow schema (a Parquet round trip renames list items, which would change the bytes).
+    Shards of an earlier build that this one does not produce are removed, so the folder holds one
+    build."""
     folder = out / "data" / config_name
     n = sum(pq.ParquetFile(path).metadata.num_rows for path in staged)
-    per_shard = (max(1, config.max_rows) if config.max_rows is not None
-                 else max(1, int(config.max_bytes // max(1, nbytes / n)))) if n else 0
-    # An empty split is one shard without rows, as in write_config: every config loads.
-    plan = [(offset, min(per_shard, n - offset)) for offset in range(0, n, per_shard)] if n else [(0, 0)]
+    # An empty split is one shard without rows: every config loads.
+    plan = plan_shards(n, nbytes, config) or [(0, 0)]
     names = [shard_name(split, index, len(plan)) for index in range(len(plan))]
     map_units(write_shard_from_files, [(str(folder / name), [str(p) for p in staged], offset, length, schema, config)
                                        for name, (offset, length) in zip(names, plan)])

@@ -8,12 +8,12 @@ whitespace while the task and the trajectory stay.
 - Exact: a hash over that text as tokens (case, whitespace, terminal escape codes and literal
   `\\n` escapes folded).
 - Near: MinHash over word shingles of the same text (rewordings of thoughts, small edits),
-  candidates from datasketch's LSH index, confirmed by the true Jaccard similarity of the shingle
-  sets, so LSH false positives never merge. Records are visited in keep-preference order and each
-  one either joins the most similar kept record or becomes kept itself: a dropped record is always
-  similar to the record it points at (no chaining through intermediate rows). The signatures come
-  from a vectorized numpy MinHash (default; bench/bench_dedup.py measures it against datasketch's
-  on 100k trajectories: same recall, several times the throughput) or from datasketch's own.
+  candidates from LSH band keys, confirmed by the true Jaccard similarity of the shingle sets, so
+  LSH false positives never merge; a dropped record always points at a kept record it is similar
+  to (no chaining through intermediate rows); the stages run over a key table (dedup_table.py).
+  The signatures come from a vectorized numpy MinHash (default; bench/bench_dedup.py measures it
+  against datasketch's on 100k trajectories: same recall, several times the throughput) or from
+  datasketch's own.
 - Only records of the same kind (and negative type) are compared: an upstream negative is not a
   duplicate of a positive even when it repeats its task.
 
@@ -34,11 +34,10 @@ from typing import NamedTuple
 
 import numpy as np
 import polars as pl
-from datasketch import LeanMinHash, MinHash, MinHashLSH
+from datasketch import MinHash
 
 from trajforge.pipeline.ingest.dialects import clean_text
 from trajforge.pipeline.registry import Registry
-from trajforge.sources import keep_rank as source_keep_rank
 
 # datasketch's 32-bit permutation scheme; the numpy backend also produces 32-bit values of the same
 # form, so either kind of signature goes into the same LSH index.
@@ -75,17 +74,12 @@ class DedupConfig:
 
 
 def _folded(text: str) -> str:
-    """The text whose tokens `fold` takes. Of `clean_text` only the escape codes matter here:
+    """The text whose tokens (`_TOKEN`) dedup compares. Of `clean_text` only the escape codes matter here:
     the rest of it changes whitespace, which no token holds, so it runs only on text with an
     escape code (ESC or BEL) in it."""
     if "\x1b" in text or "\x07" in text:
         text = clean_text(text)
     return _LITERAL_ESCAPE.sub(" ", text).lower()
-
-
-def fold(text: str) -> list[str]:
-    """Tokens of a text with everything that differs between mirrors folded away."""
-    return _TOKEN.findall(_folded(text))
 
 
 class DedupText(NamedTuple):
@@ -108,7 +102,7 @@ _PYTHON_ONLY_SPACE = "\x1c\x1d\x1e\x1f"
 def _tokenized(texts: list[str]) -> tuple[list[str], list[str]]:
     """(tokens joined by \x1f, words joined by spaces) of each folded text. ASCII text goes
     through polars' regex at once, several times faster than `re` on its many small matches;
-    any other text through `fold`'s own patterns."""
+    any other text through `re` with the same patterns."""
     tokens, words = [""] * len(texts), [""] * len(texts)
     fast = [i for i, t in enumerate(texts) if t.isascii() and not any(c in t for c in _PYTHON_ONLY_SPACE)]
     if fast:
@@ -180,10 +174,6 @@ class ShingleSets(Sequence):
 
     def __getitem__(self, i):
         return shingles(self.words[i].split(), self.size)
-
-
-def jaccard(a: set, b: set) -> float:
-    return len(a & b) / len(a | b) if a or b else 1.0
 
 
 def _datasketch_signatures(sets: Sequence[set[str]], num_perm: int, seed: int, hashes=None) -> np.ndarray:
@@ -264,73 +254,6 @@ def signatures(sets: Sequence[set[str]], config: DedupConfig,
     return SIGNATURE_BACKENDS[config.backend](sets, config.num_perm, config.seed, hashes)
 
 
-def near_duplicates(sets: Sequence[set[str]], groups: Sequence[str], config: DedupConfig,
-                    sigs: np.ndarray | None = None) -> list[tuple[int, float] | None]:
-    """For each set (in preference order): None if kept, else (index of the kept set, Jaccard).
-
-    `groups` partitions the sets; only sets of the same group are compared. `sigs` are the
-    signatures when the caller already has them.
-    """
-    params = (config.bands, config.rows) if config.bands is not None else None
-    lsh = MinHashLSH(threshold=config.threshold, num_perm=config.num_perm, params=params)
-    sigs = signatures(sets, config) if sigs is None else sigs
-    result: list[tuple[int, float] | None] = []
-    for i, s in enumerate(sets):
-        m = LeanMinHash(seed=config.seed, hashvalues=sigs[i], scheme=SCHEME)
-        best: tuple[int, float] | None = None
-        for j in sorted(lsh.query(m)):
-            if groups[j] != groups[i]:
-                continue
-            sim = jaccard(s, sets[j])
-            if sim >= config.threshold and (best is None or sim > best[1]):
-                best = (j, sim)
-        if best is None:
-            lsh.insert(i, m, check_duplication=False)
-        result.append(best)
-    return result
-
-
-def keep_rank(record: dict, order: int) -> tuple:
-    """Sort key of the keep preference (smaller is kept); see the module docstring."""
-    known = sum(record[k] is not None for k in ("answer", "reward", "success"))
-    return (record["loss_flags"] != "upstream", source_keep_rank(record["source"]), -known, order)
-
-
-def _dup_row(record: dict, kept: dict, match: str, similarity: float) -> dict:
-    return {"id": record["id"], "source": record["source"], "source_id": record["source_id"],
-            "source_file": record["source_file"], "kept_id": kept["id"], "kept_source": kept["source"],
-            "match": match, "similarity": round(similarity, 4)}
-
-
-def deduplicate(records: list[dict], config: DedupConfig = DedupConfig()) -> tuple[list[dict], list[dict]]:
-    """Split records into (kept, duplicates); kept records stay in build order.
-
-    Every dropped record gets one row in the duplicates map (schemas/duplicates.schema.json).
-    """
-    order = sorted(range(len(records)), key=lambda i: keep_rank(records[i], i))
-    kept_by_key: dict[str, int] = {}
-    dropped: dict[int, dict] = {}
-    unique: list[int] = []
-    texts = dedup_texts(records)
-    for i in order:
-        key = exact_key(dedup_group(records[i]), texts[i])
-        if key in kept_by_key:
-            dropped[i] = _dup_row(records[i], records[kept_by_key[key]], "exact", 1.0)
-        else:
-            kept_by_key[key] = i
-            unique.append(i)
-    if config.near and len(unique) > 1:
-        sets = [shingles(texts[i].words.split(), config.shingle_size) for i in unique]
-        groups = [dedup_group(records[i]) for i in unique]
-        for pos, hit in enumerate(near_duplicates(sets, groups, config)):
-            if hit is not None:
-                i, (j, sim) = unique[pos], hit
-                dropped[i] = _dup_row(records[i], records[unique[j]], "near", sim)
-    kept = [r for i, r in enumerate(records) if i not in dropped]
-    duplicates = [dropped[i] for i in sorted(dropped)]
-    return kept, duplicates
-
-
 # --- decontamination ------------------------------------------------------------------------
 
 def read_eval_tasks(path: Path) -> list[str]:
@@ -385,7 +308,7 @@ class Contamination:
 
 
 def _task_words(text: str) -> tuple[str, ...]:
-    """The word tokens of `fold(text)`: its maximal \\w+ runs, which `_WORD` finds directly."""
+    """The word tokens of the folded text: its maximal \\w+ runs, which `_WORD` finds directly."""
     return tuple(_WORD.findall(_folded(text)))
 
 

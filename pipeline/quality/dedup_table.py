@@ -1,7 +1,7 @@
 """Deduplication as group-bys over a compact key table, never over all records at once.
 
-The same decisions as `dedup.deduplicate` (same text, same signatures, same keep preference, same
-verification by the true shingle Jaccard), split so that it scales:
+The same decisions as the tests' in-memory oracle (`deduplicate`, tests/support/oracles.py: same text,
+same signatures, same keep preference, same verification by the true shingle Jaccard), split so that it scales:
 
 - Map, per batch of records (`record_keys`): the exact hash, the LSH band keys of the MinHash
   signature (one 64-bit key per band), a one-permutation sketch of the shingle set (`sketches`),
@@ -125,7 +125,7 @@ def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig =
         "order": pl.Series(range(start_order, start_order + n), dtype=pl.Int64),
         "group": pl.Series(groups, dtype=pl.String),
         "exact": pl.Series([exact_key(g, t) for g, t in zip(groups, texts)], dtype=pl.String),
-        # The keep preference of dedup.keep_rank, as columns (smaller is kept).
+        # The keep preference (dedup.py's docstring), as columns (smaller is kept).
         "not_upstream": pl.Series([r["loss_flags"] != "upstream" for r in records], dtype=pl.Boolean),
         "source_rank": pl.Series([int(keep_rank(r["source"])) for r in records], dtype=pl.Int8),
         "unknown": pl.Series([-sum(r[k] is not None for k in ("answer", "reward", "success")) for r in records],
@@ -383,28 +383,3 @@ def _scratch(workdir: Path | None) -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-@dataclass
-class RecordsInMemory:
-    """Records in a list, with their key table: the `records` of `duplicates_table` for one unit."""
-    records: list[dict]
-    keys: pl.DataFrame
-    config: DedupConfig
-
-    def near_rows(self, table: pl.DataFrame):
-        yield np.arange(table.height), *near_matrices(self.keys[table["row"].to_numpy()], self.config)
-
-    def shingle_sets(self, refs: list[tuple[int, int]], size: int) -> list[np.ndarray]:
-        return shingle_set_hashes([self.records[row] for _, row in refs], size)
-
-
-def deduplicate_in_memory(records: list[dict], config: DedupConfig = DedupConfig(),
-                          batch: int = 4096) -> tuple[list[dict], list[dict]]:
-    """`dedup.deduplicate` through the key table: (kept records in build order, duplicates map)."""
-    keys = pl.concat([record_keys(records[i:i + batch], i, config) for i in range(0, max(1, len(records)), batch)])
-    keys = keys.with_columns(pl.lit(0, dtype=pl.Int32).alias("unit"), pl.col("order").alias("row"))
-    rows = duplicates_table(keys, RecordsInMemory(records, keys, config), config)
-    dropped = {row["order"] for row in rows}
-    kept = [r for i, r in enumerate(records) if i not in dropped]
-    return kept, [{k: v for k, v in row.items() if k not in ("order", "kept_order")} for row in rows]

@@ -58,20 +58,6 @@ def preference_pair(negative: dict, parent: dict) -> dict | None:
             "rejected": _messages([rejected_turn])}
 
 
-def preference_pairs(negatives: list[dict], records: list[dict]) -> tuple[list[dict], int]:
-    """Pairs for every negative whose parent is among `records`; also the number left without one."""
-    by_id = {r["id"]: r for r in records}
-    pairs, unpaired = [], 0
-    for negative in negatives:
-        parent = by_id.get(negative["parent_id"] or "")
-        pair = preference_pair(negative, parent) if parent is not None else None
-        if pair is None:
-            unpaired += 1
-        else:
-            pairs.append(pair)
-    return pairs, unpaired
-
-
 def grpo_prompt(record: dict) -> dict | None:
     """The RL prompt of a positive trajectory, or None when it has no trained assistant turn."""
     turns = record["conversations"]
@@ -84,11 +70,6 @@ def grpo_prompt(record: dict) -> dict | None:
             "expected_actions": actions, "first_action": turns[first]["action"],
             "rendering": record["rendering"], "dialect": turns[first]["dialect"],
             "reward": record["reward"], "success": record["success"]}
-
-
-def grpo_prompts(records: list[dict]) -> list[dict]:
-    """GRPO rows from the positives (upstream-labelled negatives are not tasks to reward)."""
-    return [row for r in records if r["kind"] == "positive" for row in [grpo_prompt(r)] if row is not None]
 
 
 def grpo_env_row(task: Task, source: str, row_id: str | None = None, env: str | None = None,
@@ -117,26 +98,6 @@ def record_task(record: dict) -> Task | None:
     spec of the env the trajectory runs in), or None."""
     environment = recorded_in(record["env"])
     return environment.recorded_task(record) if environment.recorded_task else None
-
-
-def grpo_env_rows(tasks: list[Task], records: list[dict]) -> tuple[list[dict], int]:
-    """RL tasks from task files and from the positives whose task an environment can reset to;
-    also the number of task-file tasks left out because they cannot run here (`skip_reason`).
-    One row per task: a trajectory of a task-file task (synthetic, `meta.task_id`) only lends its
-    final answer where the file knows none; repeated AgentGym items keep their first trajectory."""
-    positives = [r for r in records if r["kind"] == "positive"]
-    answers: dict[str, str] = {}
-    for r in positives:
-        task_id = json.loads(r["meta"]).get("task_id") if r["source"] == "synthetic" else None
-        if task_id is not None and r["answer"] is not None:
-            answers.setdefault(task_id, r["answer"])
-    runnable = [t for t in tasks if not t.skip_reason]
-    rows = {t.id: grpo_env_row(t, "tasks", answer=reference_answer(t) or answers.get(t.id)) for t in runnable}
-    for r in positives:
-        task = record_task(r)
-        if task is not None and task.id not in rows:
-            rows[task.id] = grpo_env_row(task, r["source"], row_id=task.id, env=r["env"], answer=r["answer"])
-    return list(rows.values()), len(tasks) - len(runnable)
 
 
 GOOD, BAD = 1, 0  # step labels

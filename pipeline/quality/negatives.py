@@ -332,12 +332,3 @@ def negatives_of(record: dict, pools: EnvPools, config: NegativesConfig = Negati
             if negative is not None:
                 out.append(negative)
     return out
-
-
-def make_negatives(records: list[dict], config: NegativesConfig = NegativesConfig(),
-                   pools: EnvPools | None = None) -> list[dict]:
-    """Negatives from the valid positives among `records`, in record order then type order.
-
-    `pools` (pools.py) default to the pools of `records` themselves."""
-    pools = EnvPools.of(records) if pools is None else pools
-    return [negative for record in records for negative in negatives_of(record, pools, config)]

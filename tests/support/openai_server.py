@@ -25,7 +25,7 @@ outside the OpenAI schema with transformers serve's 422 `{"detail": "Unexpected 
 it, the same request always gets the same reply, as from a server that ignores sampling).
 `down_url()` is a base URL where nothing listens (connection refused).
 
-Run standalone for benchmarks: `python -m tests.openai_server --latency 0.2` prints the base URL;
+Run standalone for benchmarks: `python -m tests.support.openai_server --latency 0.2` prints the base URL;
 `GET /stats` returns the call counts.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 R1_BODY = FIXTURES / "reasoning" / "openhands_deepseek_r1" / "jinja_turn1_reasoning_content_then_action.json"
 
 SHAPES = ("reasoning_content", "think", "action_in_reasoning", "unclosed_think")

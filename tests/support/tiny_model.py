@@ -5,7 +5,7 @@ is trained here with the `tokenizers` library on the build's own conversations, 
 `PreTrainedTokenizerFast` with a ChatML chat template (the template family of Qwen2.5), and saved
 with the model so that `from_pretrained(path)` works like for a Hub model.
 
-Run `python tests/tiny_model.py OUT_DIR [BUILD_DIR]` to make one for the CLI smoke run.
+Run `python tests/support/tiny_model.py OUT_DIR [BUILD_DIR]` to make one for the CLI smoke run.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.openai_server import FixturePolicy, Reply, Server, fixture_policy
+from tests.support.openai_server import FixturePolicy, Reply, Server, fixture_policy
 
 DETOUR_DB = "Operation\n```sql\nSELECT 'detour';\n```"
 WRONG_ANSWER_DB = "Answer\nFinal Answer: [\"no idea\"]"
