@@ -27,7 +27,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import write_json, write_parquet
-from trajforge.pipeline.llm.client import JsonStore, ServerUnreachable, sampling_params
+from trajforge.pipeline.llm.client import JsonStore, sampling_params
 from trajforge.pipeline.llm.job import ModelJob
 from trajforge.pipeline.synth.agent import AgentConfig, Episode, StepLog, record_id, run_episode
 from trajforge.pipeline.synth.config import SynthConfig
@@ -69,6 +69,9 @@ class EpisodeJournal:
 
     def put(self, key: str, episode: Episode) -> None:
         self._store.put(key, asdict(episode))
+
+    def close(self) -> None:
+        self._store.close()
 
 
 
@@ -123,9 +126,16 @@ def job_tasks(config: SynthConfig) -> list[Any]:
     return tasks
 
 
-def open_job(config: SynthConfig, journal: str) -> ModelJob:
+def open_job(config: SynthConfig, journal: str, progress: Callable[[int, int], None] | None = None,
+             total: int = 0) -> ModelJob:
     """The job's state in `OUT/.synth`: the request cache and the journal named `journal`."""
-    return ModelJob.open(Path(config.out) / ".synth", config.backend, config.llm, journal, config.episode_concurrency)
+    return ModelJob.open(Path(config.out) / ".synth", config.backend, config.llm, journal, config.episode_concurrency,
+                         progress, total)
+
+
+def with_episode_journal(job: ModelJob) -> ModelJob:
+    """The job with its journal read and written as Episodes."""
+    return replace(job, journal=EpisodeJournal(job.journal))
 
 
 def write_outputs(out: Path, env: str, records: list[dict], failures: list[dict], report: dict) -> None:
@@ -143,80 +153,70 @@ def write_outputs(out: Path, env: str, records: list[dict], failures: list[dict]
 
 async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], None] | None = None) -> dict:
     """The job; `progress(done, total)` is called as episodes finish (resumed ones included)."""
-    from trajforge.pipeline.synth.envs import make_env
-
     if config.search.strategy is not None:
         from trajforge.pipeline.synth.search import search_async
 
         return await search_async(config, progress)
-    out = Path(config.out)
     tasks = job_tasks(config)
-    job = open_job(config, "episodes")
-    backend, journal, gate = job.backend, EpisodeJournal(job.journal), job.gate
-    counts: Counter[str] = Counter()
+    job = with_episode_journal(open_job(config, "episodes", progress, len(tasks) * config.n))
     # Keyed by the sampling asked for, not the sampling sent: fields a strict server rejects are dropped
     # during the job, and the journal must still find the episodes of a run that started before that.
-    requested = sampling_params(backend.model, config.llm.sampling)
-    total = len(tasks) * config.n
-
-    def finished(episode: Episode) -> Episode:
-        counts["finished"] += 1
-        if progress is not None:
-            progress(counts["finished"], total)
-        return episode
-
-    async def one(task: Any, sample: int) -> Episode:
-        if task.skip_reason:
-            counts["skipped"] += 1
-            return finished(Episode(task.id, sample, task.env, "failure", "skipped", task.skip_reason))
-        key = episode_key(task, sample, backend.model, requested, config.agent)
-        done = journal.get(key)
-        if done is not None:
-            counts["resumed"] += 1
-            return finished(done)
-        async with gate:
-            if backend.unreachable:  # the job is stopping: start no environment
-                return Episode(task.id, sample, task.env, "failure", "llm_error:connection", backend.unreachable)
-            episode = await run_episode(backend, lambda: make_env(config.env, **config.env_kw), task, sample,
-                                        config.agent)
-        if not episode.transient:
-            journal.put(key, episode)
-        counts["run"] += 1
-        if counts["run"] % 50 == 0:
-            log.info("%d episodes run", counts["run"])
-        return finished(episode)
-
+    requested = sampling_params(job.backend.model, config.llm.sampling)
     try:
-        episodes = await asyncio.gather(*(one(t, k) for t in tasks for k in range(config.n)))
+        episodes = await asyncio.gather(*(_episode(job, config, requested, t, k)
+                                          for t in tasks for k in range(config.n)))
     finally:
         await job.close()
-    if backend.unreachable:
-        journaled = sum(1 for e in episodes if not e.transient)
-        raise ServerUnreachable(
-            f"{backend.unreachable}. Stopped: {journaled} of {len(episodes)} episodes finished and are journaled; "
-            f"no outputs were written. Rerun the same command once the server answers to resume.")
+    job.stop_if_unreachable(sum(1 for e in episodes if not e.transient), len(episodes))
+    return _write_job(config, job, tasks, episodes)
 
+
+async def _episode(job: ModelJob, config: SynthConfig, requested: dict, task: Any, sample: int) -> Episode:
+    """Draw `sample` of `task`: skipped, from the journal, or run."""
+    from trajforge.pipeline.synth.envs import make_env
+
+    if task.skip_reason:
+        job.counts["skipped"] += 1
+        return job.finished(Episode(task.id, sample, task.env, "failure", "skipped", task.skip_reason))
+    backend = job.backend
+
+    async def run() -> Episode:
+        return await run_episode(backend, lambda: make_env(config.env, **config.env_kw), task, sample, config.agent)
+
+    def stopped() -> Episode:  # the job is stopping: start no environment
+        return Episode(task.id, sample, task.env, "failure", "llm_error:connection", backend.unreachable)
+
+    key = episode_key(task, sample, backend.model, requested, config.agent)
+    return await job.journaled(key, run, keep=lambda episode: not episode.transient, stopped=stopped)
+
+
+def _best_of_n(episodes: list[Episode], keep: str, model: str) -> tuple[dict[str, list[Episode]], list[dict], list[dict]]:
+    """(the episodes by task, the kept records, the unselected successes as failure rows)."""
     by_task: dict[str, list[Episode]] = {}
     for episode in episodes:
         by_task.setdefault(episode.task_id, []).append(episode)
     records, unselected = [], []
-    identical = 0
     for task_episodes in by_task.values():
-        identical += identical_samples(task_episodes)
-        kept, rest = select(task_episodes, config.keep)
+        kept, rest = select(task_episodes, keep)
         records += [e.record for e in kept]
-        unselected += [_failure_row(e, backend.model) | {"reason": "not_selected"} for e in rest]
-    failures = [_failure_row(e, backend.model) for e in episodes if e.status == "failure"]
+        unselected += [_failure_row(e, model) | {"reason": "not_selected"} for e in rest]
+    return by_task, records, unselected
 
+
+def _write_job(config: SynthConfig, job: ModelJob, tasks: list[Any], episodes: list[Episode]) -> dict:
+    """The job's outputs and its report (returned)."""
+    out, backend = Path(config.out), job.backend
+    by_task, records, unselected = _best_of_n(episodes, config.keep, backend.model)
+    identical = sum(identical_samples(task_episodes) for task_episodes in by_task.values())
+    failures = [_failure_row(e, backend.model) for e in episodes if e.status == "failure"]
     if config.keep == "best":
         _write_failures(unselected, out / "unselected.parquet")
-
     report = {
         "env": config.env, "tasks": len(tasks), "samples_per_task": config.n, "episodes": len(episodes),
         "records": len(records), "unselected": len(unselected), "failures": len(failures),
         "failure_reasons": dict(sorted(Counter(e.reason for e in episodes if e.status == "failure").items())),
         "tasks_with_record": sum(1 for es in by_task.values() if any(e.status == "success" for e in es)),
-        "episodes_run": counts["run"], "episodes_resumed": counts["resumed"], "skipped": counts["skipped"],
+        "episodes_run": job.counts["run"], "episodes_resumed": job.counts["resumed"], "skipped": job.counts["skipped"],
         "usage": usage_totals(episodes), "tasks_with_identical_samples": identical,
         "llm": job.llm_report(),
     }
