@@ -34,7 +34,7 @@ class ModelJob:
     unit: str = "units"          # what the job's units of work are called (the journal's name)
     progress: Callable[[int, int], None] | None = None   # called with (finished, total) as units finish
     total: int = 0
-    counts: Counter[str] = field(default_factory=Counter)  # units run, resumed from the journal, finished
+    counts: Counter[str] = field(default_factory=Counter)  # units run, resumed, skipped, finished; a job adds its own
 
     @classmethod
     def open(cls, state: Path, backend: str, llm: LLMConfig | None, journal: str, concurrency: int,
@@ -63,6 +63,11 @@ class ModelJob:
             log.info("%d %s run", self.counts["run"], self.unit)
         if keep(result):
             self.journal.put(key, result)
+        return self.finished(result)
+
+    def skipped(self, result: Result) -> Result:
+        """Count a unit that had nothing to run (its task says why) as finished."""
+        self.counts["skipped"] += 1
         return self.finished(result)
 
     def finished(self, result: Result) -> Result:

@@ -176,8 +176,7 @@ async def _episode(job: ModelJob, config: SynthConfig, requested: dict, task: An
     from trajforge.pipeline.synth.envs import make_env
 
     if task.skip_reason:
-        job.counts["skipped"] += 1
-        return job.finished(Episode(task.id, sample, task.env, "failure", "skipped", task.skip_reason))
+        return job.skipped(Episode(task.id, sample, task.env, "failure", "skipped", task.skip_reason))
     backend = job.backend
 
     async def run() -> Episode:

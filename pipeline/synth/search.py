@@ -574,8 +574,7 @@ async def search_async(config: SynthConfig, progress: Callable[[int, int], None]
 
     async def one(task: Any) -> dict:
         if task.skip_reason:
-            job.counts["skipped"] += 1
-            return job.finished({"task_id": task.id, "outcome": "skipped", "detail": task.skip_reason,
+            return job.skipped({"task_id": task.id, "outcome": "skipped", "detail": task.skip_reason,
                                  "transient": False, "calls": 0, "tokens": 0, "usage": {}, "nodes": [], "records": {}})
         key = episode_key(task, 0, backend.model, {**requested, "search": asdict(search), "n": config.n}, config.agent)
         return await job.journaled(key, lambda: run(task), keep=lambda result: not result["transient"])
