@@ -6,6 +6,8 @@ A job writes its outputs to a folder and keeps its state in a hidden folder unde
 calls never answered, and a journal of finished work (episodes, searches, selections, ratings), so that
 a rerun does not even replay them. At most `concurrency` units of work run at once. The report of every
 job has the same `llm` block: the model, the sampling asked and dropped, and the backend's counts.
+Units that finish (run, resumed or skipped) are counted and reported to an optional progress callback;
+a job that stops when its server cannot be reached raises ServerUnreachable before writing outputs.
 """
 from __future__ import annotations
 
