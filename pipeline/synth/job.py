@@ -22,64 +22,29 @@ When the server cannot be reached (`max_connection_failures` requests in a row),
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from trajforge.pipeline.atomic import write_json, write_parquet
-from trajforge.pipeline.llm.client import JsonStore, sampling_params
+from trajforge.pipeline.llm.client import sampling_params
 from trajforge.pipeline.llm.job import ModelJob
-from trajforge.pipeline.synth.agent import AgentConfig, Episode, StepLog, record_id, run_episode
+from trajforge.pipeline.synth.agent import Episode, run_episode
 from trajforge.pipeline.synth.config import SynthConfig
-from trajforge.schemas import arrow_schema
+from trajforge.pipeline.synth.folder import (
+    episode_key,
+    failure_row,
+    job_tasks,
+    open_job,
+    usage_totals,
+    with_episode_journal,
+    write_failures,
+    write_outputs,
+)
+from trajforge.pipeline.synth.search import search_async
 
 log = logging.getLogger("trajforge.synth")
-
-USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "total_tokens")
-
-FAILURE_SCHEMA = pa.schema([
-    ("id", pa.string()), ("task_id", pa.string()), ("sample", pa.int64()), ("env", pa.string()),
-    ("reason", pa.string()), ("detail", pa.string()), ("reward", pa.float64()), ("answer", pa.string()),
-    ("model", pa.string()), ("conversations", pa.string()), ("steps", pa.string()),
-    ("usage", pa.struct([(k, pa.int64()) for k in USAGE_KEYS])),
-    ("rejected", pa.string()),  # JSON: the replies re-prompted away, with their text and reasoning
-])
-
-
-class EpisodeJournal:
-    """Finished episodes by key, in a job's journal (a crash loses at most the episodes in flight)."""
-
-    def __init__(self, store: JsonStore):
-        self._store = store
-
-    def get(self, key: str) -> Episode | None:
-        data = self._store.get(key)
-        if data is None:
-            return None
-        data["steps"] = [StepLog(**s) for s in data["steps"]]
-        return Episode(**data)
-
-    def put(self, key: str, episode: Episode) -> None:
-        self._store.put(key, asdict(episode))
-
-    def close(self) -> None:
-        self._store.close()
-
-
-
-def episode_key(task: Any, sample: int, model: str, params: dict, agent: AgentConfig) -> str:
-    """Same task content, draw, model, sampling and agent settings -> same episode."""
-    blob = json.dumps({"task": task.as_dict(), "sample": sample, "model": model, "params": params,
-                       "agent": asdict(agent)}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def select(episodes: list[Episode], keep: str) -> tuple[list[Episode], list[Episode]]:
@@ -99,63 +64,9 @@ def identical_samples(episodes: list[Episode]) -> bool:
     return answered >= 2 and len(replies) == 1
 
 
-def usage_totals(episodes: list[Episode]) -> dict[str, int]:
-    return {k: sum(e.usage.get(k, 0) for e in episodes) for k in USAGE_KEYS}
-
-
-def _failure_row(episode: Episode, model: str) -> dict:
-    return {"id": record_id(episode.task_id, episode.sample), "task_id": episode.task_id, "sample": episode.sample,
-            "env": episode.env, "reason": episode.reason or "", "detail": episode.detail, "reward": episode.reward,
-            "answer": episode.answer, "model": model,
-            "conversations": json.dumps(episode.turns, ensure_ascii=False),
-            "steps": json.dumps([asdict(s) for s in episode.steps]),
-            "usage": usage_totals([episode]), "rejected": json.dumps(episode.rejected, ensure_ascii=False)}
-
-
-def _write_failures(rows: list[dict], path: Path) -> None:
-    write_parquet(rows, FAILURE_SCHEMA, path)
-
-
-def job_tasks(config: SynthConfig) -> list[Any]:
-    """The tasks of the job's env in its task file."""
-    from trajforge.pipeline.envs.tasks import load_tasks
-
-    tasks = [t for t in load_tasks(config.tasks) if t.env == config.env]
-    if not tasks:
-        raise ValueError(f"{config.tasks}: no task for env {config.env!r}")
-    return tasks
-
-
-def open_job(config: SynthConfig, journal: str, progress: Callable[[int, int], None] | None = None,
-             total: int = 0) -> ModelJob:
-    """The job's state in `OUT/.synth`: the request cache and the journal named `journal`."""
-    return ModelJob.open(Path(config.out) / ".synth", config.backend, config.llm, journal, config.episode_concurrency,
-                         progress, total)
-
-
-def with_episode_journal(job: ModelJob) -> ModelJob:
-    """The job with its journal read and written as Episodes."""
-    return replace(job, journal=EpisodeJournal(job.journal))
-
-
-def write_outputs(out: Path, env: str, records: list[dict], failures: list[dict], report: dict) -> None:
-    """The env's records, its failures merged into every env's failures.parquet, its report merged into report.json."""
-    state = out / ".synth"
-    write_parquet(records, arrow_schema("trajectory"), out / "data" / "synthetic" / f"{env}.parquet")
-    # failures.parquet holds every env run into this folder: one part per env, merged.
-    _write_failures(failures, state / f"failures-{env}.parquet")
-    merged = [row for part in sorted(state.glob("failures-*.parquet")) for row in pq.read_table(part).to_pylist()]
-    _write_failures(merged, out / "failures.parquet")
-    reports = state / "reports"
-    write_json(reports / f"{env}.json", report)
-    write_json(out / "report.json", {p.stem: json.loads(p.read_text()) for p in sorted(reports.glob("*.json"))})
-
-
 async def synthesize_async(config: SynthConfig, progress: Callable[[int, int], None] | None = None) -> dict:
     """The job; `progress(done, total)` is called as episodes finish (resumed ones included)."""
     if config.search.strategy is not None:
-        from trajforge.pipeline.synth.search import search_async
-
         return await search_async(config, progress)
     tasks = job_tasks(config)
     job = with_episode_journal(open_job(config, "episodes", progress, len(tasks) * config.n))
@@ -198,7 +109,7 @@ def _best_of_n(episodes: list[Episode], keep: str, model: str) -> tuple[dict[str
     for task_episodes in by_task.values():
         kept, rest = select(task_episodes, keep)
         records += [e.record for e in kept]
-        unselected += [_failure_row(e, model) | {"reason": "not_selected"} for e in rest]
+        unselected += [failure_row(e, model) | {"reason": "not_selected"} for e in rest]
     return by_task, records, unselected
 
 
@@ -207,9 +118,9 @@ def _write_job(config: SynthConfig, job: ModelJob, tasks: list[Any], episodes: l
     out, backend = Path(config.out), job.backend
     by_task, records, unselected = _best_of_n(episodes, config.keep, backend.model)
     identical = sum(identical_samples(task_episodes) for task_episodes in by_task.values())
-    failures = [_failure_row(e, backend.model) for e in episodes if e.status == "failure"]
+    failures = [failure_row(e, backend.model) for e in episodes if e.status == "failure"]
     if config.keep == "best":
-        _write_failures(unselected, out / "unselected.parquet")
+        write_failures(unselected, out / "unselected.parquet")
     report = {
         "env": config.env, "tasks": len(tasks), "samples_per_task": config.n, "episodes": len(episodes),
         "records": len(records), "unselected": len(unselected), "failures": len(failures),

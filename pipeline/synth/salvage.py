@@ -63,7 +63,7 @@ from trajforge.pipeline.llm.client import ChatBackend, ChatResult, LLMConfig, LL
 from trajforge.pipeline.llm.job import ModelJob
 from trajforge.pipeline.synth.agent import EMPTY_OBSERVATION, AgentConfig, Episode, run_episode
 from trajforge.pipeline.synth.envs.base import StepResult
-from trajforge.pipeline.synth.job import episode_key, with_episode_journal
+from trajforge.pipeline.synth.folder import episode_key, with_episode_journal
 from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.salvage")

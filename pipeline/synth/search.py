@@ -75,7 +75,7 @@ from trajforge.pipeline.synth.agent import Episode, conversation_for, run_episod
 from trajforge.pipeline.synth.config import AgentConfig, SearchConfig, SynthConfig
 from trajforge.pipeline.synth.envs import make_env
 from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
-from trajforge.pipeline.synth.job import _failure_row, episode_key, job_tasks, open_job, write_outputs
+from trajforge.pipeline.synth.folder import episode_key, failure_row, job_tasks, open_job, write_outputs
 from trajforge.schemas import arrow_schema
 from trajforge.sources.synthetic import Synthetic
 
@@ -551,7 +551,7 @@ def _unsolved_row(result: dict, rows: list[dict], task: Any, model: str) -> dict
     reason = result["outcome"] if result["outcome"] != "done" else "search_no_success"
     episode = Episode(task.id, 0, task.env, "failure", reason, result["detail"] or (leaf or {}).get("reason") or "",
                       turns=conversation(leaf) if leaf else [])
-    return _failure_row(episode, model) | {"id": f"synthetic/{task.id}#search"}
+    return failure_row(episode, model) | {"id": f"synthetic/{task.id}#search"}
 
 
 # --- the job ----------------------------------------------------------------------------------
