@@ -15,7 +15,8 @@ from tests.conftest import FIXTURES, REPO
 from tests.support.openai_server import Server, down_url, fixture_policy
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.llm.client import LLMConfig, ServerUnreachable
-from trajforge.pipeline.synth.job import USAGE_KEYS, SynthConfig, synthesize
+from trajforge.pipeline.synth.folder import USAGE_KEYS
+from trajforge.pipeline.synth.job import SynthConfig, synthesize
 
 AGENTBENCH = FIXTURES / "tasks" / "agentbench"
 DB_FILE = AGENTBENCH / "db" / "dev.jsonl"

@@ -37,7 +37,7 @@ from trajforge.pipeline.llm.client import LLMConfig, ServerUnreachable, sampling
 from trajforge.pipeline.llm.job import ModelJob
 from trajforge.pipeline.synth.agent import Episode, run_episode
 from trajforge.pipeline.synth.config import AgentConfig
-from trajforge.pipeline.synth.job import EpisodeJournal, episode_key
+from trajforge.pipeline.synth.folder import EpisodeJournal, episode_key
 
 log = logging.getLogger("trajforge.eval")
 

@@ -225,24 +225,32 @@ def parse_body(body: Any) -> ChatResult:
     """A Chat Completions body (dict) -> ChatResult; raises ValueError when it is not one."""
     if not isinstance(body, dict) or not isinstance(body.get("choices"), list) or not body["choices"]:
         raise ValueError("no choices in the response body")
-    choices = []
-    for c in sorted(body["choices"], key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0):
-        message = c.get("message") if isinstance(c, dict) else None
-        if not isinstance(message, dict):
-            raise ValueError("a choice without a message")
-        content = message.get("content")
-        # vLLM and DeepSeek say `reasoning_content`; newer vLLM and OpenRouter say `reasoning`.
-        reasoning = message.get("reasoning_content", message.get("reasoning"))
-        if content is not None and not isinstance(content, str) or reasoning is not None and not isinstance(reasoning, str):
-            raise ValueError("message content is not text")
-        choices.append(Choice(content or "", reasoning, c.get("finish_reason")))
-    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    choices = [_parse_choice(c) for c in
+               sorted(body["choices"], key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)]
+    return ChatResult(choices, _usage_counts(body.get("usage")), str(body.get("model", "")), False)
+
+
+def _parse_choice(choice: Any) -> Choice:
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(message, dict):
+        raise ValueError("a choice without a message")
+    content = message.get("content")
+    # vLLM and DeepSeek say `reasoning_content`; newer vLLM and OpenRouter say `reasoning`.
+    reasoning = message.get("reasoning_content", message.get("reasoning"))
+    if content is not None and not isinstance(content, str) or reasoning is not None and not isinstance(reasoning, str):
+        raise ValueError("message content is not text")
+    return Choice(content or "", reasoning, choice.get("finish_reason"))
+
+
+def _usage_counts(usage: Any) -> dict[str, int]:
+    """The integer token counts of a body's `usage`, with `reasoning_tokens` lifted from its details."""
+    usage = usage if isinstance(usage, dict) else {}
     counts = {k: v for k, v in usage.items() if isinstance(v, int) and not isinstance(v, bool)}
     # OpenAI, vLLM and DeepSeek count the reasoning inside `completion_tokens_details`.
     details = usage.get("completion_tokens_details")
     if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
         counts["reasoning_tokens"] = details["reasoning_tokens"]
-    return ChatResult(choices, counts, str(body.get("model", "")), False)
+    return counts
 
 
 def request_key(model: str, messages: list[dict], params: dict[str, Any], sample: int) -> str:

@@ -62,29 +62,35 @@ def split_reasoning(content: str | None, reasoning_content: str | None = None) -
     """Reasoning and answer of one reply; see the module docstring for the cases."""
     content = content or ""
     if reasoning_content and reasoning_content.strip():
-        reasoning = reasoning_content.strip()
         # A server that both parses and leaves a stray closing tag in the content.
         answer = content.split(CLOSE, 1)[1] if CLOSE in content and OPEN not in content else content
-        if answer.strip():
-            return Split(reasoning, answer.strip())
-        recovered = recover_action(reasoning)
-        if recovered is None:
-            return Split(reasoning, "")
-        return Split(recovered[0] or None, recovered[1], "action_in_reasoning")
-
+        return _answer_or_action_in_reasoning(reasoning_content.strip(), answer)
     head, sep, tail = content.partition(OPEN)
     if sep and not head.strip():
         if CLOSE in tail:
             reasoning, answer = tail.split(CLOSE, 1)
-            if answer.strip() or not (recovered := recover_action(reasoning)):
-                return Split(reasoning.strip() or None, answer.strip())
-            return Split(recovered[0] or None, recovered[1], "action_in_reasoning")
-        recovered = recover_action(tail)
-        if recovered is None:
-            return Split(tail.strip() or None, "", "unclosed_think")
-        return Split(recovered[0] or None, recovered[1], "unclosed_think")
+            return _answer_or_action_in_reasoning(reasoning, answer)
+        return _unclosed_think(tail)
     if CLOSE in content:
         # The template opened <think> in the prompt; only the closing tag is in the reply.
         reasoning, answer = content.split(CLOSE, 1)
         return Split(reasoning.strip() or None, answer.strip())
     return Split(None, content.strip())
+
+
+def _answer_or_action_in_reasoning(reasoning: str, answer: str) -> Split:
+    """The answer when there is one; else the action written at the end of the reasoning, if any."""
+    if answer.strip():
+        return Split(reasoning.strip() or None, answer.strip())
+    recovered = recover_action(reasoning)
+    if recovered is None:
+        return Split(reasoning.strip() or None, "")
+    return Split(recovered[0] or None, recovered[1], "action_in_reasoning")
+
+
+def _unclosed_think(reasoning: str) -> Split:
+    """A reply that opened <think> and never closed it: all reasoning, unless an action ends it."""
+    recovered = recover_action(reasoning)
+    if recovered is None:
+        return Split(reasoning.strip() or None, "", "unclosed_think")
+    return Split(recovered[0] or None, recovered[1], "unclosed_think")

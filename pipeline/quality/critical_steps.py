@@ -33,6 +33,7 @@ import json
 import logging
 import re
 from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,9 +41,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import write_json, write_parquet
+from trajforge.pipeline.llm.answers import FormatError, ask_parsed
 from trajforge.pipeline.llm.client import ChatBackend, LLMConfig, LLMError
 from trajforge.pipeline.llm.job import ModelJob
-from trajforge.pipeline.llm.reasoning import split_reasoning
 from trajforge.schemas import arrow_schema
 from trajforge.schemas.record import SCHEMA_VERSION
 
@@ -80,13 +81,8 @@ FAILURE_SCHEMA = pa.schema([("id", pa.string()), ("env", pa.string()), ("source_
                             ("reason", pa.string()), ("detail", pa.string())])
 
 
-class SelectionError(ValueError):
+class SelectionError(FormatError):
     """An answer that is not a usable selection; `reason` is a code."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 def step_turns(conversations: list[dict]) -> list[int]:
@@ -140,19 +136,25 @@ def parse_selection(text: str, n_steps: int) -> dict[int, tuple[str, str]]:
         raise SelectionError("bad_json", "no `critical_steps` list")
     selection: dict[int, tuple[str, str]] = {}
     for item in items:
-        if not isinstance(item, dict):
-            raise SelectionError("bad_json", f"a step entry is not an object: {item!r}"[:200])
-        step, category = item.get("step"), item.get("category")
-        if isinstance(step, str) and step.strip().isdigit():
-            step = int(step)
-        if not isinstance(step, int) or isinstance(step, bool) or not 1 <= step <= n_steps:
-            raise SelectionError("bad_step", f"step {step!r} is not one of 1..{n_steps}")
-        category = re.sub(r"[\s-]+", "_", str(category or "").strip().lower())
-        if category not in CATEGORIES:
-            raise SelectionError("bad_category", f"category {item.get('category')!r}")
-        reason = item.get("reason")
-        selection[step] = (category, reason.strip() if isinstance(reason, str) else "")
+        step, category, reason = _selected_step(item, n_steps)
+        selection[step] = (category, reason)
     return selection
+
+
+def _selected_step(item: object, n_steps: int) -> tuple[int, str, str]:
+    """(step, category, reason) of one entry of `critical_steps`, or SelectionError."""
+    if not isinstance(item, dict):
+        raise SelectionError("bad_json", f"a step entry is not an object: {item!r}"[:200])
+    step, category = item.get("step"), item.get("category")
+    if isinstance(step, str) and step.strip().isdigit():
+        step = int(step)
+    if not isinstance(step, int) or isinstance(step, bool) or not 1 <= step <= n_steps:
+        raise SelectionError("bad_step", f"step {step!r} is not one of 1..{n_steps}")
+    category = re.sub(r"[\s-]+", "_", str(category or "").strip().lower())
+    if category not in CATEGORIES:
+        raise SelectionError("bad_category", f"category {item.get('category')!r}")
+    reason = item.get("reason")
+    return step, category, reason.strip() if isinstance(reason, str) else ""
 
 
 def apply_selection(record: dict, selection: dict[int, tuple[str, str]]) -> dict:
@@ -168,9 +170,9 @@ def apply_selection(record: dict, selection: dict[int, tuple[str, str]]) -> dict
     return {**record, "schema_version": SCHEMA_VERSION, "conversations": conversations}
 
 
-def selection_key(model: str, params: dict, record: dict) -> str:
-    """Same selector, model, sampling and trajectory -> same selection (the id is not part of it)."""
-    blob = json.dumps({"v": SELECTOR_VERSION, "model": model, "params": params, "task": record["task"],
+def trajectory_key(version: str, model: str, params: dict, record: dict) -> str:
+    """Same prompt version, model, sampling and trajectory -> same judgement (the id is not part of it)."""
+    blob = json.dumps({"v": version, "model": model, "params": params, "task": record["task"],
                        "turns": [[t["role"], t["content"], t["loss"]] for t in record["conversations"]]},
                       sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -182,26 +184,14 @@ async def select_record(backend: ChatBackend, record: dict, max_format_retries: 
     n_steps = len(step_turns(record["conversations"]))
     if n_steps == 0:
         return {"status": "failed", "reason": "no_steps", "detail": "no assistant turn carries loss"}
-    messages = selector_messages(record)
-    for attempt in range(max_format_retries + 1):
-        try:
-            result = await backend.chat(messages, max_tokens=max_tokens)
-        except LLMError as exc:
-            return {"status": "failed", "reason": f"llm_error:{exc.reason}", "detail": exc.detail}
-        choice = result.choices[0]
-        if choice.truncated:
-            error = SelectionError("truncated", "the answer was cut off by max_tokens")
-        else:
-            answer = split_reasoning(choice.content, choice.reasoning_content).content
-            try:
-                selection = parse_selection(answer, n_steps)
-                return {"status": "ok", "selection": {str(k): list(v) for k, v in sorted(selection.items())}}
-            except SelectionError as exc:
-                error = exc
-        if attempt < max_format_retries:
-            messages = [*messages, {"role": "assistant", "content": choice.content or "(empty)"},
-                        {"role": "user", "content": RETRY_PROMPT}]
-    return {"status": "failed", "reason": error.reason, "detail": error.detail}
+    try:
+        selection = await ask_parsed(backend, selector_messages(record), lambda answer: parse_selection(answer, n_steps),
+                                     RETRY_PROMPT, max_format_retries, max_tokens)
+    except LLMError as exc:
+        return {"status": "failed", "reason": f"llm_error:{exc.reason}", "detail": exc.detail}
+    except FormatError as exc:
+        return {"status": "failed", "reason": exc.reason, "detail": exc.detail}
+    return {"status": "ok", "selection": {str(k): list(v) for k, v in sorted(selection.items())}}
 
 
 @dataclass
@@ -233,82 +223,103 @@ def _env_counts() -> dict:
     return {"records": 0, "judged": 0, "failed": 0, "steps": 0, "critical": 0, "categories": Counter()}
 
 
+async def rewrite_records(files: list[Path], root: Path, out: Path, schema: pa.Schema, batch_size: int,
+                          rewrite: Callable[[Path, list[dict]], Awaitable[list[dict]]]) -> tuple[int, int]:
+    """Every file's records, `batch_size` at a time, through `rewrite(path, batch)` (the records to write),
+    written under `out` at the path the file has under `root`; returns (records read, records written)."""
+    read = written = 0
+    for path in files:
+        records = pq.read_table(path).to_pylist()
+        kept: list[dict] = []
+        for start in range(0, len(records), batch_size):
+            kept += await rewrite(path, records[start:start + batch_size])
+        write_parquet(kept, schema, out / path.relative_to(root))
+        read, written = read + len(records), written + len(kept)
+    return read, written
+
+
 async def select_steps_async(config: SelectConfig) -> dict:
     out = Path(config.out)
-    state = out / ".select"
     root, files = input_files(config.inputs, config.config_name)
     if out.resolve() == root.resolve():
         raise ValueError(f"--out {out} would overwrite the input records; choose another folder")
-    job = ModelJob.open(state, config.backend, config.llm, "selections", concurrency=config.batch_size)
-    backend, journal = job.backend, job.journal
-    per_env: dict[str, dict] = defaultdict(_env_counts)
-    failures: list[dict] = []
-    outcomes: Counter[str] = Counter()
+    job = ModelJob.open(out / ".select", config.backend, config.llm, "selections", concurrency=config.batch_size)
+    tally = _SelectionTally()
 
-    async def judge(record: dict) -> dict:
-        if config.envs and record["env"] not in config.envs:
-            outcomes["skipped_env"] += 1
-            return {"status": "skipped"}
-        key = selection_key(backend.model, backend.params, record)
-        done = journal.get(key)
-        if done is not None:
-            outcomes["resumed"] += 1
-            return done
-        answer = await select_record(backend, record, config.max_format_retries, config.max_tokens)
-        if not (answer["status"] == "failed" and answer["reason"].startswith("llm_error")):
-            journal.put(key, answer)
-        outcomes["run"] += 1
-        return answer
+    async def annotate(path: Path, batch: list[dict]) -> list[dict]:
+        answers = await asyncio.gather(*(_select_journaled(job, config, r) for r in batch))
+        return [tally.annotated(path, record, answer) for record, answer in zip(batch, answers)]
 
     try:
-        for path in files:
-            records = pq.read_table(path).to_pylist()
-            annotated = []
-            for start in range(0, len(records), config.batch_size):
-                batch = records[start:start + config.batch_size]
-                answers = await asyncio.gather(*(judge(r) for r in batch))
-                for record, answer in zip(batch, answers):
-                    if answer["status"] == "skipped":  # written as it came, counted in `skipped_env`
-                        annotated.append(record)
-                        continue
-                    counts = per_env[record["env"]]
-                    counts["records"] += 1
-                    if answer["status"] == "ok":
-                        selection = {int(k): tuple(v) for k, v in answer["selection"].items()}
-                        record = apply_selection(record, selection)
-                        steps = [t for t in record["conversations"] if t.get("critical") is not None]
-                        counts["judged"] += 1
-                        counts["steps"] += len(steps)
-                        counts["critical"] += sum(t["critical"] for t in steps)
-                        counts["categories"].update(t["critical_category"] for t in steps if t["critical"])
-                    else:
-                        counts["failed"] += 1
-                        failures.append({"id": record["id"], "env": record["env"], "source_file": str(path),
-                                         "reason": answer["reason"], "detail": answer["detail"][:1000]})
-                    annotated.append(record)
-            write_parquet(annotated, arrow_schema("trajectory"), out / path.relative_to(root))
+        await rewrite_records(files, root, out, arrow_schema("trajectory"), config.batch_size, annotate)
     finally:
         await job.close()
+    return tally.write(out, files, job)
 
-    write_parquet(failures, FAILURE_SCHEMA, out / "select_failures.parquet")
-    envs = {}
-    for env, counts in sorted(per_env.items()):
-        envs[env] = {**counts, "categories": dict(sorted(counts["categories"].items())),
-                     "critical_share": round(counts["critical"] / counts["steps"], 4) if counts["steps"] else None}
-    report = {
-        "selector": SELECTOR_VERSION, "inputs": [str(p) for p in files],
-        "records": sum(c["records"] for c in per_env.values()),
-        "judged": sum(c["judged"] for c in per_env.values()),
-        "failed": len(failures),
-        "failure_reasons": dict(sorted(Counter(f["reason"] for f in failures).items())),
-        "selections_run": outcomes["run"], "selections_resumed": outcomes["resumed"],
-        "skipped_env": outcomes["skipped_env"], "envs": envs,
-        "llm": job.llm_report(),
-    }
-    write_json(out / "report.json", report)
-    log.info("select-steps: %d records, %d judged, %d failed %s; %d calls, %d cache hits", report["records"],
-             report["judged"], report["failed"], report["failure_reasons"], job.stats.calls, job.stats.cache_hits)
-    return report
+
+async def _select_journaled(job: ModelJob, config: SelectConfig, record: dict) -> dict:
+    """The selector's answer for one record: skipped (not an env of the run), from the journal, or asked."""
+    if config.envs and record["env"] not in config.envs:
+        job.counts["skipped_env"] += 1
+        return {"status": "skipped"}
+
+    async def ask() -> dict:
+        return await select_record(job.backend, record, config.max_format_retries, config.max_tokens)
+
+    def final(answer: dict) -> bool:  # LLM errors are not: the next run asks again
+        return not (answer["status"] == "failed" and answer["reason"].startswith("llm_error"))
+
+    key = trajectory_key(SELECTOR_VERSION, job.backend.model, job.backend.params, record)
+    return await job.journaled(key, ask, keep=final)
+
+
+class _SelectionTally:
+    """The records annotated so far, per env, and the failure rows of those the selector could not judge."""
+
+    def __init__(self) -> None:
+        self.per_env: dict[str, dict] = defaultdict(_env_counts)
+        self.failures: list[dict] = []
+
+    def annotated(self, path: Path, record: dict, answer: dict) -> dict:
+        """The record with the answer's flags (as it came when skipped or failed), counted."""
+        if answer["status"] == "skipped":  # written as it came, counted in `skipped_env`
+            return record
+        counts = self.per_env[record["env"]]
+        counts["records"] += 1
+        if answer["status"] != "ok":
+            counts["failed"] += 1
+            self.failures.append({"id": record["id"], "env": record["env"], "source_file": str(path),
+                                  "reason": answer["reason"], "detail": answer["detail"][:1000]})
+            return record
+        record = apply_selection(record, {int(k): tuple(v) for k, v in answer["selection"].items()})
+        steps = [t for t in record["conversations"] if t.get("critical") is not None]
+        counts["judged"] += 1
+        counts["steps"] += len(steps)
+        counts["critical"] += sum(t["critical"] for t in steps)
+        counts["categories"].update(t["critical_category"] for t in steps if t["critical"])
+        return record
+
+    def write(self, out: Path, files: list[Path], job: ModelJob) -> dict:
+        """The failure rows and the report (returned)."""
+        failures, per_env = self.failures, self.per_env
+        write_parquet(failures, FAILURE_SCHEMA, out / "select_failures.parquet")
+        envs = {env: {**counts, "categories": dict(sorted(counts["categories"].items())),
+                      "critical_share": round(counts["critical"] / counts["steps"], 4) if counts["steps"] else None}
+                for env, counts in sorted(per_env.items())}
+        report = {
+            "selector": SELECTOR_VERSION, "inputs": [str(p) for p in files],
+            "records": sum(c["records"] for c in per_env.values()),
+            "judged": sum(c["judged"] for c in per_env.values()),
+            "failed": len(failures),
+            "failure_reasons": dict(sorted(Counter(f["reason"] for f in failures).items())),
+            "selections_run": job.counts["run"], "selections_resumed": job.counts["resumed"],
+            "skipped_env": job.counts["skipped_env"], "envs": envs,
+            "llm": job.llm_report(),
+        }
+        write_json(out / "report.json", report)
+        log.info("select-steps: %d records, %d judged, %d failed %s; %d calls, %d cache hits", report["records"],
+                 report["judged"], report["failed"], report["failure_reasons"], job.stats.calls, job.stats.cache_hits)
+        return report
 
 
 def select_steps(config: SelectConfig) -> dict:

@@ -25,7 +25,6 @@ counted under `unscored`, never dropped. Layout of an output folder:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import re
@@ -40,9 +39,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import write_json, write_parquet
-from trajforge.pipeline.llm.client import JsonStore, LLMConfig, LLMError, make_backend
-from trajforge.pipeline.llm.reasoning import split_reasoning
-from trajforge.pipeline.quality.critical_steps import input_files, trajectory_lines
+from trajforge.pipeline.llm.answers import FormatError, ask_parsed
+from trajforge.pipeline.llm.client import LLMConfig, LLMError
+from trajforge.pipeline.llm.job import ModelJob
+from trajforge.pipeline.quality.critical_steps import input_files, rewrite_records, trajectory_key, trajectory_lines
 from trajforge.pipeline.quarantine import quarantine_entry, shown
 from trajforge.pipeline.registry import Registry
 from trajforge.pipeline.synth.salvage import CallBudget
@@ -110,19 +110,19 @@ _JSON_OBJECT = re.compile(r"\{.*\}", re.S)
 
 
 def parse_rating(text: str) -> float:
-    """The rating (0-5) in the judge's answer, or ValueError naming what is wrong (`no_json`, `bad_rating`)."""
+    """The rating (0-5) in the judge's answer, or FormatError naming what is wrong (`no_json`, `bad_rating`)."""
     match = _JSON_OBJECT.search(text or "")
     try:
         data = json.loads(match.group(0)) if match else None
     except json.JSONDecodeError:
         data = None
     if not isinstance(data, dict):
-        raise ValueError("no_json")
+        raise FormatError("no_json")
     rating = data.get("rating")
     if isinstance(rating, str) and re.fullmatch(r"\s*\d+(\.\d+)?\s*", rating):
         rating = float(rating)
     if isinstance(rating, bool) or not isinstance(rating, (int, float)) or not 0 <= rating <= 5:
-        raise ValueError("bad_rating")
+        raise FormatError("bad_rating")
     return float(rating)
 
 
@@ -133,55 +133,29 @@ class JudgeScorer:
 
     name = "judge"
 
-    def __init__(self, llm: LLMConfig, state: Path, backend: str = "openai", max_calls: int | None = None,
-                 max_format_retries: int = 1, max_tokens: int | None = None):
-        llm = LLMConfig(**{**asdict(llm), "cache_path": str(state / "requests.sqlite")})
-        self.backend = CallBudget(make_backend(backend, llm), max_calls)
-        self.journal = JsonStore(state / "ratings.sqlite", "ratings")
+    def __init__(self, llm: LLMConfig, state: Path, concurrency: int, backend: str = "openai",
+                 max_calls: int | None = None, max_format_retries: int = 1, max_tokens: int | None = None):
+        self.job = ModelJob.open(state, backend, llm, "ratings", concurrency)
+        self.backend = CallBudget(self.job.backend, max_calls)
         self.max_format_retries = max_format_retries
         self.max_tokens = max_tokens
-        self.resumed = 0
-
-    def key(self, record: dict) -> str:
-        blob = json.dumps({"v": JUDGE_VERSION, "model": self.backend.model, "params": self.backend.params,
-                           "task": record["task"], "turns": [[t["role"], t["content"], t["loss"]]
-                                                             for t in record["conversations"]]},
-                          sort_keys=True, ensure_ascii=False)
-        return hashlib.sha256(blob.encode()).hexdigest()
 
     async def rate(self, record: dict) -> dict:
         messages = [{"role": "system", "content": JUDGE_INSTRUCTIONS},
                     {"role": "user", "content": "\n\n".join(trajectory_lines(record) + ["", "Your rating?"])}]
-        reason = "no_json"
-        for attempt in range(self.max_format_retries + 1):
-            try:
-                result = await self.backend.chat(messages, max_tokens=self.max_tokens)
-            except LLMError as exc:
-                return {"score": None, "reason": f"llm_error:{exc.reason}"}
-            choice = result.choices[0]
-            if choice.truncated:
-                reason = "truncated"
-            else:
-                try:
-                    return {"score": parse_rating(split_reasoning(choice.content, choice.reasoning_content).content),
-                            "reason": None}
-                except ValueError as exc:
-                    reason = str(exc)
-            if attempt < self.max_format_retries:
-                messages = [*messages, {"role": "assistant", "content": choice.content or "(empty)"},
-                            {"role": "user", "content": RETRY_PROMPT}]
-        return {"score": None, "reason": reason}
+        try:
+            rating = await ask_parsed(self.backend, messages, parse_rating, RETRY_PROMPT, self.max_format_retries,
+                                      self.max_tokens)
+        except LLMError as exc:
+            return {"score": None, "reason": f"llm_error:{exc.reason}"}
+        except FormatError as exc:
+            return {"score": None, "reason": exc.reason}
+        return {"score": rating, "reason": None}
 
     async def rate_journaled(self, record: dict) -> dict:
-        key = self.key(record)
-        done = self.journal.get(key)
-        if done is not None:
-            self.resumed += 1
-            return done
-        answer = await self.rate(record)
-        if not (answer["reason"] or "").startswith("llm_error"):
-            self.journal.put(key, answer)
-        return answer
+        key = trajectory_key(JUDGE_VERSION, self.backend.model, self.backend.params, record)
+        return await self.job.journaled(key, lambda: self.rate(record),
+                                        keep=lambda answer: not (answer["reason"] or "").startswith("llm_error"))
 
     async def ascore(self, records: list[dict]) -> list[dict]:
         return list(await asyncio.gather(*(self.rate_journaled(r) for r in records)))
@@ -189,12 +163,11 @@ class JudgeScorer:
     def stats(self) -> dict:
         stats = self.backend.stats
         return {"model": self.backend.model, "sampling": self.backend.params, "calls": stats.calls,
-                "cache_hits": stats.cache_hits, "retries": stats.retries, "ratings_resumed": self.resumed,
+                "cache_hits": stats.cache_hits, "retries": stats.retries, "ratings_resumed": self.job.counts["resumed"],
                 "budget": self.backend.max_calls, "refused_by_budget": self.backend.refused}
 
     async def aclose(self) -> None:
-        await self.backend.aclose()
-        self.journal.close()
+        await self.job.close()
 
 
 @dataclass
@@ -227,7 +200,8 @@ def _prm(config: ScoreConfig) -> ModelScorer:
 
 def _judge(config: ScoreConfig) -> JudgeScorer:
     llm = LLMConfig(**{**asdict(config.llm or LLMConfig()), "model": config.model})
-    return JudgeScorer(llm, Path(config.out) / ".score", config.backend, config.max_calls, max_tokens=config.max_tokens)
+    return JudgeScorer(llm, Path(config.out) / ".score", config.batch_size, config.backend, config.max_calls,
+                       max_tokens=config.max_tokens)
 
 
 SCORERS: Registry[Any] = Registry("scorer", {"rm": _rm, "prm": _prm, "judge": _judge})
@@ -263,62 +237,79 @@ async def score_async(config: ScoreConfig, scorer: Scorer | None = None) -> dict
     if out.resolve() == root.resolve():
         raise ValueError(f"--out {out} would overwrite the input records; choose another folder")
     scorer = scorer or SCORERS[config.scorer](config)
-    quarantined: list[dict] = []
-    by: dict[str, dict[str, list[float]]] = {"source": defaultdict(list), "env": defaultdict(list)}
-    unscored: Counter[str] = Counter()
-    dropped: Counter[str] = Counter()
-    records_read = written = 0
+    tally = _ScoreTally(scorer.name, config.min_score)
+
+    async def score_batch(path: Path, batch: list[dict]) -> list[dict]:
+        return tally.kept(batch, await scorer.ascore(batch))
+
     try:
-        for path in files:
-            records = pq.read_table(path).to_pylist()
-            kept = []
-            for start in range(0, len(records), config.batch_size):
-                batch = records[start:start + config.batch_size]
-                for record, result in zip(batch, await scorer.ascore(batch)):
-                    score = result["score"]
-                    if score is None:
-                        unscored[result["reason"]] += 1
-                    else:
-                        by["source"][record["source"]].append(score)
-                        by["env"][record["env"]].append(score)
-                    if score is not None and config.min_score is not None and score < config.min_score:
-                        dropped[record["source"]] += 1
-                        quarantined.append(quarantine_entry(
-                            record["source"], record["source_file"], json.loads(record["meta"]).get("source_index", -1),
-                            record["source_id"], "low_score",
-                            f"{scorer.name} score {score:.4g} < min_score {config.min_score:g}", shown(record)))
-                    else:
-                        kept.append({**record, "score": score})
-            records_read += len(records)
-            written += len(kept)
-            write_parquet(kept, SCORED_SCHEMA, out / path.relative_to(root))
+        records_read, written = await rewrite_records(files, root, out, SCORED_SCHEMA, config.batch_size, score_batch)
     finally:
         llm = scorer.stats() if isinstance(scorer, JudgeScorer) else None
         await scorer.aclose()
 
     earlier = root / "quarantine" / "quarantine.parquet"
-    rows = (pq.read_table(earlier).to_pylist() if earlier.is_file() else []) + quarantined
+    rows = (pq.read_table(earlier).to_pylist() if earlier.is_file() else []) + tally.quarantined
     write_parquet(rows, arrow_schema("quarantine"), out / "quarantine" / "quarantine.parquet")
     if (root / "duplicates.parquet").is_file():
         shutil.copyfile(root / "duplicates.parquet", out / "duplicates.parquet")
     report = {
         "scorer": scorer.name, "model": config.model, "min_score": config.min_score,
-        "inputs": [str(p) for p in files], "records": records_read, "written": written,
-        "low_score": sum(dropped.values()), "low_score_by_source": dict(sorted(dropped.items())),
-        "unscored": sum(unscored.values()), "unscored_reasons": dict(sorted(unscored.items())),
-        "scores": distribution([s for scores in by["source"].values() for s in scores]),
-        "by_source": {k: distribution(v) for k, v in sorted(by["source"].items())},
-        "by_env": {k: distribution(v) for k, v in sorted(by["env"].items())},
+        "inputs": [str(p) for p in files], "records": records_read, "written": written, **tally.counts(),
     }
     if llm is not None:
         report["llm"] = llm
-    totals = _build_totals(root, dropped) if config.config_name == "sft" else None
+    totals = _build_totals(root, tally.dropped) if config.config_name == "sft" else None
     if totals is not None:
         report["total"] = totals
     write_json(out / "report.json", report)
     log.info("score: %d records, %d written, %d low_score, %d unscored", records_read, written,
              report["low_score"], report["unscored"])
     return report
+
+
+class _ScoreTally:
+    """The scores so far by source and env, the unscored records by reason, and the low_score ones
+    moved to the quarantine."""
+
+    def __init__(self, scorer: str, min_score: float | None):
+        self.scorer = scorer
+        self.min_score = min_score
+        self.by: dict[str, dict[str, list[float]]] = {"source": defaultdict(list), "env": defaultdict(list)}
+        self.unscored: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        self.quarantined: list[dict] = []
+
+    def kept(self, batch: list[dict], results: list[dict]) -> list[dict]:
+        """The batch's records to write, with their score; the low_score ones go to the quarantine."""
+        kept = []
+        for record, result in zip(batch, results):
+            score = result["score"]
+            if score is None:
+                self.unscored[result["reason"]] += 1
+            else:
+                self.by["source"][record["source"]].append(score)
+                self.by["env"][record["env"]].append(score)
+            if score is not None and self.min_score is not None and score < self.min_score:
+                self.dropped[record["source"]] += 1
+                self.quarantined.append(quarantine_entry(
+                    record["source"], record["source_file"], json.loads(record["meta"]).get("source_index", -1),
+                    record["source_id"], "low_score",
+                    f"{self.scorer} score {score:.4g} < min_score {self.min_score:g}", shown(record)))
+            else:
+                kept.append({**record, "score": score})
+        return kept
+
+    def counts(self) -> dict:
+        """The report's counts and score distributions."""
+        by, dropped, unscored = self.by, self.dropped, self.unscored
+        return {
+            "low_score": sum(dropped.values()), "low_score_by_source": dict(sorted(dropped.items())),
+            "unscored": sum(unscored.values()), "unscored_reasons": dict(sorted(unscored.items())),
+            "scores": distribution([s for scores in by["source"].values() for s in scores]),
+            "by_source": {k: distribution(v) for k, v in sorted(by["source"].items())},
+            "by_env": {k: distribution(v) for k, v in sorted(by["env"].items())},
+        }
 
 
 def score_records(config: ScoreConfig) -> dict:

@@ -128,6 +128,14 @@ def _check_reply(choice) -> tuple[Any, str | None, Any]:
     return split, None, parsed
 
 
+class _Ended(Exception):
+    """The episode ended early (a failure); `episode` is its outcome."""
+
+    def __init__(self, episode: Episode):
+        super().__init__(episode.reason)
+        self.episode = episode
+
+
 async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: Any, sample: int,
                       config: AgentConfig = AgentConfig(), prefix: list[dict] = ()) -> Episode:
     """Run one episode of `task` (a pipeline.envs.tasks.Task) as draw number `sample`.
@@ -154,50 +162,12 @@ async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: A
             observation = await on_env_thread(env.reset, task)
         except Exception as exc:  # a reason, not a crash (see `_env_error`)
             return _env_error(episode, "reset", exc, backend)
-        turns = [_turn("system", instructions_for(task.env, config)),
-                 _turn("user", backend.redact(observation.strip()) or EMPTY_OBSERVATION)]
-        for turn_no, replayed in enumerate(prefix):
-            turns.append(_turn("assistant", replayed["content"], thought=replayed.get("thought"),
-                               action=replayed["action"], reasoning=replayed.get("reasoning"),
-                               dialect=replayed.get("dialect")))
-            try:
-                step = await on_env_thread(env.step, replayed["action"])
-            except Exception as exc:
-                return _env_error(episode, f"replaying step {turn_no}", exc, backend, turns)
-            episode.steps.append(_step_log(turn_no, step, None, None))
-            if step.done:
-                return _fail(episode, "prefix_ended", f"replaying step {turn_no} ended the episode", turns)
-            turns.append(_turn("user", backend.redact(step.observation.strip()) or EMPTY_OBSERVATION))
-        nudges: list[dict] = []  # re-prompts since the last valid reply; sent, never recorded
+        turns = [_turn("system", instructions_for(task.env, config)), _turn("user", _observed(backend, observation))]
+        await _replay_prefix(episode, backend, on_env_thread, env, prefix, turns)
         for turn_no in range(len(prefix), config.max_turns):
-            retries = 0
-            while True:
-                messages = [{"role": t["role"], "content": t["content"]} for t in turns] + nudges
-                try:
-                    result = await backend.chat(messages, sample=sample, **overrides)
-                except LLMError as exc:
-                    return _fail(episode, f"llm_error:{exc.reason}", backend.redact(exc.detail))
-                for key, value in result.usage.items():
-                    episode.usage[key] = episode.usage.get(key, 0) + value
-                episode.sampling = result.params
-                choice = result.choices[0]
-                choice = replace(choice, content=backend.redact(choice.content),
-                                 reasoning_content=backend.redact(choice.reasoning_content))
-                split, issue, parsed = _check_reply(choice)
-                if issue is None:
-                    break
-                episode.steps.append(StepLog(turn_no, False, issue, split.issue, choice.finish_reason))
-                episode.rejected.append({"turn": turn_no, "issue": issue, "content": choice.content,
-                                         "reasoning": choice.reasoning_content, "finish_reason": choice.finish_reason})
-                retries += 1
-                if retries > config.max_format_retries:
-                    return _fail(episode, issue, f"{retries} replies in a row without an action", turns)
-                if split.content.strip():
-                    nudges.append({"role": "assistant", "content": split.content.strip()})
-                nudges.append({"role": "user", "content": REPROMPTS[issue]})
-            nudges = []
-            content = clean_text(split.content)
-            turns.append(_turn("assistant", content, thought=parsed.thought, action=parsed.action,
+            split, parsed, choice = await _next_action(episode, backend, turns, turn_no, overrides,
+                                                       config.max_format_retries)
+            turns.append(_turn("assistant", clean_text(split.content), thought=parsed.thought, action=parsed.action,
                                reasoning=split.reasoning, dialect=parsed.dialect))
             try:
                 step = await on_env_thread(env.step, parsed.action)
@@ -206,16 +176,77 @@ async def run_episode(backend: ChatBackend, make_env: Callable[[], Any], task: A
             episode.steps.append(_step_log(turn_no, step, split.issue, choice.finish_reason))
             if step.done:
                 return _finish(episode, step, turns, backend, task, config)
-            turns.append(_turn("user", backend.redact(step.observation.strip()) or EMPTY_OBSERVATION))
+            turns.append(_turn("user", _observed(backend, step.observation)))
         return _fail(episode, "max_turns", f"no final answer in {config.max_turns} turns", turns)
+    except _Ended as ended:
+        return ended.episode
     finally:
         if env is not None:
-            try:
-                await on_env_thread(env.close)
-            except Exception as exc:  # the episode's outcome stands; the leak is the env's to report
-                log.warning("closing env for %s~%d failed: %s", task.id, sample,
-                            backend.redact(f"{type(exc).__name__}: {exc}"))
+            await _close_env(env, on_env_thread, episode, backend)
         thread.shutdown(wait=False)
+
+
+def _observed(backend: ChatBackend, observation: str) -> str:
+    """An observation as the episode keeps it: stripped and redacted, never empty."""
+    return backend.redact(observation.strip()) or EMPTY_OBSERVATION
+
+
+async def _replay_prefix(episode: Episode, backend: ChatBackend, on_env_thread: Callable, env: Any,
+                         prefix: list[dict], turns: list[dict]) -> None:
+    """Step the prefix's actions in the environment, appending them and their observations to `turns`;
+    raises _Ended when a step fails or ends the episode."""
+    for turn_no, replayed in enumerate(prefix):
+        turns.append(_turn("assistant", replayed["content"], thought=replayed.get("thought"),
+                           action=replayed["action"], reasoning=replayed.get("reasoning"),
+                           dialect=replayed.get("dialect")))
+        try:
+            step = await on_env_thread(env.step, replayed["action"])
+        except Exception as exc:
+            raise _Ended(_env_error(episode, f"replaying step {turn_no}", exc, backend, turns)) from exc
+        episode.steps.append(_step_log(turn_no, step, None, None))
+        if step.done:
+            raise _Ended(_fail(episode, "prefix_ended", f"replaying step {turn_no} ended the episode", turns))
+        turns.append(_turn("user", _observed(backend, step.observation)))
+
+
+async def _next_action(episode: Episode, backend: ChatBackend, turns: list[dict], turn_no: int,
+                       overrides: dict[str, Any], max_format_retries: int) -> tuple[Any, Any, Any]:
+    """(split, parsed, choice) of the model's next reply that carries an action. A reply without one is
+    logged in the episode and re-prompted away; raises _Ended on an LLM error or too many such replies."""
+    nudges: list[dict] = []  # re-prompts since the last valid reply; sent, never recorded
+    retries = 0
+    while True:
+        messages = [{"role": t["role"], "content": t["content"]} for t in turns] + nudges
+        try:
+            result = await backend.chat(messages, sample=episode.sample, **overrides)
+        except LLMError as exc:
+            raise _Ended(_fail(episode, f"llm_error:{exc.reason}", backend.redact(exc.detail))) from exc
+        for key, value in result.usage.items():
+            episode.usage[key] = episode.usage.get(key, 0) + value
+        episode.sampling = result.params
+        choice = result.choices[0]
+        choice = replace(choice, content=backend.redact(choice.content),
+                         reasoning_content=backend.redact(choice.reasoning_content))
+        split, issue, parsed = _check_reply(choice)
+        if issue is None:
+            return split, parsed, choice
+        episode.steps.append(StepLog(turn_no, False, issue, split.issue, choice.finish_reason))
+        episode.rejected.append({"turn": turn_no, "issue": issue, "content": choice.content,
+                                 "reasoning": choice.reasoning_content, "finish_reason": choice.finish_reason})
+        retries += 1
+        if retries > max_format_retries:
+            raise _Ended(_fail(episode, issue, f"{retries} replies in a row without an action", turns))
+        if split.content.strip():
+            nudges.append({"role": "assistant", "content": split.content.strip()})
+        nudges.append({"role": "user", "content": REPROMPTS[issue]})
+
+
+async def _close_env(env: Any, on_env_thread: Callable, episode: Episode, backend: ChatBackend) -> None:
+    try:
+        await on_env_thread(env.close)
+    except Exception as exc:  # the episode's outcome stands; the leak is the env's to report
+        log.warning("closing env for %s~%d failed: %s", episode.task_id, episode.sample,
+                    backend.redact(f"{type(exc).__name__}: {exc}"))
 
 
 def _step_log(turn_no: int, step: Any, reasoning_issue: str | None, finish_reason: str | None) -> StepLog:

@@ -49,6 +49,7 @@ import json
 import logging
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ from trajforge.pipeline.llm.client import ChatBackend, ChatResult, LLMConfig, LL
 from trajforge.pipeline.llm.job import ModelJob
 from trajforge.pipeline.synth.agent import EMPTY_OBSERVATION, AgentConfig, Episode, run_episode
 from trajforge.pipeline.synth.envs.base import StepResult
-from trajforge.pipeline.synth.job import EpisodeJournal, episode_key
+from trajforge.pipeline.synth.folder import episode_key, with_episode_journal
 from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.salvage")
@@ -251,75 +252,106 @@ def salvaged_record(episode: Episode, failure: Failure, prefix_steps: int, kept:
 
 async def salvage_async(config: SalvageConfig) -> dict:
     from trajforge.pipeline.envs.tasks import load_tasks
-    from trajforge.pipeline.synth.envs import make_env
 
-    out = Path(config.out)
-    state = out / ".salvage"
     tasks = load_tasks(config.tasks)
-    by_id = {t.id: t for t in tasks}
-    by_description = {_space(t.description): t for t in tasks}
     failures = [f for path in config.failures for f in read_failures(path)]
-    job = ModelJob.open(state, config.backend, config.llm, "episodes", config.episode_concurrency)
-    budget = CallBudget(job.backend, config.max_calls)
-    journal, gate = EpisodeJournal(job.journal), job.gate
-    counts: Counter[str] = Counter()
+    job = with_episode_journal(ModelJob.open(Path(config.out) / ".salvage", config.backend, config.llm, "episodes",
+                                             config.episode_concurrency))
+    salvager = _Salvager(config, job, tasks)
+    try:
+        results = await asyncio.gather(*(salvager.salvage(f) for f in failures))
+    finally:
+        await job.close()
+    return _write_salvage(config, job, salvager.budget, results)
 
-    async def attempt(failure: Failure, task: Any, prefix: list[dict]) -> Episode:
+
+def _unsalvageable(failure: Failure, task: Any, tasks_path: str) -> tuple[str, str] | None:
+    """(outcome, detail) of a failure that cannot be salvaged whatever its replay gives; None when it may be."""
+    if failure.env not in replayable_envs():
+        return "env_not_replayable", f"env {failure.env}"
+    if failure.reason.startswith(NOT_TASK_FAILURES):
+        return "not_a_task_failure", failure.reason
+    if task is None:
+        return "no_task", f"{failure.task_id[:200]} is not in {tasks_path}"
+    if len(failure.actions) < 2:
+        return "no_prefix", f"{len(failure.actions)} action(s)"
+    return None
+
+
+def distinct_prefixes(verdicts: list[str | None]) -> list[tuple[int, list[int]]]:
+    """(k, the indexes kept among the first k steps) for k = n..1, longest first, without the dropped steps
+    (a step with a verdict); two k that keep the same steps are one prefix, and a prefix keeps at least one."""
+    prefixes: list[tuple[int, list[int]]] = []
+    for k in range(len(verdicts), 0, -1):
+        kept = [i for i in range(k) if verdicts[i] is None]
+        if kept and (not prefixes or prefixes[-1][1] != kept):
+            prefixes.append((k, kept))
+    return prefixes
+
+
+class _Salvager:
+    """Salvage of one failure after another: its replay without a model, then its prefixes continued by the model."""
+
+    def __init__(self, config: SalvageConfig, job: ModelJob, tasks: list[Any]):
+        self.config = config
+        self.job = job
+        self.budget = CallBudget(job.backend, config.max_calls)
+        self.by_id = {t.id: t for t in tasks}
+        self.by_description = {_space(t.description): t for t in tasks}
+
+    def env_maker(self, task: Any) -> Callable[[], Any]:
+        from trajforge.pipeline.synth.envs import make_env
+
+        return lambda: make_env(task.env, **self.config.env_kw.get(task.env, {}))
+
+    async def replay(self, task: Any, actions: list[str]) -> list[ReplayedStep]:
+        async with self.job.gate:
+            return await asyncio.to_thread(replay_actions, self.env_maker(task), task, actions, self.budget.redact)
+
+    async def attempt(self, task: Any, prefix: list[dict]) -> Episode:
+        """The model's continuation of `prefix` (from the journal when an earlier run finished it)."""
         # The prefix is part of the key: the same continuation of a different prefix is another episode.
-        key = episode_key(task, 0, budget.model, {**budget.params, "salvage_prefix": prefix}, config.agent)
-        done = journal.get(key)
-        if done is not None:
-            counts["episodes_resumed"] += 1
-            return done
-        async with gate:
-            episode = await run_episode(budget, env_maker(task), task, 0, config.agent, prefix=prefix)
-        counts["episodes_run"] += 1
-        if not episode.transient:
-            journal.put(key, episode)
-        return episode
+        key = episode_key(task, 0, self.budget.model, {**self.budget.params, "salvage_prefix": prefix},
+                          self.config.agent)
 
-    def env_maker(task: Any):
-        return lambda: make_env(task.env, **config.env_kw.get(task.env, {}))
+        async def run() -> Episode:
+            return await run_episode(self.budget, self.env_maker(task), task, 0, self.config.agent, prefix=prefix)
 
-    async def replay(task: Any, actions: list[str]) -> list[ReplayedStep]:
-        async with gate:
-            return await asyncio.to_thread(replay_actions, env_maker(task), task, actions, budget.redact)
+        return await self.job.journaled(key, run, keep=lambda episode: not episode.transient)
 
-    async def salvage_one(failure: Failure) -> tuple[dict, dict | None]:
+    async def salvage(self, failure: Failure) -> tuple[dict, dict | None]:
+        """The failure's outcome row, and its salvaged record (None when there is none)."""
         row = {"id": failure.id, "task_id": failure.task_id, "env": failure.env, "failure_reason": failure.reason,
                "outcome": "", "detail": "", "steps": len(failure.actions), "prefixes_tried": 0,
                "prefix_steps": None, "record_id": None, "dropped_steps": None, "replay_mismatch": None}
-        task = by_id.get(failure.task_id) or by_description.get(_space(failure.task_id))
-        if failure.env not in replayable_envs():
-            return {**row, "outcome": "env_not_replayable", "detail": f"env {failure.env}"}, None
-        if failure.reason.startswith(NOT_TASK_FAILURES):
-            return {**row, "outcome": "not_a_task_failure", "detail": failure.reason}, None
-        if task is None:
-            return {**row, "outcome": "no_task", "detail": f"{failure.task_id[:200]} is not in {config.tasks}"}, None
-        if len(failure.actions) < 2:
-            return {**row, "outcome": "no_prefix", "detail": f"{len(failure.actions)} action(s)"}, None
-        actions, recorded = failure.actions, failure.observations
+        task = self.by_id.get(failure.task_id) or self.by_description.get(_space(failure.task_id))
+        refused = _unsalvageable(failure, task, self.config.tasks)
+        if refused is not None:
+            return {**row, "outcome": refused[0], "detail": refused[1]}, None
         try:
-            replayed = await replay(task, [a["action"] for a in actions[:-1]])
+            replayed = await self.replay(task, [a["action"] for a in failure.actions[:-1]])
         except Exception as exc:  # the env's failure, not the record's: the next run tries again
-            return {**row, "outcome": "transient", "detail": budget.redact(f"replay: {type(exc).__name__}: {exc}")[:1000]}, None
-        mismatch = first_mismatch(recorded, [step.observation for step in replayed])
+            detail = self.budget.redact(f"replay: {type(exc).__name__}: {exc}")[:1000]
+            return {**row, "outcome": "transient", "detail": detail}, None
+        mismatch = first_mismatch(failure.observations, [step.observation for step in replayed])
         agreeing = mismatch[0] if mismatch else len(replayed)
         row["replay_mismatch"] = mismatch[1] if mismatch else None
         if agreeing == 0:
             return {**row, "outcome": "replay_mismatch", "detail": mismatch[1]}, None
         verdicts = [step.verdict for step in replayed[:agreeing]]
-        prefixes: list[tuple[int, list[int]]] = []  # (k, the kept indexes among the first k), distinct
-        for k in range(agreeing, 0, -1):
-            kept = [i for i in range(k) if verdicts[i] is None]
-            if kept and (not prefixes or prefixes[-1][1] != kept):
-                prefixes.append((k, kept))
+        prefixes = distinct_prefixes(verdicts)
         if not prefixes:
             dropped = ", ".join(f"{i}: {v}" for i, v in enumerate(verdicts))
             return {**row, "outcome": "no_useful_prefix", "detail": f"steps {dropped}"}, None
+        return await self.try_prefixes(failure, task, row, verdicts, prefixes[:self.config.max_prefixes])
+
+    async def try_prefixes(self, failure: Failure, task: Any, row: dict, verdicts: list[str | None],
+                           prefixes: list[tuple[int, list[int]]]) -> tuple[dict, dict | None]:
+        """Each prefix continued by the model in turn, until one succeeds with a replay that matches the record."""
+        actions, recorded = failure.actions, failure.observations
         last_failure, mismatched = "", 0
-        for k, kept in prefixes[:config.max_prefixes]:
-            episode = await attempt(failure, task, [actions[i] for i in kept])
+        for k, kept in prefixes:
+            episode = await self.attempt(task, [actions[i] for i in kept])
             row["prefixes_tried"] += 1
             dropped = {i: verdicts[i] for i in range(k) if verdicts[i] is not None}
             if episode.status == "success":
@@ -341,24 +373,42 @@ async def salvage_async(config: SalvageConfig) -> dict:
             return {**row, "outcome": "replay_mismatch", "detail": row["replay_mismatch"]}, None
         return {**row, "outcome": "no_prefix_succeeded", "detail": last_failure}, None
 
-    try:
-        results = await asyncio.gather(*(salvage_one(f) for f in failures))
-    finally:
-        await job.close()
 
+def _write_salvage(config: SalvageConfig, job: ModelJob, budget: CallBudget,
+                   results: list[tuple[dict, dict | None]]) -> dict:
+    """The salvaged records per env, the outcome rows and the report (returned)."""
+    out = Path(config.out)
     rows = [row for row, _ in results]
+    records_by_env = _write_records(out, [record for _, record in results if record is not None])
+    write_parquet(rows, OUTCOME_SCHEMA, out / "salvage.parquet")
+    report = {**_outcome_counts(rows, records_by_env),
+              "episodes_run": job.counts["run"], "episodes_resumed": job.counts["resumed"],
+              "budget": {"max_calls": config.max_calls, "spent": budget.spent, "refused": budget.refused,
+                         "max_prefixes": config.max_prefixes},
+              "llm": job.llm_report()}
+    write_json(out / "report.json", report)
+    log.info("salvage: %d failures %s; %d records; %d calls (budget %s), %d cache hits", len(rows),
+             report["outcomes"], report["records"], job.stats.calls, config.max_calls, job.stats.cache_hits)
+    return report
+
+
+def _write_records(out: Path, records: list[dict]) -> dict[str, list[dict]]:
+    """The salvaged records, one file per env (an env's earlier file is rewritten, emptied when none is left)."""
     records_by_env: dict[str, list[dict]] = {}
-    for _, record in results:
-        if record is not None:
-            records_by_env.setdefault(record["env"], []).append(record)
+    for record in records:
+        records_by_env.setdefault(record["env"], []).append(record)
     for env in replayable_envs():
         path = out / "data" / "synthetic" / f"{env}.parquet"
         if env in records_by_env or path.exists():
             write_parquet(records_by_env.get(env, []), arrow_schema("trajectory"), path)
-    write_parquet(rows, OUTCOME_SCHEMA, out / "salvage.parquet")
+    return records_by_env
+
+
+def _outcome_counts(rows: list[dict], records_by_env: dict[str, list[dict]]) -> dict:
+    """The report's counts of outcomes, records and steps."""
     salvaged = [r for r in rows if r["outcome"] == "salvaged"]
     salvaged_meta = [json.loads(r["meta"]) for v in records_by_env.values() for r in v]
-    report = {
+    return {
         "failures": len(rows), "outcomes": dict(sorted(Counter(r["outcome"] for r in rows).items())),
         "records": sum(len(v) for v in records_by_env.values()),
         "records_per_env": {env: len(v) for env, v in sorted(records_by_env.items())},
@@ -367,15 +417,7 @@ async def salvage_async(config: SalvageConfig) -> dict:
         "dropped_steps": dict(sorted(Counter(v for m in salvaged_meta for v in m["dropped_steps"].values()).items())),
         "replay_mismatches": sum(r["replay_mismatch"] is not None for r in rows),
         "prefixes_tried": sum(r["prefixes_tried"] for r in rows),
-        "episodes_run": counts["episodes_run"], "episodes_resumed": counts["episodes_resumed"],
-        "budget": {"max_calls": config.max_calls, "spent": budget.spent, "refused": budget.refused,
-                   "max_prefixes": config.max_prefixes},
-        "llm": job.llm_report(),
     }
-    write_json(out / "report.json", report)
-    log.info("salvage: %d failures %s; %d records; %d calls (budget %s), %d cache hits", len(rows),
-             report["outcomes"], report["records"], job.stats.calls, config.max_calls, job.stats.cache_hits)
-    return report
 
 
 def salvage(config: SalvageConfig) -> dict:

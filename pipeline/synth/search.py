@@ -68,13 +68,14 @@ from typing import Any, Protocol
 
 from trajforge.pipeline.atomic import write_parquet
 from trajforge.pipeline.envs import spec
-from trajforge.pipeline.llm.client import ChatBackend, ChatResult, LLMError, ServerUnreachable, sampling_params
+from trajforge.pipeline.llm.client import ChatBackend, ChatResult, LLMError, sampling_params
+from trajforge.pipeline.llm.job import ModelJob
 from trajforge.pipeline.llm.reasoning import split_reasoning
 from trajforge.pipeline.synth.agent import Episode, conversation_for, run_episode
 from trajforge.pipeline.synth.config import AgentConfig, SearchConfig, SynthConfig
 from trajforge.pipeline.synth.envs import make_env
 from trajforge.pipeline.synth.envs.base import ClosingEnvironment, StepResult
-from trajforge.pipeline.synth.job import _failure_row, episode_key, job_tasks, open_job, write_outputs
+from trajforge.pipeline.synth.folder import episode_key, failure_row, job_tasks, open_job, write_outputs
 from trajforge.schemas import arrow_schema
 from trajforge.sources.synthetic import Synthetic
 
@@ -550,64 +551,54 @@ def _unsolved_row(result: dict, rows: list[dict], task: Any, model: str) -> dict
     reason = result["outcome"] if result["outcome"] != "done" else "search_no_success"
     episode = Episode(task.id, 0, task.env, "failure", reason, result["detail"] or (leaf or {}).get("reason") or "",
                       turns=conversation(leaf) if leaf else [])
-    return _failure_row(episode, model) | {"id": f"synthetic/{task.id}#search"}
+    return failure_row(episode, model) | {"id": f"synthetic/{task.id}#search"}
 
 
 # --- the job ----------------------------------------------------------------------------------
 async def search_async(config: SynthConfig, progress: Callable[[int, int], None] | None = None) -> dict:
     """The synthesis job with a tree search per task; see the module docstring for the outputs."""
-    out = Path(config.out)
     search = config.search
     tasks = job_tasks(config)
-    job = open_job(config, "searches")
-    backend, journal, gate = job.backend, job.journal, job.gate
+    job = open_job(config, "searches", progress, len(tasks))
+    backend = job.backend
     value_model = VALUE_MODELS[search.value_model]() if search.value_model else None
     requested = sampling_params(backend.model, config.llm.sampling)
-    counts: Counter[str] = Counter()
     snapshots = spec(config.env).can_snapshot()
+
+    async def run(task: Any) -> dict:
+        make = lambda: make_env(config.env, **config.env_kw)  # noqa: E731
+        if snapshots:
+            make = StateMemo(make).env
+        budget = TaskBudget(backend, search.max_calls, search.max_tokens)
+        return await TaskSearch(task, budget, make, config.agent, search, config.n, value_model).run()
 
     async def one(task: Any) -> dict:
         if task.skip_reason:
-            counts["skipped"] += 1
-            return {"task_id": task.id, "outcome": "skipped", "detail": task.skip_reason, "transient": False,
-                    "calls": 0, "tokens": 0, "usage": {}, "nodes": [], "records": {}}
+            return job.skipped({"task_id": task.id, "outcome": "skipped", "detail": task.skip_reason,
+                                 "transient": False, "calls": 0, "tokens": 0, "usage": {}, "nodes": [], "records": {}})
         key = episode_key(task, 0, backend.model, {**requested, "search": asdict(search), "n": config.n}, config.agent)
-        result = journal.get(key)
-        if result is not None:
-            counts["resumed"] += 1
-        else:
-            async with gate:
-                make = lambda: make_env(config.env, **config.env_kw)  # noqa: E731
-                if snapshots:
-                    make = StateMemo(make).env
-                budget = TaskBudget(backend, search.max_calls, search.max_tokens)
-                result = await TaskSearch(task, budget, make, config.agent, search, config.n, value_model).run()
-            counts["run"] += 1
-            if not result["transient"]:
-                journal.put(key, result)
-        counts["finished"] += 1
-        if progress is not None:
-            progress(counts["finished"], len(tasks))
-        return result
+        return await job.journaled(key, lambda: run(task), keep=lambda result: not result["transient"])
 
     try:
         results = await asyncio.gather(*(one(t) for t in tasks))
     finally:
         await job.close()
-    if backend.unreachable:
-        raise ServerUnreachable(f"{backend.unreachable}. Stopped: {counts['finished'] - sum(r['transient'] for r in results)} "
-                                f"of {len(tasks)} searches finished and are journaled; no outputs were written. Rerun "
-                                f"the same command once the server answers to resume.")
+    job.stop_if_unreachable(sum(not r["transient"] for r in results), len(tasks))
+    return _write_searches(config, job, tasks, results)
 
+
+def _write_searches(config: SynthConfig, job: ModelJob, tasks: list[Any], results: list[dict]) -> dict:
+    """The search trees, their derived step data, the best record of every solved task, and the report (returned)."""
+    out, search, model = Path(config.out), config.search, job.backend.model
     nodes, records, failures = [], [], []
     for task, result in zip(tasks, results):
-        rows = node_rows(result, config.env, backend.model, search.strategy)
+        rows = node_rows(result, config.env, model, search.strategy)
         nodes += rows
         record = best_record(result, rows, search.strategy)
         if record is not None:
             records.append(record)
         else:
-            failures.append(_unsolved_row(result, rows, task, backend.model))
+            failures.append(_unsolved_row(result, rows, task, model))
     derived = {"nodes": nodes, "step_values": step_values(nodes), "step_pairs": step_pairs(nodes)}
     for name, rows in derived.items():
         write_parquet(rows, arrow_schema(SCHEMAS[name]), out / "search" / name / f"{config.env}.parquet")
@@ -618,9 +609,9 @@ async def search_async(config: SynthConfig, progress: Callable[[int, int], None]
         "episodes": sum(r["arrivals"] for r in nodes), "records": len(records),
         "unselected": max(0, successes - len(records)), "failures": len(failures),
         "failure_reasons": dict(sorted(Counter(f["reason"] for f in failures).items())),
-        "tasks_with_record": len(records), "skipped": counts["skipped"],
-        "search": {**asdict(search), "outcomes": dict(sorted(outcomes.items())), "searches_run": counts["run"],
-                   "searches_resumed": counts["resumed"], "nodes": len(nodes),
+        "tasks_with_record": len(records), "skipped": job.counts["skipped"],
+        "search": {**asdict(search), "outcomes": dict(sorted(outcomes.items())), "searches_run": job.counts["run"],
+                   "searches_resumed": job.counts["resumed"], "nodes": len(nodes),
                    "step_values": len(derived["step_values"]), "step_pairs": len(derived["step_pairs"]),
                    "calls": sum(r["calls"] for r in results), "completion_tokens": sum(r["tokens"] for r in results),
                    "max_calls_per_task": max((r["calls"] for r in results), default=0)},

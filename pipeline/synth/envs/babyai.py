@@ -147,17 +147,9 @@ class _View:
         while queue:
             state = queue.popleft()
             expanded.add(state)
-            (x, y), d = state
-            front = _vec(d)
-            if (arrive and (x, y) == goal) or (not arrive and (goal[0] - x, goal[1] - y) == front):
-                actions = []
-                while state != start:
-                    state, action = parent[state]
-                    actions.append(action)
-                return actions[::-1]
-            for action in (FORWARD, LEFT, RIGHT):
-                nxt = (((x + front[0], y + front[1]), d) if action == FORWARD
-                       else ((x, y), (d - 1) % 4 if action == LEFT else (d + 1) % 4))
+            if _reaches(state, goal, arrive):
+                return _actions_to(state, start, parent)
+            for action, nxt in _moves(state):
                 cell = nxt[0]
                 if cell[0] not in self.xs or cell[1] not in self.ys or nxt in expanded or cell in blocked:
                     continue
@@ -180,66 +172,104 @@ class _View:
                 self.refusals[f"{verb} {name} {k}"] = f"You cannot {refusal} {name} {k}, as there is no path leading to it."
 
     def _list_actions(self) -> None:
-        carrying = self.carrying
+        """The server's action list, in its order: turns, move, pickup or drop, doors, goal, go to, check."""
         self.actions.update({"turn left": [LEFT], "turn right": [RIGHT]})
         if not self.barriers or self.barriers[0]["distance"] > 1:
             self.actions["move forward"] = [FORWARD]
         else:
             self.refusals["move forward"] = "There is a barrier in front of you, you can't move forward."
-        if carrying is None:
-            self._numbered("pickup", "pickup", [o for o in self.objects if not any(
-                k in o["name"] for k in ("wall", "door", "goal"))], arrive=False, suffix=[PICKUP])
-            self.refusals["drop"] = "You cannot drop the object, as you are not carrying anything."
-        else:
-            front = _vec(self.dir)
-            ahead = (self.pos[0] + front[0], self.pos[1] + front[1])
-            if any(o["pos"] == ahead and any(b in o["name"] for b in BLOCKING) for o in self.objects):
-                self.refusals["drop"] = "You cannot drop the object, as there is already an object in front of you."
-            else:
-                self.actions["drop"] = [DROP]
+        self._pickup_or_drop()
         doors: dict[str, int] = {}
         for o in self.objects:
-            name = o["name"]
-            if "door" not in name:
-                continue
-            doors[name] = doors.get(name, 0) + 1
-            label = f"{name} {doors[name]}"
-            if "open door" in name:
-                steps = self.path(o["pos"], arrive=True)
-                if steps is not None:
-                    self.actions[f"go through {label}"] = steps
-                else:
-                    self.refusals[f"go through {label}"] = f"You cannot go through {label}, as there is no path leading to it."
-                continue
-            if "locked door" in name:
-                why = ("you are not carrying a key" if carrying is None or carrying.type != "key" else
-                       "the color of the key you are carrying does not match the color of door"
-                       if carrying.color != name.split(" ")[0] else None)
-                if why:
-                    self.refusals[f"toggle and go through {label}"] = f"You cannot toggle and go through {label}, as {why}."
-                    continue
-            steps = self.path(o["pos"], arrive=False)
-            if steps is not None:
-                self.actions[f"toggle and go through {label}"] = steps + [TOGGLE, FORWARD]
-            else:
-                # The server prints its whole door count here (a dict), not the door's number.
-                self.refusals[f"toggle and go through {label}"] = (
-                    f"You cannot toggle and go through {name} {doors}, as there is no path leading to it.")
-            if steps == []:
-                self.actions["toggle"] = [TOGGLE]
-            if "closed door" in name:
-                self.refusals[f"go through {label}"] = (f"You cannot go through {label}, as it is closed. "
-                                                        "You should toggle it first.")
+            if "door" in o["name"]:
+                doors[o["name"]] = doors.get(o["name"], 0) + 1
+                self._door_actions(o, doors)
         for o in self.objects:
             if "goal" in o["name"]:
-                steps = self.path(o["pos"], arrive=True)
-                if steps is not None:
-                    self.actions["go to goal"] = steps
-                else:
-                    self.refusals["go to goal"] = "You cannot go to the goal, as there is no path leading to it."
+                self._go_to_goal(o)
         self._numbered("go to", "go to", [o for o in self.objects if "wall" not in o["name"] and "goal" not in o["name"]],
                        arrive=False, suffix=[])
         self.actions["check available actions"] = []
+
+    def _pickup_or_drop(self) -> None:
+        """Empty-handed, pick up any object in reach; carrying, drop it unless something is in front."""
+        if self.carrying is None:
+            self._numbered("pickup", "pickup", [o for o in self.objects if not any(
+                k in o["name"] for k in ("wall", "door", "goal"))], arrive=False, suffix=[PICKUP])
+            self.refusals["drop"] = "You cannot drop the object, as you are not carrying anything."
+            return
+        front = _vec(self.dir)
+        ahead = (self.pos[0] + front[0], self.pos[1] + front[1])
+        if any(o["pos"] == ahead and any(b in o["name"] for b in BLOCKING) for o in self.objects):
+            self.refusals["drop"] = "You cannot drop the object, as there is already an object in front of you."
+        else:
+            self.actions["drop"] = [DROP]
+
+    def _door_actions(self, door: dict, doors: dict[str, int]) -> None:
+        """The commands for one door; `doors` counts the doors of each name seen so far, this one included."""
+        name = door["name"]
+        label = f"{name} {doors[name]}"
+        if "open door" in name:
+            steps = self.path(door["pos"], arrive=True)
+            if steps is not None:
+                self.actions[f"go through {label}"] = steps
+            else:
+                self.refusals[f"go through {label}"] = f"You cannot go through {label}, as there is no path leading to it."
+            return
+        why = self._locked_door_refusal(name) if "locked door" in name else None
+        if why:
+            self.refusals[f"toggle and go through {label}"] = f"You cannot toggle and go through {label}, as {why}."
+            return
+        steps = self.path(door["pos"], arrive=False)
+        if steps is not None:
+            self.actions[f"toggle and go through {label}"] = steps + [TOGGLE, FORWARD]
+        else:
+            # The server prints its whole door count here (a dict), not the door's number.
+            self.refusals[f"toggle and go through {label}"] = (
+                f"You cannot toggle and go through {name} {doors}, as there is no path leading to it.")
+        if steps == []:
+            self.actions["toggle"] = [TOGGLE]
+        if "closed door" in name:
+            self.refusals[f"go through {label}"] = (f"You cannot go through {label}, as it is closed. "
+                                                    "You should toggle it first.")
+
+    def _locked_door_refusal(self, name: str) -> str | None:
+        """Why the locked door `name` cannot be opened with what the agent carries; None when it can."""
+        carrying = self.carrying
+        if carrying is None or carrying.type != "key":
+            return "you are not carrying a key"
+        if carrying.color != name.split(" ")[0]:
+            return "the color of the key you are carrying does not match the color of door"
+        return None
+
+    def _go_to_goal(self, goal: dict) -> None:
+        steps = self.path(goal["pos"], arrive=True)
+        if steps is not None:
+            self.actions["go to goal"] = steps
+        else:
+            self.refusals["go to goal"] = "You cannot go to the goal, as there is no path leading to it."
+
+
+def _reaches(state: tuple, goal: tuple[int, int], arrive: bool) -> bool:
+    """The (cell, direction) `state` is on `goal` (arrive) or faces it from the next cell."""
+    (x, y), d = state
+    return (x, y) == goal if arrive else (goal[0] - x, goal[1] - y) == _vec(d)
+
+
+def _moves(state: tuple) -> list[tuple[int, tuple]]:
+    """(action, next state) for forward, left and right, in the server's order."""
+    (x, y), d = state
+    front = _vec(d)
+    return [(FORWARD, ((x + front[0], y + front[1]), d)), (LEFT, ((x, y), (d - 1) % 4)), (RIGHT, ((x, y), (d + 1) % 4))]
+
+
+def _actions_to(state: tuple, start: tuple, parent: dict[tuple, tuple[tuple, int]]) -> list[int]:
+    """The low-level actions from `start` to `state`, following the parents back."""
+    actions = []
+    while state != start:
+        state, action = parent[state]
+        actions.append(action)
+    return actions[::-1]
 
 
 class BabyAIEnv(ClosingEnvironment):
