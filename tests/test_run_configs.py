@@ -11,12 +11,11 @@ import pytest
 from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, REPO
 from trajforge.flows.cli import _build_run, _synth_run, parser
 from trajforge.flows.config import (
+    SYNTH,
     BuildRun,
     ConfigError,
     from_dict,
-    load_build_run,
     merge,
-    nested,
     read_config,
     stage_config,
     synth_config,
@@ -33,6 +32,10 @@ SYNTH_EXAMPLE = REPO / "configs" / "synth.yaml"
 
 def build_args(*argv: str):
     return parser().parse_args(["build", *argv])
+
+
+def load_build_run(path: str) -> BuildRun:
+    return from_dict(BuildRun, read_config(path), path)
 
 
 def test_example_config_loads_and_states_the_defaults():
@@ -117,7 +120,7 @@ def test_synth_flags_override_the_file():
         "--config", str(SYNTH_EXAMPLE), "--n", "1", "--max-turns", "3", "--timeout", "30", "--api-key-env", "K",
         "--sampling", "temperature=0.5", "--sampling", "top_k=null"))
     assert api_key_env == "K" and "api_key_env" not in config
-    job = synth_config(merge(config, nested(given)), "test")
+    job = synth_config(merge(config, SYNTH.nested(given)), "test")
     assert (job.n, job.agent.max_turns, job.llm.timeout_s) == (1, 3, 30.0)
     assert job.llm.sampling == {"temperature": 0.5, "top_k": None}
     assert job.llm.max_retries == LLMConfig.max_retries and job.keep == SynthConfig.keep
