@@ -659,8 +659,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    help="serve the --model checkpoint for the run: transformers (CPU), vllm (GPU), or a command "
                         "with {model} and {port}")
     option("--label", help="name of this checkpoint in the results table (default: the model)")
-    option("--env", dest="envs", action="append", metavar="ENV", help="an env to evaluate (repeatable; default: every env with a "
-                                                       "declared held-out split: os, db, babyai)")
+    option("--env", dest="envs", action="append", metavar="ENV", show_default=False,
+           help="an env to evaluate (repeatable; default: every env with a declared held-out split: os, db, babyai)")
     option("--tasks", action=_Mapping, type=_env_file_arg, metavar="ENV=FILE",
            help="evaluate ENV on the tasks of FILE instead of its declared split (repeatable)")
     option("--n", type=int, help="samples per task (pass@k for k up to n)")
