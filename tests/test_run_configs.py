@@ -9,6 +9,7 @@ import importlib
 import inspect
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, REPO
@@ -31,6 +32,7 @@ from trajforge.flows.config import (
 )
 from trajforge.pipeline.build import BuildConfig
 from trajforge.pipeline.evaluation.run import EvalConfig
+from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.quality.critical_steps import SelectConfig
 from trajforge.pipeline.quality.dedup import DedupConfig
@@ -220,3 +222,12 @@ def test_flows_state_no_default_of_their_own(command):
     assert set(table.paths) <= set(parameters)
     for key in table.paths:
         assert parameters[key].default in (None, inspect.Parameter.empty), key
+
+
+def test_a_build_config_sets_the_most_turns_a_record_may_have(fixtures_build):
+    """`stages.max_record_turns` (the validator's limit, not an episode's `max_turns` budget)."""
+    record = pq.read_table(fixtures_build / "data" / "sft").to_pylist()[0]
+    turns = len(record["conversations"])
+    assert validate_record(record, stage_config({"max_record_turns": turns}, "build.yaml").validate) is None
+    too_long = validate_record(record, stage_config({"max_record_turns": turns - 1}, "build.yaml").validate)
+    assert too_long.reason == "too_long" and f"(max {turns - 1})" in too_long.detail
