@@ -681,24 +681,29 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_eval)
 
 
-def _eval_given(args: argparse.Namespace) -> dict:
-    """The evaluate flow's parameters from the options, checked."""
-    from trajforge.pipeline.envs import host
+def _check_eval_inputs(envs: list[str], tasks: dict[str, str], train_data: str | None) -> None:
     from trajforge.pipeline.evaluation.splits import EVAL_SPLITS
 
-    given = {**_given(args, EVAL), "out": args.out, "results": args.results}
-    tasks = given.get("tasks", {})
-    for env in [*given.get("envs", []), *tasks]:
+    for env in [*envs, *tasks]:
         _need_env(env)
-    for env in given.get("envs", []):
+    for env in envs:
         if env not in EVAL_SPLITS and env not in tasks:
             raise SourceError(f"--env {env}: no declared held-out split (declared: {', '.join(EVAL_SPLITS)}); "
                               f"give its tasks with --tasks {env}=FILE")
-    for path in [*tasks.values(), *([given["train_data"]] if "train_data" in given else [])]:
+    for path in [*tasks.values(), *([train_data] if train_data else [])]:
         if not os.path.exists(path):
             raise SourceError(f"eval: {path} does not exist")
-    if "envs" in given or tasks:
-        given["envs"] = list(dict.fromkeys([*given.get("envs", []), *tasks]))
+
+
+def _eval_given(args: argparse.Namespace) -> dict:
+    """The evaluate flow's parameters from the options, checked."""
+    from trajforge.pipeline.envs import host
+
+    given = _given(args, EVAL)
+    envs, tasks = given.get("envs", []), given.get("tasks", {})
+    _check_eval_inputs(envs, tasks, given.get("train_data"))
+    if envs or tasks:
+        given["envs"] = list(dict.fromkeys([*envs, *tasks]))
         given["tasks"] = {env: os.path.abspath(path) for env, path in tasks.items()}
     if args.serve:
         if not (args.model and os.path.isdir(args.model)):
