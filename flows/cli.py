@@ -349,6 +349,20 @@ def _sampling_arg(value: str) -> tuple[str, object]:
         return key, raw
 
 
+def _add_model_options(option, episodes: bool = True) -> None:
+    """The model endpoint's options (LLMConfig: llm.*) a model-calling command shares, and with
+    `episodes` the episode's (AgentConfig: agent.*) and the environments alive at once."""
+    option("--base-url", help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 "
+                              "(default: TRAJFORGE_BASE_URL or the OpenAI API)")
+    option("--concurrency", type=int, help="LLM requests in flight")
+    option("--sampling", action=_Mapping, type=_sampling_arg, metavar="KEY=VALUE",
+           help="override a sampling default (temperature=0.7, top_k=null removes it); repeatable")
+    if episodes:
+        option("--episodes", type=int, dest="episode_concurrency", metavar="N", help="environments alive at once")
+        option("--max-turns", type=int, help="the episode's turn budget: model turns before it ends as max_turns")
+        option("--max-tokens", type=int, help="completion tokens per request (default: the model family's)")
+
+
 _BACKEND_HELP = "openai: any OpenAI-compatible server at --base-url; vllm: in-process vLLM (GPU)"
 
 
@@ -367,18 +381,11 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     option("--env", help="environment name: os, db, agentgym (required here or in the config)")
     option("--model", help="model name as the server knows it (family defaults follow it; required here or in the "
                            "config)")
-    option("--base-url", help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 "
-                              "(default: TRAJFORGE_BASE_URL or the OpenAI API)")
     option("--n", type=int, help="samples per task (best-of-N)")
     option("--out", help="output folder (rerunning into it resumes; required here or in the config)")
     option("--keep", choices=KEEP, help="records per task: the best success or all")
-    option("--concurrency", type=int, help="LLM requests in flight")
-    option("--episodes", type=int, dest="episode_concurrency", metavar="N", help="environments alive at once")
-    option("--max-turns", type=int, help="the episode's turn budget: model turns before it ends as max_turns")
-    option("--max-tokens", type=int, help="completion tokens per request (default: the model family's)")
+    _add_model_options(option)
     option("--seed", type=int, help="sample k uses seed+k")
-    option("--sampling", action=_Mapping, type=_sampling_arg, metavar="KEY=VALUE",
-           help="override a sampling default (temperature=0.7, top_k=null removes it); repeatable")
     option("--backend", choices=["openai", "vllm"], help=_BACKEND_HELP)
     p.add_argument("--api-key-env", metavar="VAR", default=argparse.SUPPRESS,
                    help="environment variable holding the API key (default: TRAJFORGE_API_KEY, OPENAI_API_KEY); "
@@ -454,19 +461,6 @@ def _run_train(args: argparse.Namespace) -> int:
     from trajforge.training.cli import main as train_main
 
     return train_main(args.args)
-
-
-def _add_model_options(option, episodes: bool = True) -> None:
-    """The model endpoint's options (LLMConfig: llm.*) a model-calling command shares, and with
-    `episodes` the episode's (AgentConfig: agent.*) and the environments alive at once."""
-    option("--base-url", help="OpenAI-compatible endpoint (default: TRAJFORGE_BASE_URL)")
-    option("--concurrency", type=int, help="LLM requests in flight")
-    option("--sampling", action=_Mapping, type=_sampling_arg, metavar="KEY=VALUE",
-           help="override a sampling default; repeatable")
-    if episodes:
-        option("--episodes", type=int, dest="episode_concurrency", metavar="N", help="environments alive at once")
-        option("--max-turns", type=int, help="the episode's turn budget: model turns before it ends as max_turns")
-        option("--max-tokens", type=int, help="completion tokens per request (default: the model family's)")
 
 
 def _add_api_key_env(p: argparse.ArgumentParser) -> None:
