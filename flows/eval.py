@@ -73,9 +73,10 @@ def evaluate(out: str, envs: list[str] | None = None, model: str | None = None, 
              seed: int | None = None, sampling: dict[str, Any] | None = None, concurrency: int | None = None,
              episode_concurrency: int | None = None, timeout_s: float | None = None, max_retries: int | None = None,
              env_kw: dict[str, dict] | None = None, results: str | None = None, train_data: str | None = None,
-             allow_overlap: bool | None = None, serve: list[str] | None = None, startup_timeout_s: float = SERVE_STARTUP_TIMEOUT_S,
-             backend: str | None = None, api_key_env: str | None = None, api_limit: str | None = None,
-             api_rate_limit: str | None = None, exclude: list[str] | None = None) -> dict:
+             allow_overlap: bool | None = None, serve: list[str] | None = None,
+             startup_timeout_s: float = SERVE_STARTUP_TIMEOUT_S, backend: str | None = None,
+             api_key_env: str | None = None, api_limit: str | None = None, api_rate_limit: str | None = None,
+             exclude: list[str] | None = None) -> dict:
     """Evaluate MODEL (or, with `serve`, the checkpoint folder MODEL served for the run) on ENVS'
     held-out splits (default: every declared split); see pipeline/evaluation/run.py for the outputs.
     A parameter left None keeps `EvalConfig`'s default (flows/config.py: EVAL places each); without
