@@ -27,7 +27,7 @@ from prefect.context import FlowRunContext
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from trajforge.flows.artifacts import Progress, build_artifacts
-from trajforge.flows.config import AUTO, BuildRun, auto_runner, merge, stage_config
+from trajforge.flows.config import AUTO, BuildRun, auto_runner, build_run, stage_config
 from trajforge.flows.names import build_run_name
 from trajforge.pipeline.build import (
     BuildConfig,
@@ -166,27 +166,19 @@ def process_units(files: list[tuple[str, SourceFile]], staging: str, config: Bui
     return units
 
 
-def _given(overrides: dict) -> dict:
-    """The overrides that were given (not None), nested mappings included."""
-    given = {}
-    for key, value in overrides.items():
-        value = _given(value) if isinstance(value, dict) else value
-        if value not in (None, {}):
-            given[key] = value
-    return given
-
-
 @flow(name="build-dataset", log_prints=True, flow_run_name=build_run_name)
-def build_dataset(sources: dict[str, str | None] | None = None, out: str = "build", rendering: str | None = None,
-                  runner: str = BuildRun.runner, address: str | None = None, workers: int = BuildRun.workers,
+def build_dataset(sources: dict[str, str | None] | None = None, out: str | None = None, rendering: str | None = None,
+                  runner: str | None = None, address: str | None = None, workers: int | None = None,
                   shard_rows: int | None = None, decontaminate: str | None = None,
                   dedup_threshold: float | None = None, synthetic: str | None = None,
                   rl_tasks: list[str] | None = None, stages: dict | None = None,
-                  source_as: list[str] | None = None) -> dict:
+                  source_as: list[str] | None = None, config: dict | None = None) -> dict:
     """Build the dataset. `sources` maps a source name to a local path or Hub repo id (None: its Hub repo).
 
-    `stages` is the stages' configuration (`pipeline.build.BuildConfig` as a nested mapping, the
-    `stages` section of a `--config` file); the keyword arguments below override it where given.
+    `config` is a build config (the shape of `flows.config.BuildRun`, as in configs/build.yaml);
+    the other parameters override it where given (flows/config.py: BUILD places each), and what
+    neither sets keeps the dataclasses' default. `stages` is the stages' configuration
+    (`pipeline.build.BuildConfig` as a nested mapping, the `stages` section of a config).
 
     `synthetic` is the output folder of the synthesis flow, read as one more source (`synthetic`).
 
@@ -199,22 +191,22 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str = "buil
     `source_as` names the sources whose files are read as that source although they look like
     another's (`--source-as`); any other source in another's layout fails the run (ForeignLayout).
     """
-    sources = dict(sources or {name: None for name in DEFAULT_SOURCES})
+    run = build_run(dict(sources=sources, out=out, rendering=rendering, runner=runner, address=address,
+                         workers=workers, shard_rows=shard_rows, decontaminate=decontaminate,
+                         dedup_threshold=dedup_threshold, rl_tasks=rl_tasks, stages=stages, source_as=source_as),
+                    "build config", config)
+    sources = dict(run.sources or dict.fromkeys(DEFAULT_SOURCES))
     if synthetic:
         sources["synthetic"] = synthetic
-    overrides = {"rendering": rendering, "shards": {"max_rows": shard_rows or None},
-                 "dedup": {"threshold": dedup_threshold}, "decontaminate": decontaminate,
-                 "rl_tasks": list(rl_tasks) if rl_tasks else None}
-    config = stage_config(merge(stages or {}, _given(overrides)), "stages")
-    out_dir = Path(out)
+    settings = stage_config(run.stages, "stages")
+    out_dir = Path(run.out)
     staging = staging_folder(out_dir)
     files = [(name, f) for name, location in sources.items()
-             for f in resolve_source(name, location, check=name not in (source_as or ()))]
-    if runner == AUTO:
-        runner = auto_runner(sum(f.path.stat().st_size for _, f in files))
+             for f in resolve_source(name, location, check=name not in run.source_as)]
+    runner = auto_runner(sum(f.path.stat().st_size for _, f in files)) if run.runner == AUTO else run.runner
     api_url = str(FlowRunContext.get().client.api_url)
-    report = build_units.with_options(task_runner=make_task_runner(runner, address, workers, api_url))(
-        files, str(staging), str(out_dir), config)
+    report = build_units.with_options(task_runner=make_task_runner(runner, run.address, run.workers, api_url))(
+        files, str(staging), str(out_dir), settings)
     # The CLI prints the summary table; deployment runs have report.json, report.html and the artifacts.
-    build_artifacts(report, out)
+    build_artifacts(report, run.out)
     return report

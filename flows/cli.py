@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -16,14 +17,20 @@ from pathlib import Path
 
 from trajforge.flows.config import (
     AUTO,
+    BUILD,
+    EVAL,
+    RFT,
     RUNNERS,
+    SALVAGE,
+    SCORE,
+    SELECT_STEPS,
     SMALL_INPUT_BYTES,
-    SYNTH_PARAMETERS,
+    SYNTH,
     BuildRun,
     ConfigError,
-    load_build_run,
+    Parameters,
+    build_run,
     merge,
-    nested,
     read_config,
     stage_config,
     synth_config,
@@ -34,17 +41,59 @@ from trajforge.sources import DEFAULT_SOURCES, REGISTRY, SourceError, UnknownSou
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, except where there is none to show."""
+    """Shows each option's default, except where there is none to show; an option of a command's
+    `Parameters` shows its config's default (`_option`)."""
 
     def _get_help_string(self, action):
-        if action.default in (None, [], False):
+        default = action.config_default() if hasattr(action, "config_default") else action.default
+        if default in (None, [], {}, (), False, argparse.SUPPRESS) or "(default:" in (action.help or ""):
             return action.help
-        return super()._get_help_string(action)
+        if isinstance(default, dict):  # sources: NAME or NAME=LOCATION, as the option takes them
+            default = ", ".join(key if value is None else f"{key}={value}" for key, value in default.items())
+        return f"{action.help} (default: {str(default).replace('%', '%%')})"
+
+
+def _option(p: argparse.ArgumentParser, table: Parameters, *flags: str, show_default: bool = True, **kwargs):
+    """An option that sets parameter `dest` of `table`, left unset unless given: its default is the
+    config's (stated once, in the dataclass), which --help shows (unless `show_default` is off:
+    the build's stage configs take seconds to import)."""
+    action = p.add_argument(*flags, default=argparse.SUPPRESS, **kwargs)
+    table.paths[action.dest]  # a parameter the table does not know fails here, at parser construction
+    if show_default:
+        action.config_default = functools.partial(table.default, action.dest)
+    return action
+
+
+def _given(args: argparse.Namespace, table: Parameters) -> dict:
+    """The parameters of `table` that were given on the command line."""
+    return {key: getattr(args, key) for key in table.paths if key in args}
+
+
+class _Mapping(argparse.Action):
+    """A repeatable KEY=VALUE option (its `type` gives the pair) gathered into one mapping."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        key, value = values
+        setattr(namespace, self.dest, {**(getattr(namespace, self.dest, None) or {}), key: value})
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(path)
 
 
 def _source_arg(value: str) -> tuple[str, str | None]:
     name, sep, location = value.partition("=")
     return name, (location or None) if sep else None
+
+
+def _source_map(pairs: list[tuple[str, str | None]]) -> dict[str, str | None]:
+    """--source NAME[=LOCATION] options as a mapping; a source named twice is refused."""
+    sources: dict[str, str | None] = {}
+    for name, location in pairs:
+        if name in sources:
+            raise SourceError(f"--source {name}: given twice; keep one")
+        sources[name] = location
+    return sources
 
 
 def _source_names() -> str:
@@ -53,79 +102,67 @@ def _source_names() -> str:
 
 
 def _add_build(sub: argparse._SubParsersAction) -> None:
-    # Options that --config can set default to SUPPRESS: given, they override the file; the
-    # defaults themselves are BuildRun's (flows/config.py) and the stage configs'.
-    p = sub.add_parser("build", help="build the dataset from upstream sources (a Prefect flow)",
-                       argument_default=argparse.SUPPRESS)
-    p.add_argument("--config", metavar="FILE",
+    # Given options override the --config file; the defaults themselves are BuildRun's
+    # (flows/config.py) and the stage configs'.
+    p = sub.add_parser("build", help="build the dataset from upstream sources (a Prefect flow)")
+    option = functools.partial(_option, p, BUILD)
+    stage_option = functools.partial(option, show_default=False)
+    p.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                    help="YAML build config (configs/build.yaml shows every key): out, sources, runner, workers "
                         "and the stages' settings under `stages`; the options below override it")
-    p.add_argument("--source", action="append", type=_source_arg, metavar="NAME[=PATH_OR_REPO]",
-                   help=f"a source to read (repeatable; replaces the config's sources): NAME alone reads its Hub "
-                        f"repo; NAME=PATH a local folder or file (a path that exists, whose first folder exists, or "
-                        f"that starts with . / ~); NAME=ORG/REPO another Hub repo. Sources: {_source_names()}. "
-                        f"Default: {', '.join(DEFAULT_SOURCES)} from the Hub")
-    p.add_argument("--source-as", action="append", metavar="NAME",
-                   help="read source NAME's files as NAME even where they look like another source's (file names, "
-                        "ids); without it such a build is refused, since it would publish one dataset under "
-                        "another's name and license (repeatable; replaces the config's source_as)")
-    p.add_argument("--out", help="output folder: new, empty, or an earlier build (rebuilt); required here or in "
-                                 "the config")
-    p.add_argument("--overwrite", action="store_true",
-                   help="build into an --out folder that holds other files (they may be replaced)")
-    p.add_argument("--rendering", choices=["native", "react"],
-                   help="assistant turn text: upstream wording (native) or Think/Act (react); default: the normalize stage's")
-    p.add_argument("--runner", choices=(AUTO, *RUNNERS),
-                   help="where the per-unit steps run (units, band screens, outputs, shards): local processes "
-                        "or threads, or a Dask / Ray cluster (extras dask, ray); auto: an input of local files up "
-                        f"to {SMALL_INPUT_BYTES // 2**20} MiB builds in this process (without Prefect when no Prefect "
-                        f"server is set), a larger one on processes; default: {BuildRun.runner}")
-    p.add_argument("--workers", type=int, metavar="N",
-                   help=f"processes or threads, or workers of a local cluster (default: {BuildRun.workers})")
-    p.add_argument("--address",
-                   help="cluster address for --runner dask (tcp://host:8786) or ray (ray://host:10001); "
-                        "default: start a local cluster")
-    p.add_argument("--decontaminate", metavar="FILE",
-                   help="evaluation tasks (one per line, or JSON/JSONL strings or {task}); trajectories whose "
-                        "task shares a word n-gram (stages.decontaminate_ngram words) with one go to the "
-                        "quarantine as `contaminated`")
-    p.add_argument("--rl-tasks", action="append", metavar="FILE",
-                   help="a task file (AgentBench OS/DB, JSONL of {env, description, ...}; repeatable) whose tasks "
-                        "join the `grpo_env` config for multi-turn GRPO")
-    p.add_argument("--invalid-steps", metavar="mask|drop|keep",
-                   help="a step the env refused inside an episode: kept as context with loss false (mask), its "
-                        "record quarantined (drop), or trained on (keep); default: the validate stage's")
-    p.add_argument("--dedup-threshold", type=float, metavar="J",
-                   help="shingle Jaccard similarity from which two trajectories are near duplicates "
-                        "(stages.dedup.threshold; default: the dedup stage's)")
+    option("--source", dest="sources", action="append", type=_source_arg, metavar="NAME[=PATH_OR_REPO]",
+           help=f"a source to read (repeatable; replaces the config's sources): NAME alone reads its Hub "
+                f"repo; NAME=PATH a local folder or file (a path that exists, whose first folder exists, or "
+                f"that starts with . / ~); NAME=ORG/REPO another Hub repo. Sources: {_source_names()}. "
+                f"Default: {', '.join(DEFAULT_SOURCES)} from the Hub")
+    option("--source-as", action="append", metavar="NAME",
+           help="read source NAME's files as NAME even where they look like another source's (file names, "
+                "ids); without it such a build is refused, since it would publish one dataset under "
+                "another's name and license (repeatable; replaces the config's source_as)")
+    option("--out", help="output folder: new, empty, or an earlier build (rebuilt); required here or in the config")
+    option("--overwrite", action="store_true",
+           help="build into an --out folder that holds other files (they may be replaced)")
+    stage_option("--rendering", choices=["native", "react"],
+                 help="assistant turn text: upstream wording (native) or Think/Act (react); default: the "
+                      "normalize stage's")
+    option("--runner", choices=(AUTO, *RUNNERS),
+           help="where the per-unit steps run (units, band screens, outputs, shards): local processes "
+                "or threads, or a Dask / Ray cluster (extras dask, ray); auto: an input of local files up "
+                f"to {SMALL_INPUT_BYTES // 2**20} MiB builds in this process (without Prefect when no Prefect "
+                f"server is set), a larger one on processes")
+    option("--workers", type=int, metavar="N", help="processes or threads, or workers of a local cluster")
+    option("--address", help="cluster address for --runner dask (tcp://host:8786) or ray (ray://host:10001); "
+                             "default: start a local cluster")
+    stage_option("--decontaminate", metavar="FILE", type=_absolute,
+                 help="evaluation tasks (one per line, or JSON/JSONL strings or {task}); trajectories whose "
+                      "task shares a word n-gram (stages.decontaminate_ngram words) with one go to the "
+                      "quarantine as `contaminated`")
+    stage_option("--rl-tasks", action="append", metavar="FILE", type=_absolute,
+                 help="a task file (AgentBench OS/DB, JSONL of {env, description, ...}; repeatable) whose tasks "
+                      "join the `grpo_env` config for multi-turn GRPO")
+    stage_option("--invalid-steps", metavar="mask|drop|keep",
+                 help="a step the env refused inside an episode: kept as context with loss false (mask), its "
+                      "record quarantined (drop), or trained on (keep); default: the validate stage's")
+    stage_option("--dedup-threshold", type=float, metavar="J",
+                 help="shingle Jaccard similarity from which two trajectories are near duplicates "
+                      "(stages.dedup.threshold; default: the dedup stage's)")
     p.set_defaults(func=_run_build)
+
+
+def _config_file(args: argparse.Namespace) -> tuple[dict, str]:
+    """(the --config file's mapping, the name its errors give): no file is an empty mapping."""
+    if "config" in args:
+        return read_config(args.config), args.config
+    return {}, "options"
 
 
 def _build_run(args: argparse.Namespace) -> BuildRun:
     """The config file (if any) with the given options laid over it."""
-    run = load_build_run(args.config) if "config" in args else BuildRun()
-    flags = {"out": getattr(args, "out", None), "runner": getattr(args, "runner", None),
-             "workers": getattr(args, "workers", None), "address": getattr(args, "address", None)}
-    for key, value in flags.items():
-        if value is not None:
-            setattr(run, key, value)
-    run.overwrite = run.overwrite or "overwrite" in args
-    if "source" in args:
-        run.sources = {}
-        for name, location in args.source:
-            if name in run.sources:
-                raise SourceError(f"--source {name}: given twice; keep one")
-            run.sources[name] = location
-    if "source_as" in args:
-        run.source_as = args.source_as
-    if run.out is None:
-        raise SourceError("build: no output folder; give --out DIR (or `out:` in the --config file)")
-    stages = {"rendering": getattr(args, "rendering", None), "invalid_steps": getattr(args, "invalid_steps", None),
-              "dedup": {"threshold": args.dedup_threshold} if "dedup_threshold" in args else {},
-              "decontaminate": getattr(args, "decontaminate", None) and os.path.abspath(args.decontaminate),
-              "rl_tasks": [os.path.abspath(path) for path in args.rl_tasks] if "rl_tasks" in args else None}
-    run.stages = merge(run.stages, {key: value for key, value in stages.items() if value not in (None, {})})
-    return run
+    data, where = _config_file(args)
+    given = _given(args, BUILD)
+    if "sources" in given:
+        given["sources"] = _source_map(given["sources"])
+    return build_run(given, where, data)
 
 
 def _earlier_build(folder: Path) -> bool:
@@ -250,8 +287,7 @@ def _run_build(args: argparse.Namespace) -> int:
         from trajforge.flows.build import build_dataset
         from trajforge.pipeline.build import summary_lines
 
-        report = build_dataset(sources=run.sources or None, out=run.out, runner=run.runner, address=run.address,
-                               workers=run.workers, stages=run.stages, source_as=run.source_as)
+        report = build_dataset(config=dataclasses.asdict(run))
     print("\n".join(summary_lines(report)))
     print(f"dataset: {run.out}/data  quarantine: {run.out}/quarantine  report: {run.out}/report.json")
     return 0
@@ -313,79 +349,74 @@ def _sampling_arg(value: str) -> tuple[str, object]:
         return key, raw
 
 
-def _add_synth(sub: argparse._SubParsersAction) -> None:
-    from trajforge.pipeline.llm.client import LLMConfig
-    from trajforge.pipeline.synth.config import SEARCH_STRATEGIES, VALUE_MODELS, AgentConfig, SearchConfig, SynthConfig
+def _add_model_options(option, episodes: bool = True) -> None:
+    """The model endpoint's options (LLMConfig: llm.*) a model-calling command shares, and with
+    `episodes` the episode's (AgentConfig: agent.*) and the environments alive at once."""
+    option("--base-url", help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 "
+                              "(default: TRAJFORGE_BASE_URL or the OpenAI API)")
+    option("--concurrency", type=int, help="LLM requests in flight")
+    option("--sampling", action=_Mapping, type=_sampling_arg, metavar="KEY=VALUE",
+           help="override a sampling default (temperature=0.7, top_k=null removes it); repeatable")
+    if episodes:
+        option("--episodes", type=int, dest="episode_concurrency", metavar="N", help="environments alive at once")
+        option("--max-turns", type=int, help="the episode's turn budget: model turns before it ends as max_turns")
+        option("--max-tokens", type=int, help="completion tokens per request (default: the model family's)")
 
-    # Options default to SUPPRESS: given, they override the --config file; the defaults shown are
-    # the dataclasses' (pipeline/synth/config.py), which hold them.
-    p = sub.add_parser("synth", help="synthesize trajectories with a model against an environment (a Prefect flow)",
-                       argument_default=argparse.SUPPRESS)
-    p.add_argument("--config", metavar="FILE",
+
+_BACKEND_HELP = "openai: any OpenAI-compatible server at --base-url; vllm: in-process vLLM (GPU)"
+
+
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    from trajforge.pipeline.synth.config import KEEP, SEARCH_STRATEGIES, VALUE_MODELS
+
+    # Given options override the --config file; the defaults shown are the dataclasses'
+    # (pipeline/synth/config.py), which hold them.
+    p = sub.add_parser("synth", help="synthesize trajectories with a model against an environment (a Prefect flow)")
+    option = functools.partial(_option, p, SYNTH)
+    p.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                    help="YAML synth config in the shape of SynthConfig (configs/synth.yaml shows every key: "
                         "llm: and agent: sections, and api_key_env); the options below override it")
-    p.add_argument("--tasks", help="task file: AgentBench OS JSON, DBBench JSONL, or plain JSONL (required here or "
-                                   "in the config)")
-    p.add_argument("--env", help="environment name: os, db, agentgym (required here or in the config)")
-    p.add_argument("--model", help="model name as the server knows it (family defaults follow it; required here or "
-                                   "in the config)")
-    p.add_argument("--base-url", help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 "
-                                      "(default: TRAJFORGE_BASE_URL or the OpenAI API)")
-    p.add_argument("--n", type=int, help=f"samples per task (best-of-N) (default: {SynthConfig.n})")
-    p.add_argument("--out", help="output folder (rerunning into it resumes; required here or in the config)")
-    p.add_argument("--keep", choices=["best", "all"],
-                   help=f"records per task: the best success or all (default: {SynthConfig.keep})")
-    p.add_argument("--concurrency", type=int, help=f"LLM requests in flight (default: {LLMConfig.concurrency})")
-    p.add_argument("--episodes", type=int, dest="episode_concurrency",
-                   help=f"environments alive at once (default: {SynthConfig.episode_concurrency})")
-    p.add_argument("--max-turns", type=int, help=f"model turns per episode before it ends as max_turns "
-                                                 f"(default: {AgentConfig.max_turns})")
-    p.add_argument("--max-tokens", type=int, help="completion tokens per request (default: the model family's)")
-    p.add_argument("--seed", type=int, help="sample k uses seed+k")
-    p.add_argument("--sampling", action="append", type=_sampling_arg, metavar="KEY=VALUE",
-                   help="override a sampling default (temperature=0.7, top_k=null removes it); repeatable")
-    p.add_argument("--backend", choices=["openai", "vllm"],
-                   help=f"openai: any OpenAI-compatible server at --base-url; vllm: in-process vLLM (GPU) "
-                        f"(default: {SynthConfig.backend})")
-    p.add_argument("--api-key-env", metavar="VAR",
+    option("--tasks", help="task file: AgentBench OS JSON, DBBench JSONL, or plain JSONL (required here or in the "
+                           "config)")
+    option("--env", help="environment name: os, db, agentgym (required here or in the config)")
+    option("--model", help="model name as the server knows it (family defaults follow it; required here or in the "
+                           "config)")
+    option("--n", type=int, help="samples per task (best-of-N)")
+    option("--out", help="output folder (rerunning into it resumes; required here or in the config)")
+    option("--keep", choices=KEEP, help="records per task: the best success or all")
+    _add_model_options(option)
+    option("--seed", type=int, help="sample k uses seed+k")
+    option("--backend", choices=["openai", "vllm"], help=_BACKEND_HELP)
+    p.add_argument("--api-key-env", metavar="VAR", default=argparse.SUPPRESS,
                    help="environment variable holding the API key (default: TRAJFORGE_API_KEY, OPENAI_API_KEY); "
                         "the key itself is never an argument")
-    p.add_argument("--license", help=f"license of the task source, stamped on the records "
-                                     f"(default: {AgentConfig.license})")
-    p.add_argument("--timeout", type=float, dest="timeout_s", metavar="SECONDS",
-                   help=f"per request (default: {LLMConfig.timeout_s:g})")
-    p.add_argument("--max-retries", type=int, metavar="N",
-                   help=f"retries of a request that failed for a transient reason (default: {LLMConfig.max_retries})")
-    p.add_argument("--max-connection-failures", type=int, metavar="N",
-                   help=f"stop the job after N requests in a row could not connect, or at the first refused "
-                        f"connection of a server that has not answered yet (0: never) "
-                        f"(default: {LLMConfig.max_connection_failures})")
-    p.add_argument("--search", choices=SEARCH_STRATEGIES,
-                   help="grow a search tree per task instead of --n independent episodes; also writes the tree, step "
-                        "values and step pairs under OUT/search/ (default: no search)")
-    p.add_argument("--branch", type=int, metavar="K",
-                   help=f"candidate next steps proposed at a state (beam: its width) (default: {SearchConfig.branch})")
-    p.add_argument("--max-calls", type=int, metavar="N",
-                   help=f"LLM calls per task in a search (default: {SearchConfig.max_calls})")
-    p.add_argument("--max-task-tokens", type=int, metavar="N",
-                   help="completion tokens per task in a search (default: no limit)")
-    p.add_argument("--value-model", choices=VALUE_MODELS,
-                   help="score non-terminal states: judge asks the model itself (default: none)")
+    option("--license", help="license of the task source, stamped on the records")
+    option("--timeout", type=float, dest="timeout_s", metavar="SECONDS", help="per request")
+    option("--max-retries", type=int, metavar="N", help="retries of a request that failed for a transient reason")
+    option("--max-connection-failures", type=int, metavar="N",
+           help="stop the job after N requests in a row could not connect, or at the first refused connection "
+                "of a server that has not answered yet (0: never)")
+    option("--search", choices=SEARCH_STRATEGIES,
+           help="grow a search tree per task instead of --n independent episodes; also writes the tree, step "
+                "values and step pairs under OUT/search/ (default: no search)")
+    option("--branch", type=int, metavar="K", help="candidate next steps proposed at a state (beam: its width)")
+    option("--max-calls", type=int, metavar="N", help="LLM calls per task in a search")
+    option("--max-task-tokens", type=int, metavar="N", help="completion tokens per task in a search (default: no "
+                                                            "limit)")
+    option("--value-model", choices=VALUE_MODELS,
+           help="score non-terminal states: judge asks the model itself (default: none)")
     p.set_defaults(func=_run_synth)
 
 
 def _synth_run(args: argparse.Namespace) -> tuple[dict, str | None, dict]:
     """(the config file's mapping, the API key variable, the given options), checked as one config."""
-    where = args.config if "config" in args else "options"
-    config = read_config(args.config) if "config" in args else {}
+    config, where = _config_file(args)
     api_key_env = config.pop("api_key_env", None)
     if api_key_env is not None and not isinstance(api_key_env, str):
         raise ConfigError(f"{where}: api_key_env must be the name of an environment variable")
     api_key_env = getattr(args, "api_key_env", api_key_env)
-    given = {key: getattr(args, key) for key in SYNTH_PARAMETERS if key in args}
-    if "sampling" in given:
-        given["sampling"] = dict(given["sampling"])
-    job = synth_config(merge(config, nested(given)), where)
+    given = _given(args, SYNTH)
+    job = synth_config(merge(config, SYNTH.nested(given)), where)
     _need_file("--tasks", job.tasks, "a task file (AgentBench OS JSON, DBBench JSONL, or JSONL)")
     _need_env(job.env)
     _need_out_folder(job.out)
@@ -432,42 +463,43 @@ def _run_train(args: argparse.Namespace) -> int:
     return train_main(args.args)
 
 
+def _add_api_key_env(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key-env", metavar="VAR",
+                   help="environment variable holding the API key (default: TRAJFORGE_API_KEY, OPENAI_API_KEY)")
+
+
 def _add_select_steps(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("select-steps", help="flag the critical steps of trajectories with a model, ATLaS (a Prefect flow)")
+    option = functools.partial(_option, p, SELECT_STEPS)
     p.add_argument("inputs", help="records to judge: a build folder (data/sft), a synth folder, or a Parquet file")
     p.add_argument("--out", required=True, help="output folder, same layout as the input (rerunning into it resumes)")
     p.add_argument("--model", required=True, help="selector model name as the server knows it")
-    p.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint (default: TRAJFORGE_BASE_URL)")
-    p.add_argument("--config", default="sft", help="release config to judge in a build folder")
-    p.add_argument("--env", action="append", default=[], help="judge only records of this env (repeatable)")
-    p.add_argument("--concurrency", type=int, default=64, help="LLM requests in flight")
-    p.add_argument("--batch-size", type=int, default=256, help="records in flight")
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--sampling", action="append", type=_sampling_arg, default=[], metavar="KEY=VALUE",
-                   help="override a sampling default; repeatable")
-    p.add_argument("--backend", choices=["openai", "vllm"], default="openai")
-    p.add_argument("--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key")
+    option("--config", dest="config_name", metavar="NAME", help="release config to judge in a build folder")
+    option("--env", dest="envs", action="append", metavar="ENV", help="judge only records of this env (repeatable)")
+    _add_model_options(option, episodes=False)
+    option("--batch-size", type=int, help="records in flight")
+    option("--max-tokens", type=int, help="completion tokens per judgement (default: the model family's)")
+    option("--backend", choices=["openai", "vllm"], help=_BACKEND_HELP)
+    _add_api_key_env(p)
     p.set_defaults(func=_run_select_steps)
 
 
-def _check_select_steps_args(args: argparse.Namespace) -> None:
-    if not os.path.exists(args.inputs):
-        raise SourceError(f"select-steps {args.inputs}: no such file or folder; give a build folder, a synth folder "
-                          f"or a Parquet file of records")
-    _need_out_folder(args.out)
-    _need_at_least("--concurrency", args.concurrency)
-    _need_at_least("--batch-size", args.batch_size)
+def _check_select_steps_args(given: dict) -> None:
+    if not os.path.exists(given["inputs"]):
+        raise SourceError(f"select-steps {given['inputs']}: no such file or folder; give a build folder, a synth "
+                          f"folder or a Parquet file of records")
+    _need_out_folder(given["out"])
+    _need_at_least("--concurrency", given.get("concurrency"))
+    _need_at_least("--batch-size", given.get("batch_size"))
 
 
 def _run_select_steps(args: argparse.Namespace) -> int:
-    _check_select_steps_args(args)
+    given = _given(args, SELECT_STEPS)
+    _check_select_steps_args(given)
     from trajforge.flows.select_steps import select_steps
     from trajforge.pipeline.quality.critical_steps import summary_lines
 
-    report = select_steps(inputs=args.inputs, out=args.out, model=args.model, base_url=args.base_url,
-                          config_name=args.config, concurrency=args.concurrency, batch_size=args.batch_size,
-                          max_tokens=args.max_tokens, sampling=dict(args.sampling), backend=args.backend,
-                          api_key_env=args.api_key_env, envs=args.env)
+    report = select_steps(api_key_env=args.api_key_env, **given)
     print("\n".join(summary_lines(report)))
     print(f"records: {args.out}  failures: {args.out}/select_failures.parquet  report: {args.out}/report.json")
     return 0
@@ -476,44 +508,41 @@ def _run_select_steps(args: argparse.Namespace) -> int:
 def _add_salvage(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("salvage", help="replay prefixes of failed runs and keep successful continuations, EEF "
                                        "(a Prefect flow)")
+    option = functools.partial(_option, p, SALVAGE)
     p.add_argument("failures", nargs="+", help="failures.parquet of `trajforge synth`, or records with success false")
     p.add_argument("--tasks", required=True, help="the task file the failures were run on")
     p.add_argument("--out", required=True, help="output folder (rerunning into it resumes)")
-    p.add_argument("--model", required=True)
-    p.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint (default: TRAJFORGE_BASE_URL)")
-    p.add_argument("--max-prefixes", type=int, default=3, help="prefixes tried per failure, longest first")
-    p.add_argument("--max-calls", type=int, default=200, help="LLM call budget for the run (cache hits are free)")
-    p.add_argument("--concurrency", type=int, default=64, help="LLM requests in flight")
-    p.add_argument("--episodes", type=int, default=8, help="environments alive at once")
-    p.add_argument("--max-turns", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--sampling", action="append", type=_sampling_arg, default=[], metavar="KEY=VALUE")
-    p.add_argument("--backend", choices=["openai", "vllm"], default="openai")
-    p.add_argument("--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key")
+    p.add_argument("--model", required=True, help="model name as the server knows it")
+    option("--max-prefixes", type=int, help="prefixes tried per failure, longest first")
+    option("--max-calls", type=int, help="LLM call budget for the run (cache hits are free)")
+    _add_model_options(option)
+    option("--backend", choices=["openai", "vllm"], help=_BACKEND_HELP)
+    _add_api_key_env(p)
     p.set_defaults(func=_run_salvage)
 
 
-def _check_salvage_args(args: argparse.Namespace) -> None:
-    for path in args.failures:
+def _check_salvage_args(given: dict):
+    """The checked `SalvageConfig` of the given options."""
+    for path in given["failures"]:
         _need_file("salvage", path, "the failures.parquet of `trajforge synth`, or records with success false")
-    _need_file("--tasks", args.tasks, "the task file the failures were run on")
-    _need_out_folder(args.out)
-    for option in ("max_prefixes", "concurrency", "episodes", "max_turns"):
-        _need_at_least("--" + option.replace("_", "-"), getattr(args, option))
-    _need_at_least("--max-calls", args.max_calls, 0)
+    _need_file("--tasks", given["tasks"], "the task file the failures were run on")
+    _need_out_folder(given["out"])
+    for key, flag in (("max_prefixes", "--max-prefixes"), ("concurrency", "--concurrency"),
+                      ("episode_concurrency", "--episodes"), ("max_turns", "--max-turns")):
+        _need_at_least(flag, given.get(key))
+    _need_at_least("--max-calls", given.get("max_calls"), 0)
+    return SALVAGE.config_of(given, "options")
 
 
 def _run_salvage(args: argparse.Namespace) -> int:
-    _check_salvage_args(args)
+    given = _given(args, SALVAGE)
+    config = _check_salvage_args(given)
     from trajforge.flows.salvage import salvage
 
-    report = salvage(failures=args.failures, tasks=args.tasks, out=args.out, model=args.model, base_url=args.base_url,
-                     max_prefixes=args.max_prefixes, max_calls=args.max_calls, concurrency=args.concurrency,
-                     episode_concurrency=args.episodes, max_turns=args.max_turns, max_tokens=args.max_tokens,
-                     sampling=dict(args.sampling), backend=args.backend, api_key_env=args.api_key_env)
+    report = salvage(api_key_env=args.api_key_env, **given)
     outcomes = ", ".join(f"{k}={v}" for k, v in report["outcomes"].items()) or "-"
     print(f"{report['failures']} failures ({outcomes}); {report['records']} records with {report['beneficial_steps']} "
-          f"beneficial steps; {report['llm']['calls']} LLM calls (budget {args.max_calls}), "
+          f"beneficial steps; {report['llm']['calls']} LLM calls (budget {config.max_calls}), "
           f"{report['llm']['cache_hits']} cache hits")
     print(f"records: {args.out}/data/synthetic  outcomes: {args.out}/salvage.parquet")
     return 0
@@ -531,72 +560,71 @@ def _serve_arg(value: str) -> list[str]:
 def _add_rft(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("rft", help="rejection-sampling fine-tuning rounds: build, SFT, serve, synthesize, keep "
                                    "successes (a Prefect flow; extra `train`)")
-    p.add_argument("--source", action="append", type=_source_arg, default=[], metavar="NAME[=PATH_OR_REPO]",
-                   help="a source of the build (repeatable), as for `trajforge build`")
+    option = functools.partial(_option, p, RFT)
+    option("--source", dest="sources", action="append", type=_source_arg, metavar="NAME[=PATH_OR_REPO]",
+           help="a source of the build (repeatable), as for `trajforge build`")
     p.add_argument("--tasks", required=True, help="task file the served checkpoint is sampled on each round (its "
                                                   "successes are trained on)")
     p.add_argument("--env", required=True, help="environment of the tasks: os, db, agentgym")
     p.add_argument("--base-model", required=True, help="model every round fine-tunes (folder or Hub id)")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--rounds", type=int, default=2)
+    option("--rounds", type=int, help="build, SFT, serve, synthesize rounds")
     p.add_argument("--sft-config", required=True, help="SFT YAML config (training/configs/sft_*.yaml)")
-    p.add_argument("--serve", default="transformers", type=_serve_arg,
-                   help="server for the checkpoint: transformers (CPU), vllm (GPU), or a command with {model} "
-                        "and {port} placeholders")
-    p.add_argument("--n", type=int, default=4, help="samples per held-out task")
-    p.add_argument("--max-turns", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--eval-tasks", default=None, metavar="FILE",
-                   help="held-out tasks each round is evaluated on (default: the env's declared eval split without "
-                        "the --tasks)")
-    p.add_argument("--eval-n", type=int, default=1, help="samples per held-out task")
+    option("--serve", type=_serve_arg,
+           help="server for the checkpoint: transformers (CPU), vllm (GPU), or a command with {model} "
+                "and {port} placeholders")
+    option("--n", type=int, help="samples per round task")
+    option("--max-turns", type=int, help="the episode's turn budget: model turns before it ends as max_turns")
+    option("--max-tokens", type=int, help="completion tokens per request (default: the model family's)")
+    option("--eval-tasks", metavar="FILE",
+           help="held-out tasks each round is evaluated on (default: the env's declared eval split without "
+                "the --tasks)")
+    option("--eval-n", type=int, help="samples per held-out task")
     p.set_defaults(func=_run_rft)
 
 
-def _check_rft_args(args: argparse.Namespace) -> dict[str, str | None]:
-    """The checked sources of the builds (default: AgentInstruct from the Hub)."""
+def _check_base_model(base_model: str) -> None:
     from trajforge.sources.locate import is_local_path
 
-    sources = {}
-    for name, location in args.source:
-        if name in sources:
-            raise SourceError(f"--source {name}: given twice; keep one")
-        sources[name] = location
-    sources = sources or {"agentinstruct": None}
-    _known_sources(sources)
+    if is_local_path(base_model):
+        if not os.path.isdir(os.path.expanduser(base_model)):
+            raise SourceError(f"--base-model {base_model}: no such model folder; give a model folder or a Hub "
+                              f"model id (ORG/NAME)")
+        return
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(base_model)
+    except HFValidationError:
+        raise SourceError(f"--base-model {base_model}: neither a model folder nor a Hub model id "
+                          f"(ORG/NAME)") from None
+
+
+def _rft_given(args: argparse.Namespace) -> dict:
+    """The rft flow's parameters from the options, checked."""
+    given = {**_given(args, RFT), "sft_args": ["--config", args.sft_config]}
+    given["sources"] = _source_map(given["sources"]) if "sources" in given else RFT.default("sources")
+    _known_sources(given["sources"])
     _need_file("--tasks", args.tasks, "the held-out task file (AgentBench OS JSON, DBBench JSONL, or JSONL)")
     _need_env(args.env)
     _need_file("--sft-config", args.sft_config, "an SFT config (training/configs/sft_*.yaml)")
-    if args.eval_tasks is not None:
-        _need_file("--eval-tasks", args.eval_tasks, "a held-out task file of the same env")
-    if is_local_path(args.base_model):
-        if not os.path.isdir(os.path.expanduser(args.base_model)):
-            raise SourceError(f"--base-model {args.base_model}: no such model folder; give a model folder or a Hub "
-                              f"model id (ORG/NAME)")
-    else:
-        from huggingface_hub.errors import HFValidationError
-        from huggingface_hub.utils import validate_repo_id
-
-        try:
-            validate_repo_id(args.base_model)
-        except HFValidationError:
-            raise SourceError(f"--base-model {args.base_model}: neither a model folder nor a Hub model id "
-                              f"(ORG/NAME)") from None
+    if "eval_tasks" in given:
+        _need_file("--eval-tasks", given["eval_tasks"], "a held-out task file of the same env")
+        given["eval_tasks"] = os.path.abspath(given["eval_tasks"])
+    _check_base_model(args.base_model)
     _need_out_folder(args.out)
-    for option in ("rounds", "n", "max_turns", "eval_n"):
-        _need_at_least("--" + option.replace("_", "-"), getattr(args, option))
-    _readable_sources(sources)
-    return sources
+    for key in ("rounds", "n", "max_turns", "eval_n"):
+        _need_at_least("--" + key.replace("_", "-"), given.get(key))
+    _readable_sources(given["sources"])
+    return given
 
 
 def _run_rft(args: argparse.Namespace) -> int:
-    sources = _check_rft_args(args)
+    given = _rft_given(args)
     from trajforge.flows.rft import rft
 
-    report = rft(sources=sources, tasks=args.tasks, env=args.env,
-                 base_model=args.base_model, out=args.out, rounds=args.rounds, sft_args=["--config", args.sft_config],
-                 serve=args.serve, n=args.n, max_turns=args.max_turns, max_tokens=args.max_tokens,
-                 eval_tasks=args.eval_tasks and os.path.abspath(args.eval_tasks), eval_n=args.eval_n)
+    report = rft(**given)
     for r in report["rounds"]:
         print(f"round {r['round']}: {r['tasks_solved']}/{r['tasks']} round tasks solved ({r['success_rate']}), "
               f"held-out success {r['heldout_success']} {r['heldout_ci95']}, {r['records_kept']} records kept, "
@@ -614,83 +642,73 @@ def _env_file_arg(value: str) -> tuple[str, str]:
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
-    from trajforge.pipeline.llm.client import LLMConfig
-    from trajforge.pipeline.synth.config import AgentConfig
-
     p = sub.add_parser("eval", help="evaluate a model on held-out benchmark tasks, with oracle and random "
                                     "calibration (a Prefect flow)")
+    option = functools.partial(_option, p, EVAL)
     p.add_argument("--out", required=True, help="output folder: eval.json, report.html, episodes.parquet "
                                                 "(rerunning into it resumes)")
-    p.add_argument("--model", help="model name as the server knows it, or with --serve the checkpoint folder; "
-                                   "without it only the oracle and random policies run")
-    p.add_argument("--base-url", help="OpenAI-compatible endpoint (default: TRAJFORGE_BASE_URL)")
+    option("--model", help="model name as the server knows it, or with --serve the checkpoint folder; without it "
+                           "only the oracle and random policies run")
     p.add_argument("--serve", type=_serve_arg, metavar="SERVER",
                    help="serve the --model checkpoint for the run: transformers (CPU), vllm (GPU), or a command "
                         "with {model} and {port}")
-    p.add_argument("--label", help="name of this checkpoint in the results table (default: the model)")
-    p.add_argument("--env", action="append", default=[], help="an env to evaluate (repeatable; default: every env "
-                                                              "with a declared held-out split: os, db, babyai)")
-    p.add_argument("--tasks", action="append", type=_env_file_arg, default=[], metavar="ENV=FILE",
-                   help="evaluate ENV on the tasks of FILE instead of its declared split (repeatable)")
-    p.add_argument("--n", type=int, default=1, help="samples per task (pass@k for k up to n)")
+    option("--label", help="name of this checkpoint in the results table (default: the model)")
+    option("--env", dest="envs", action="append", metavar="ENV", show_default=False,
+           help="an env to evaluate (repeatable; default: every env with a declared held-out split: os, db, babyai)")
+    option("--tasks", action=_Mapping, type=_env_file_arg, metavar="ENV=FILE",
+           help="evaluate ENV on the tasks of FILE instead of its declared split (repeatable)")
+    option("--n", type=int, help="samples per task (pass@k for k up to n)")
+    # The command keeps a results table by default; the flow (and EvalConfig) only when named.
     p.add_argument("--results", default="results", metavar="DIR",
                    help="folder of the results table (results.parquet, results.csv) that runs append to")
-    p.add_argument("--train-data", metavar="BUILD", help="the model's training build: refuse when it holds eval "
-                                                         "tasks")
-    p.add_argument("--allow-overlap", action="store_true", help="evaluate anyway when --train-data holds eval "
-                                                                "tasks (warned in the log, eval.json and report)")
-    p.add_argument("--no-calibration", action="store_true", help="skip the oracle and random policies")
+    option("--train-data", metavar="BUILD", help="the model's training build: refuse when it holds eval tasks")
+    option("--allow-overlap", action="store_true",
+           help="evaluate anyway when --train-data holds eval tasks (warned in the log, eval.json and report)")
+    option("--no-calibration", dest="calibrate", action="store_const", const=[], show_default=False,
+           help="skip the oracle and random policies")
     p.add_argument("--agentgym-url", help="AgentGym server for `agentgym` tasks (--tasks agentgym=FILE)")
-    p.add_argument("--max-turns", type=int, default=AgentConfig.max_turns)
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None, help="sample k uses seed+k")
-    p.add_argument("--sampling", action="append", type=_sampling_arg, default=[], metavar="KEY=VALUE",
-                   help="override a sampling default; repeatable")
-    p.add_argument("--concurrency", type=int, default=LLMConfig.concurrency, help="LLM requests in flight")
-    p.add_argument("--episodes", type=int, default=8, help="environments alive at once")
-    p.add_argument("--timeout", type=float, default=LLMConfig.timeout_s, metavar="SECONDS", help="per request")
-    p.add_argument("--max-retries", type=int, default=LLMConfig.max_retries)
-    p.add_argument("--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key")
+    _add_model_options(option)
+    option("--seed", type=int, help="sample k uses seed+k")
+    option("--timeout", type=float, dest="timeout_s", metavar="SECONDS", help="per request")
+    option("--max-retries", type=int, metavar="N", help="retries of a request that failed for a transient reason")
+    _add_api_key_env(p)
     p.set_defaults(func=_run_eval)
 
 
-def _run_eval(args: argparse.Namespace) -> int:
+def _check_eval_inputs(envs: list[str], tasks: dict[str, str], train_data: str | None) -> None:
     from trajforge.pipeline.evaluation.splits import EVAL_SPLITS
 
-    tasks = dict(args.tasks)
-    for env in [*args.env, *tasks]:
+    for env in [*envs, *tasks]:
         _need_env(env)
-    for env in args.env:
+    for env in envs:
         if env not in EVAL_SPLITS and env not in tasks:
             raise SourceError(f"--env {env}: no declared held-out split (declared: {', '.join(EVAL_SPLITS)}); "
                               f"give its tasks with --tasks {env}=FILE")
-    for path in [*tasks.values(), *([args.train_data] if args.train_data else [])]:
+    for path in [*tasks.values(), *([train_data] if train_data else [])]:
         if not os.path.exists(path):
             raise SourceError(f"eval: {path} does not exist")
-    if args.serve and not (args.model and os.path.isdir(args.model)):
-        raise SourceError("--serve needs --model CHECKPOINT_FOLDER")
-    from trajforge.flows.eval import evaluate
-    from trajforge.pipeline.envs import host
-    from trajforge.pipeline.evaluation.run import EvalRefused
-    from trajforge.pipeline.llm.client import ServerUnreachable
 
-    env_kw = {host().name: {"base_url": args.agentgym_url}} if args.agentgym_url else {}
-    try:
-        report = evaluate(out=args.out, envs=list(dict.fromkeys([*args.env, *tasks])) or None,
-                          model=os.path.abspath(args.model) if args.serve else args.model, base_url=args.base_url,
-                          label=args.label, tasks={k: os.path.abspath(v) for k, v in tasks.items()}, n=args.n,
-                          calibrate=[] if args.no_calibration else None, max_turns=args.max_turns,
-                          max_tokens=args.max_tokens, seed=args.seed, sampling=dict(args.sampling),
-                          concurrency=args.concurrency, episode_concurrency=args.episodes, timeout_s=args.timeout,
-                          max_retries=args.max_retries, env_kw=env_kw, results=args.results,
-                          train_data=args.train_data, allow_overlap=args.allow_overlap, serve=args.serve,
-                          api_key_env=args.api_key_env)
-    except EvalRefused as exc:
-        print(f"trajforge: eval refused: {exc}", file=sys.stderr)
-        return 2
-    except ServerUnreachable as exc:
-        print(f"trajforge: eval stopped: {exc.detail}", file=sys.stderr)
-        return 1
+
+def _eval_given(args: argparse.Namespace) -> dict:
+    """The evaluate flow's parameters from the options, checked."""
+    from trajforge.pipeline.envs import host
+
+    given = _given(args, EVAL)
+    envs, tasks = given.get("envs", []), given.get("tasks", {})
+    _check_eval_inputs(envs, tasks, given.get("train_data"))
+    if envs or tasks:
+        given["envs"] = list(dict.fromkeys([*envs, *tasks]))
+        given["tasks"] = {env: os.path.abspath(path) for env, path in tasks.items()}
+    if args.serve:
+        if not (args.model and os.path.isdir(args.model)):
+            raise SourceError("--serve needs --model CHECKPOINT_FOLDER")
+        given["model"] = os.path.abspath(args.model)
+    if args.agentgym_url:
+        given["env_kw"] = {host().name: {"base_url": args.agentgym_url}}
+    return given
+
+
+def _print_eval(report: dict, out: str) -> None:
     for env, e in report["envs"].items():
         for who, s in [("model", e.get("model")), *e["policies"].items()]:
             if s is not None:
@@ -701,33 +719,51 @@ def _run_eval(args: argparse.Namespace) -> int:
             print(f"{env}: BROKEN: the oracle does not solve the split ({e['split']})")
     for env, why in report["not_run"].items():
         print(f"{env}: not run: {why}")
-    print(f"report: {args.out}/report.html  eval.json: {args.out}/eval.json"
+    print(f"report: {out}/report.html  eval.json: {out}/eval.json"
           + (f"  results: {report['results']}" if report.get("results") else ""))
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    given = _eval_given(args)
+    from trajforge.flows.eval import evaluate
+    from trajforge.pipeline.evaluation.run import EvalRefused
+    from trajforge.pipeline.llm.client import ServerUnreachable
+
+    try:
+        report = evaluate(serve=args.serve, api_key_env=args.api_key_env, **given)
+    except EvalRefused as exc:
+        print(f"trajforge: eval refused: {exc}", file=sys.stderr)
+        return 2
+    except ServerUnreachable as exc:
+        print(f"trajforge: eval stopped: {exc.detail}", file=sys.stderr)
+        return 1
+    _print_eval(report, args.out)
     return 0
 
 
 def _add_score(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("score", help="score trajectories with a reward model or an LLM judge; --min-score moves "
                                      "the low ones to the quarantine (a Prefect flow)")
+    option = functools.partial(_option, p, SCORE)
     p.add_argument("inputs", help="records to score: a build folder (data/sft), a synth folder, or a Parquet file")
     p.add_argument("--out", required=True, help="output folder, same layout as the input, plus quarantine and report")
     p.add_argument("--scorer", required=True, choices=["rm", "prm", "judge"],
                    help="rm: outcome reward model (`trajforge train rm`), prm: process reward model (`trajforge "
                         "train prm`), judge: an LLM with a 0-5 rubric at --base-url")
     p.add_argument("--model", required=True, help="the trained model's folder (rm, prm) or the judge model's name")
-    p.add_argument("--min-score", type=float, default=None,
-                   help="records scored below this go to the quarantine as low_score (on the scorer's scale)")
-    p.add_argument("--config", default="sft", help="release config to score in a build folder")
-    p.add_argument("--batch-size", type=int, default=64, help="records in flight")
-    p.add_argument("--max-length", type=int, default=None, help="rm / prm: tokens per trajectory")
-    p.add_argument("--base-url", default=None, help="judge: OpenAI-compatible endpoint (default: TRAJFORGE_BASE_URL)")
-    p.add_argument("--concurrency", type=int, default=64, help="judge: LLM requests in flight")
-    p.add_argument("--sampling", action="append", type=_sampling_arg, default=[], metavar="KEY=VALUE",
-                   help="judge: override a sampling default; repeatable")
-    p.add_argument("--max-calls", type=int, default=None, help="judge: LLM call budget (cache hits are free)")
-    p.add_argument("--max-tokens", type=int, default=None, help="judge: completion tokens per rating")
-    p.add_argument("--backend", choices=["openai", "vllm"], default="openai")
-    p.add_argument("--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key")
+    option("--min-score", type=float,
+           help="records scored below this go to the quarantine as low_score (on the scorer's scale)")
+    option("--config", dest="config_name", metavar="NAME", help="release config to score in a build folder")
+    option("--batch-size", type=int, help="records in flight")
+    option("--max-length", type=int, help="rm / prm: tokens per trajectory")
+    option("--base-url", help="judge: OpenAI-compatible endpoint (default: TRAJFORGE_BASE_URL)")
+    option("--concurrency", type=int, help="judge: LLM requests in flight")
+    option("--sampling", action=_Mapping, type=_sampling_arg, metavar="KEY=VALUE",
+           help="judge: override a sampling default; repeatable")
+    option("--max-calls", type=int, help="judge: LLM call budget (cache hits are free)")
+    option("--max-tokens", type=int, help="judge: completion tokens per rating")
+    option("--backend", choices=["openai", "vllm"], help=_BACKEND_HELP)
+    _add_api_key_env(p)
     p.set_defaults(func=_run_score)
 
 
@@ -739,11 +775,7 @@ def _run_score(args: argparse.Namespace) -> int:
         raise SourceError(f"score: {args.inputs} does not exist")
     if args.scorer != "judge" and not os.path.isdir(args.model):
         raise SourceError(f"score: --model {args.model} is not a folder with a trained reward model")
-    report = score(inputs=args.inputs, out=args.out, scorer=args.scorer, model=args.model, min_score=args.min_score,
-                   config_name=args.config, batch_size=args.batch_size, max_length=args.max_length,
-                   base_url=args.base_url, concurrency=args.concurrency, sampling=dict(args.sampling),
-                   max_calls=args.max_calls, max_tokens=args.max_tokens, backend=args.backend,
-                   api_key_env=args.api_key_env)
+    report = score(api_key_env=args.api_key_env, **_given(args, SCORE))
     print("\n".join(summary_lines(report)))
     print(f"records: {args.out}  quarantine: {args.out}/quarantine/quarantine.parquet  report: {args.out}/report.json")
     return 0

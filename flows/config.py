@@ -1,12 +1,18 @@
-"""Run configuration files (`trajforge build --config build.yaml`): YAML onto nested dataclasses.
+"""Every command's run configuration: flow parameters, CLI flags and YAML files onto nested dataclasses.
 
-The dataclasses are the one statement of every default: a file names only what it changes, a
-key no dataclass has is an error that names it, and command-line flags override the file. This
-module is light (YAML and dataclasses only), so that the CLI checks a file before Prefect loads.
+The dataclasses are the one statement of every default. Each command has one `Parameters` table
+(flat parameter -> place in its config) that its flow and its CLI options share: a flow parameter
+left None, or an option not given, keeps the dataclass's value; a file (`--config`) names only
+what it changes, a key no dataclass has is an error that names it, and flags override the file.
+This module is light (YAML and dataclasses only), so that the CLI checks its arguments before
+Prefect loads; a command's config class is imported only when that command runs.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
+import importlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -52,6 +58,28 @@ def _non_null(hint) -> tuple[Any, bool]:
 _PLAIN = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
 
 
+def _nested_value(hint, value, key: str, where: str):
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: {key} must be a mapping of {', '.join(f.name for f in dataclasses.fields(hint))}")
+    return from_dict(hint, value, where, f"{key}.")
+
+
+def _plain_value(kind, value, key: str, where: str):
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, _PLAIN[kind]):
+        raise ConfigError(f"{where}: {key} must be {kind.__name__}, not {type(value).__name__} {value!r}")
+    return value
+
+
+def _container_value(kind, value, key: str, where: str):
+    if kind in (tuple, list):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: {key} must be a list")
+        return tuple(value) if kind is tuple else list(value)
+    if kind is dict and not isinstance(value, dict):
+        raise ConfigError(f"{where}: {key} must be a mapping")
+    return value
+
+
 def _value(hint, value, key: str, where: str):
     hint, nullable = _non_null(hint)
     if value is None:
@@ -59,21 +87,11 @@ def _value(hint, value, key: str, where: str):
             return None
         raise ConfigError(f"{where}: {key} must not be null")
     if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: {key} must be a mapping of {', '.join(f.name for f in dataclasses.fields(hint))}")
-        return from_dict(hint, value, where, f"{key}.")
-    origin = typing.get_origin(hint) or hint
-    if origin in _PLAIN:
-        if isinstance(value, bool) and origin is not bool or not isinstance(value, _PLAIN[origin]):
-            raise ConfigError(f"{where}: {key} must be {origin.__name__}, not {type(value).__name__} {value!r}")
-        return value
-    if origin in (tuple, list):
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: {key} must be a list")
-        return tuple(value) if origin is tuple else value
-    if origin is dict and not isinstance(value, dict):
-        raise ConfigError(f"{where}: {key} must be a mapping")
-    return value
+        return _nested_value(hint, value, key, where)
+    kind = typing.get_origin(hint) or hint
+    if kind in _PLAIN:
+        return _plain_value(kind, value, key, where)
+    return _container_value(kind, value, key, where)
 
 
 def from_dict(cls, data: dict, where: str, prefix: str = ""):
@@ -113,6 +131,67 @@ def auto_runner(input_bytes: int) -> str:
     return "threads" if input_bytes <= SMALL_INPUT_BYTES else "processes"
 
 
+def _load(reference: str):
+    """The object `module:name` names. Config modules load only for the command that runs, so
+    that `--help` and the argument checks stay fast."""
+    module, _, name = reference.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def default_of(cls, path: str):
+    """The default of the field at the dotted `path` under dataclass `cls` (None: it has none). A
+    mapping field whose metadata names a config (`BuildRun.stages`) is walked as that config."""
+    head, _, rest = path.partition(".")
+    found = next(f for f in dataclasses.fields(cls) if f.name == head)
+    value = (found.default if found.default is not dataclasses.MISSING else
+             found.default_factory() if found.default_factory is not dataclasses.MISSING else None)
+    if not rest:
+        return value
+    if dataclasses.is_dataclass(value):
+        return functools.reduce(getattr, rest.split("."), value)
+    inner = found.metadata.get("config")
+    return default_of(_load(inner) if inner else _non_null(typing.get_type_hints(cls)[head])[0], rest)
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """A command's flat parameters (its flow's keyword arguments and its CLI options) and their place
+    in its config dataclass (`module:Class`), which states every default once: a parameter left
+    None, or an option not given, keeps the dataclass's value (or the config file's)."""
+    config: type | str
+    paths: dict[str, str]
+    # Top-level parameters whose given value replaces the file's mapping instead of merging into it.
+    replace: tuple[str, ...] = ()
+
+    @property
+    def config_class(self) -> type:
+        return _load(self.config) if isinstance(self.config, str) else self.config
+
+    def default(self, name: str):
+        """What parameter `name` is when neither a flag nor a file sets it."""
+        return default_of(self.config_class, self.paths[name])
+
+    def nested(self, values: dict) -> dict:
+        """The values that were given (not None) as a nested mapping in the config's shape."""
+        out: dict = {}
+        # Shallow paths first: a parameter inside a mapping that another one gives (a stage setting
+        # inside `stages`) is laid over it; copies, so that a caller's mapping is never changed.
+        for key in sorted(values, key=lambda key: self.paths[key].count(".")):
+            if values[key] is None:
+                continue
+            *parents, leaf = self.paths[key].split(".")
+            node = out
+            for parent in parents:
+                node = node.setdefault(parent, {})
+            node[leaf] = copy.deepcopy(values[key])
+        return out
+
+    def config_of(self, given: dict, where: str, data: dict | None = None):
+        """The config from a file's mapping `data` with the `given` parameters laid over it."""
+        base = {key: value for key, value in (data or {}).items() if key not in self.replace or given.get(key) is None}
+        return from_dict(self.config_class, merge(base, self.nested(given)), where)
+
+
 @dataclass
 class BuildRun:
     """`trajforge build --config FILE`: what to read, where to write and run; `stages` is the
@@ -126,7 +205,7 @@ class BuildRun:
     runner: str = AUTO
     address: str | None = None   # Dask / Ray cluster address; None starts a local cluster
     workers: int = 4             # threads, or local cluster workers
-    stages: dict[str, Any] = field(default_factory=dict)
+    stages: dict[str, Any] = field(default_factory=dict, metadata={"config": "trajforge.pipeline.build:BuildConfig"})
 
     def __post_init__(self):
         if self.runner not in (AUTO, *RUNNERS):
@@ -135,8 +214,21 @@ class BuildRun:
             raise ValueError("workers must be at least 1")
 
 
-def load_build_run(path: str) -> BuildRun:
-    return from_dict(BuildRun, read_config(path), path)
+# The build flow's parameters (and the CLI's options); `--source` replaces the file's sources.
+BUILD = Parameters(BuildRun, {
+    "out": "out", "overwrite": "overwrite", "sources": "sources", "source_as": "source_as", "runner": "runner",
+    "address": "address", "workers": "workers", "stages": "stages", "rendering": "stages.rendering",
+    "invalid_steps": "stages.invalid_steps", "dedup_threshold": "stages.dedup.threshold",
+    "shard_rows": "stages.shards.max_rows", "decontaminate": "stages.decontaminate", "rl_tasks": "stages.rl_tasks",
+}, replace=("sources",))
+
+
+def build_run(given: dict, where: str, data: dict | None = None) -> BuildRun:
+    """The build's `BuildRun`: a config file's mapping `data` with the given parameters over it."""
+    run = BUILD.config_of(given, where, data)
+    if run.out is None:
+        raise ConfigError("build: no output folder; give --out DIR (or `out:` in the --config file)")
+    return run
 
 
 def stage_config(stages: dict, where: str):
@@ -148,7 +240,7 @@ def stage_config(stages: dict, where: str):
 
 # The synth flow's flat parameters (and the CLI's options) -> their place in a synth config file,
 # which has the shape of `pipeline.synth.config.SynthConfig`.
-SYNTH_PARAMETERS = {
+SYNTH = Parameters("trajforge.pipeline.synth.config:SynthConfig", {
     "tasks": "tasks", "env": "env", "out": "out", "n": "n", "keep": "keep",
     "episode_concurrency": "episode_concurrency", "backend": "backend", "env_kw": "env_kw",
     "model": "llm.model", "base_url": "llm.base_url", "sampling": "llm.sampling", "concurrency": "llm.concurrency",
@@ -157,37 +249,56 @@ SYNTH_PARAMETERS = {
     "max_turns": "agent.max_turns", "max_tokens": "agent.max_tokens", "seed": "agent.seed", "license": "agent.license",
     "search": "search.strategy", "branch": "search.branch", "max_calls": "search.max_calls",
     "max_task_tokens": "search.max_tokens", "value_model": "search.value_model",
-}
+})
 # Set by the run, never by a file: the key is read from the environment, the gate is Prefect's.
 NOT_IN_FILES = {"llm.api_key": "name the environment variable that holds it with api_key_env",
                 "llm.request_gate": "use the flow's api_limit / api_rate_limit"}
 
 
-def nested(values: dict, paths: dict[str, str] = SYNTH_PARAMETERS) -> dict:
-    """Flat values that were given (not None) as a nested mapping, placed by `paths`."""
-    out: dict = {}
-    for key, value in values.items():
-        if value is None:
-            continue
-        *parents, leaf = paths[key].split(".")
-        node = out
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[leaf] = value
-    return out
-
-
 def synth_config(data: dict, where: str):
     """`SynthConfig` from a synth config mapping (tasks, env, out and llm.model are required)."""
-    from trajforge.pipeline.synth.config import SynthConfig
-
     llm = data.get("llm")
     for path, instead in NOT_IN_FILES.items():
         if isinstance(llm, dict) and path.split(".")[1] in llm:
             raise ConfigError(f"{where}: {path} cannot be set here; {instead}")
     for flat in ("tasks", "env", "out", "model"):
-        *parents, leaf = SYNTH_PARAMETERS[flat].split(".")
+        *parents, leaf = SYNTH.paths[flat].split(".")
         node = data.get(parents[0], {}) if parents else data
         if not isinstance(node, dict) or node.get(leaf) is None:
-            raise ConfigError(f"synth: no {flat}; give --{flat} (or `{SYNTH_PARAMETERS[flat]}` in the --config file)")
-    return from_dict(SynthConfig, data, where)
+            raise ConfigError(f"synth: no {flat}; give --{flat} (or `{SYNTH.paths[flat]}` in the --config file)")
+    return from_dict(SYNTH.config_class, data, where)
+
+
+# The other model-calling commands: flow parameter -> place in the command's config. The model
+# endpoint's settings (model, base_url, sampling, concurrency) are the job's `llm` (LLMConfig), the
+# episode's (max_turns: the turn budget of one episode) its `agent` (AgentConfig).
+_LLM = {"model": "llm.model", "base_url": "llm.base_url", "sampling": "llm.sampling", "concurrency": "llm.concurrency"}
+SALVAGE = Parameters("trajforge.pipeline.synth.salvage:SalvageConfig", {
+    **_LLM, "failures": "failures", "tasks": "tasks", "out": "out", "max_prefixes": "max_prefixes",
+    "max_calls": "max_calls", "episode_concurrency": "episode_concurrency", "max_turns": "agent.max_turns",
+    "max_tokens": "agent.max_tokens", "backend": "backend", "license": "agent.license",
+})
+SELECT_STEPS = Parameters("trajforge.pipeline.quality.critical_steps:SelectConfig", {
+    **_LLM, "inputs": "inputs", "out": "out", "config_name": "config_name", "batch_size": "batch_size",
+    "max_tokens": "max_tokens", "backend": "backend", "envs": "envs",
+})
+# The judge's model is the scorer's `model`, not `llm.model`.
+SCORE = Parameters("trajforge.pipeline.quality.score:ScoreConfig", {
+    "base_url": "llm.base_url", "sampling": "llm.sampling", "concurrency": "llm.concurrency",
+    "inputs": "inputs", "out": "out", "scorer": "scorer", "model": "model", "min_score": "min_score",
+    "config_name": "config_name", "batch_size": "batch_size", "max_length": "max_length", "max_calls": "max_calls",
+    "max_tokens": "max_tokens", "backend": "backend",
+})
+EVAL = Parameters("trajforge.pipeline.evaluation.run:EvalConfig", {
+    **_LLM, "timeout_s": "llm.timeout_s", "max_retries": "llm.max_retries", "out": "out", "envs": "envs",
+    "label": "label", "tasks": "tasks", "n": "n", "calibrate": "calibrate", "max_turns": "agent.max_turns",
+    "max_tokens": "agent.max_tokens", "seed": "agent.seed", "episode_concurrency": "episode_concurrency",
+    "env_kw": "env_kw", "results": "results", "train_data": "train_data", "allow_overlap": "allow_overlap",
+    "backend": "backend", "exclude": "exclude",
+})
+RFT = Parameters("trajforge.pipeline.synth.config:RFTConfig", {
+    "sources": "sources", "tasks": "tasks", "env": "env", "base_model": "base_model", "out": "out",
+    "rounds": "rounds", "sft_args": "sft_args", "serve": "serve", "n": "n", "max_turns": "agent.max_turns",
+    "max_tokens": "agent.max_tokens", "concurrency": "llm.concurrency", "sampling": "llm.sampling",
+    "startup_timeout_s": "startup_timeout_s", "eval_tasks": "eval_tasks", "eval_n": "eval_n",
+})

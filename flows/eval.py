@@ -14,13 +14,13 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
+from trajforge.flows.config import EVAL
 from trajforge.flows.limits import model_api_limit
 from trajforge.flows.synth import use_api_key_env
 from trajforge.pipeline.evaluation.run import EvalConfig
 from trajforge.pipeline.evaluation.run import evaluate as run_evaluation
 from trajforge.pipeline.evaluation.splits import EVAL_SPLITS
-from trajforge.pipeline.llm.client import LLMConfig
-from trajforge.pipeline.synth.config import AgentConfig
+from trajforge.pipeline.synth.config import SERVE_STARTUP_TIMEOUT_S
 
 
 @task(name="evaluate-episodes")
@@ -68,29 +68,30 @@ def eval_artifacts(report: dict, out: str) -> None:
 
 @flow(name="evaluate", log_prints=True)
 def evaluate(out: str, envs: list[str] | None = None, model: str | None = None, base_url: str | None = None,
-             label: str | None = None, tasks: dict[str, str] | None = None, n: int = 1,
-             calibrate: list[str] | None = None, max_turns: int = AgentConfig.max_turns,
-             max_tokens: int | None = None, seed: int | None = None, sampling: dict[str, Any] | None = None,
-             concurrency: int = LLMConfig.concurrency, episode_concurrency: int = 8, timeout_s: float = LLMConfig.timeout_s,
-             max_retries: int = LLMConfig.max_retries, env_kw: dict[str, dict] | None = None,
-             results: str | None = None, train_data: str | None = None, allow_overlap: bool = False,
-             serve: list[str] | None = None, startup_timeout_s: float = 600.0, backend: str = "openai",
+             label: str | None = None, tasks: dict[str, str] | None = None, n: int | None = None,
+             calibrate: list[str] | None = None, max_turns: int | None = None, max_tokens: int | None = None,
+             seed: int | None = None, sampling: dict[str, Any] | None = None, concurrency: int | None = None,
+             episode_concurrency: int | None = None, timeout_s: float | None = None, max_retries: int | None = None,
+             env_kw: dict[str, dict] | None = None, results: str | None = None, train_data: str | None = None,
+             allow_overlap: bool | None = None, serve: list[str] | None = None,
+             startup_timeout_s: float = SERVE_STARTUP_TIMEOUT_S, backend: str | None = None,
              api_key_env: str | None = None, api_limit: str | None = None, api_rate_limit: str | None = None,
              exclude: list[str] | None = None) -> dict:
     """Evaluate MODEL (or, with `serve`, the checkpoint folder MODEL served for the run) on ENVS'
-    held-out splits (default: every declared split); see pipeline/evaluation/run.py for the outputs."""
+    held-out splits (default: every declared split); see pipeline/evaluation/run.py for the outputs.
+    A parameter left None keeps `EvalConfig`'s default (flows/config.py: EVAL places each); without
+    a model only the calibration policies run."""
     logger = get_run_logger()
-    llm = None
-    if model is not None:
-        llm = LLMConfig(model=model, base_url=base_url, sampling=dict(sampling or {}), concurrency=concurrency,
-                        timeout_s=timeout_s, max_retries=max_retries,
-                        request_gate=model_api_limit(api_limit, api_rate_limit))
-    config = EvalConfig(out=out, envs=list(envs or EVAL_SPLITS), llm=llm, label=label, tasks=dict(tasks or {}), n=n,
-                        calibrate=tuple(("oracle", "random") if calibrate is None else calibrate),
-                        agent=AgentConfig(max_turns=max_turns, max_tokens=max_tokens, seed=seed),
-                        env_kw=dict(env_kw or {}), episode_concurrency=episode_concurrency, backend=backend,
-                        results=results, train_data=train_data, allow_overlap=allow_overlap,
-                        exclude=tuple(exclude or ()))
+    config = EVAL.config_of(dict(
+        out=out, envs=list(envs or EVAL_SPLITS), model=model, base_url=base_url, label=label, tasks=tasks, n=n,
+        calibrate=calibrate, max_turns=max_turns, max_tokens=max_tokens, seed=seed, sampling=sampling,
+        concurrency=concurrency, episode_concurrency=episode_concurrency, timeout_s=timeout_s,
+        max_retries=max_retries, env_kw=env_kw, results=results, train_data=train_data, allow_overlap=allow_overlap,
+        backend=backend, exclude=exclude), "evaluate")
+    if model is None:
+        config.llm = None
+    else:
+        config.llm.request_gate = model_api_limit(api_limit, api_rate_limit)
     report = evaluate_episodes(config, api_key_env, serve, startup_timeout_s)
     for row in summary_rows(report):
         logger.info("%s %s: success %s %s, outcomes %s", row["env"], row["policy"], row["success_rate"],

@@ -19,7 +19,8 @@ def _when() -> str:
 
 def build_run_name() -> str:
     params = flow_run.parameters
-    return f"build {source_set(params.get('sources'), params.get('synthetic'))} {_when()}"
+    sources = params.get("sources") or (params.get("config") or {}).get("sources")
+    return f"build {source_set(sources, params.get('synthetic'))} {_when()}"
 
 
 def synth_run_name() -> str:

@@ -55,10 +55,11 @@ def release_dataset(folder: str, repo: str, revision: str = "main", tag: str | N
 
 @flow(name="build-and-release", log_prints=True, flow_run_name=build_run_name)
 def build_and_release(repo: str, out: str = "build", sources: dict[str, str | None] | None = None,
-                      rendering: str = "native", runner: str = "threads", address: str | None = None,
+                      rendering: str | None = None, runner: str | None = None, address: str | None = None,
                       revision: str = "main", tag: str | None = None, private: bool = False,
                       synthetic: str | None = None) -> dict:
     """Build (with the synthesis output folder `synthetic` as one more source), then release the build.
-    Rerunning an unchanged build pushes nothing (empty plan)."""
+    Rerunning an unchanged build pushes nothing (empty plan). `rendering` and `runner` left None keep
+    the build's defaults (flows/config.py)."""
     build_dataset(sources=sources, out=out, rendering=rendering, runner=runner, address=address, synthetic=synthetic)
     return release_dataset(folder=out, repo=repo, revision=revision, tag=tag, private=private)

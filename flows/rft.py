@@ -20,15 +20,15 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from trajforge.flows.build import build_dataset
+from trajforge.flows.config import RFT
 from trajforge.flows.limits import model_api_limit
 from trajforge.flows.synth import use_api_key_env
 from trajforge.pipeline.atomic import write_json
 from trajforge.pipeline.envs.tasks import load_tasks
 from trajforge.pipeline.evaluation.run import EvalConfig, evaluate
 from trajforge.pipeline.evaluation.splits import EVAL_SPLITS
-from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.rft import keep_successes, round_summary, serve_command, serving
-from trajforge.pipeline.synth.agent import AgentConfig
+from trajforge.pipeline.synth.config import AgentConfig
 from trajforge.pipeline.synth.job import SynthConfig, synthesize
 
 
@@ -66,18 +66,23 @@ def held_out_eval(env: str, tasks: str, eval_tasks: str | None, out: Path, n: in
 
 
 @flow(name="rft")
-def rft(sources: dict[str, str | None], tasks: str, env: str, base_model: str, out: str, rounds: int = 2,
-        sft_args: list[str] | None = None, serve: str | list[str] = "transformers", n: int = 4,
-        max_turns: int = 8, max_tokens: int | None = None, concurrency: int = 16, startup_timeout_s: float = 600.0,
-        sampling: dict | None = None, api_key_env: str | None = None, eval_tasks: str | None = None,
-        eval_n: int = 1, api_limit: str | None = None, api_rate_limit: str | None = None,
-        api_limit_strict: bool = False) -> dict:
+def rft(tasks: str, env: str, base_model: str, out: str, sources: dict[str, str | None] | None = None,
+        rounds: int | None = None, sft_args: list[str] | None = None, serve: str | list[str] | None = None,
+        n: int | None = None, max_turns: int | None = None, max_tokens: int | None = None,
+        concurrency: int | None = None, startup_timeout_s: float | None = None, sampling: dict | None = None,
+        api_key_env: str | None = None, eval_tasks: str | None = None, eval_n: int | None = None,
+        api_limit: str | None = None, api_rate_limit: str | None = None, api_limit_strict: bool = False) -> dict:
     """ROUNDS rounds of build -> SFT -> serve -> synthesize on TASKS -> keep successes; see the module docstring.
 
+    A parameter left None keeps `RFTConfig`'s default (flows/config.py: RFT places each).
     `api_limit` / `api_rate_limit` name the Prefect global concurrency / rate limits the model API
     calls share with every other run that names them, as in the synthesis flow (flows/limits.py).
     """
-    command = serve_command(serve)  # a server name no registry entry has fails here, before any round
+    config = RFT.config_of(dict(
+        tasks=tasks, env=env, base_model=base_model, out=out, sources=sources, rounds=rounds, sft_args=sft_args,
+        serve=serve, n=n, max_turns=max_turns, max_tokens=max_tokens, concurrency=concurrency,
+        startup_timeout_s=startup_timeout_s, sampling=sampling, eval_tasks=eval_tasks, eval_n=eval_n), "rft")
+    command = serve_command(config.serve)  # a server name no registry entry has fails here, before any round
     gate = model_api_limit(api_limit, api_rate_limit, strict=api_limit_strict)
     logger = get_run_logger()
     root = Path(out)
@@ -87,23 +92,21 @@ def rft(sources: dict[str, str | None], tasks: str, env: str, base_model: str, o
     train_texts = [t.description for t in load_tasks(tasks)]
 
     def build(folder: Path) -> dict:
-        with_kept = dict(sources)
+        with_kept = dict(config.sources)
         if (kept / "data" / "synthetic").is_dir():
             with_kept["synthetic"] = str(kept)
         # The round tasks are trained on; the rest of their env's eval split stays held out.
         return build_dataset(sources=with_kept, out=str(folder), stages={"decontaminate_except": train_texts})
 
-    for round_no in range(1, rounds + 1):
+    for round_no in range(1, config.rounds + 1):
         folder = root / f"round-{round_no}"
         built = build(folder / "build")
-        metrics = train_sft(base_model, str(folder / "build"), str(folder / "model"), list(sft_args or []))
-        llm = LLMConfig(model=str((folder / "model").resolve()), sampling=dict(sampling or {}), concurrency=concurrency,
-                        request_gate=gate)
-        config = SynthConfig(tasks=tasks, env=env, out=str(folder / "synth"), n=n, llm=llm,
-                             agent=AgentConfig(max_turns=max_turns, max_tokens=max_tokens))
-        held_out = held_out_eval(env, tasks, eval_tasks, folder / "eval", eval_n, config.agent)
-        synthesized, evaluated = serve_and_synthesize(str((folder / "model").resolve()), command, config,
-                                                      startup_timeout_s, api_key_env, held_out)
+        metrics = train_sft(base_model, str(folder / "build"), str(folder / "model"), config.sft_args)
+        llm = replace(config.llm, model=str((folder / "model").resolve()), request_gate=gate)
+        job = SynthConfig(tasks=tasks, env=env, out=str(folder / "synth"), n=config.n, llm=llm, agent=config.agent)
+        held_out = held_out_eval(env, tasks, config.eval_tasks, folder / "eval", config.eval_n, config.agent)
+        synthesized, evaluated = serve_and_synthesize(str((folder / "model").resolve()), command, job,
+                                                      config.startup_timeout_s, api_key_env, held_out)
         added = keep_successes(folder / "synth", env, kept, round_no)
         summary = round_summary(round_no, built, metrics, synthesized, added, evaluated)
         report["rounds"].append(summary)

@@ -9,8 +9,8 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 
+from trajforge.flows.config import SCORE
 from trajforge.flows.synth import use_api_key_env
-from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.quality.score import ScoreConfig, score_records, summary_lines
 
 
@@ -22,17 +22,19 @@ def score_task(config: ScoreConfig, api_key_env: str | None) -> dict:
 
 
 @flow(name="score", log_prints=True)
-def score(inputs: str, out: str, scorer: str, model: str, min_score: float | None = None, config_name: str = "sft",
-          batch_size: int = 64, max_length: int | None = None, base_url: str | None = None, concurrency: int = 64,
-          sampling: dict[str, Any] | None = None, max_calls: int | None = None, max_tokens: int | None = None,
-          backend: str = "openai", api_key_env: str | None = None) -> dict:
+def score(inputs: str, out: str, scorer: str, model: str, min_score: float | None = None,
+          config_name: str | None = None, batch_size: int | None = None, max_length: int | None = None,
+          base_url: str | None = None, concurrency: int | None = None, sampling: dict[str, Any] | None = None,
+          max_calls: int | None = None, max_tokens: int | None = None, backend: str | None = None,
+          api_key_env: str | None = None) -> dict:
     """Score every record under INPUTS with a reward model or an LLM judge; writes OUT (module doc of
-    pipeline.quality.score), the records below `min_score` in its quarantine as `low_score`."""
-    llm = (LLMConfig(model=model, base_url=base_url, sampling=dict(sampling or {}), concurrency=concurrency)
-           if scorer == "judge" else None)
-    config = ScoreConfig(inputs=inputs, out=out, scorer=scorer, model=model, min_score=min_score,
-                         config_name=config_name, batch_size=batch_size, max_length=max_length, llm=llm,
-                         backend=backend, max_calls=max_calls, max_tokens=max_tokens)
+    pipeline.quality.score), the records below `min_score` in its quarantine as `low_score`.
+    A parameter left None keeps `ScoreConfig`'s default (flows/config.py: SCORE places each)."""
+    given = dict(inputs=inputs, out=out, scorer=scorer, model=model, min_score=min_score, config_name=config_name,
+                 batch_size=batch_size, max_length=max_length, base_url=base_url, concurrency=concurrency,
+                 sampling=sampling, max_calls=max_calls, max_tokens=max_tokens, backend=backend)
+    # The judge calls a model endpoint (its defaults, the key from the environment); the reward models do not.
+    config = SCORE.config_of(given, "score", {"llm": {}} if scorer == "judge" else {})
     report = score_task(config, api_key_env)
     logger = get_run_logger()
     for line in summary_lines(report):

@@ -13,7 +13,7 @@ from prefect import flow, get_run_logger, task
 from prefect.states import Failed, State
 
 from trajforge.flows.artifacts import Progress, synth_artifacts
-from trajforge.flows.config import merge, nested, synth_config
+from trajforge.flows.config import SYNTH, merge, synth_config
 from trajforge.flows.limits import model_api_limit
 from trajforge.flows.names import synth_run_name
 from trajforge.pipeline.llm.client import LLMConfig, ServerUnreachable
@@ -66,7 +66,7 @@ def synthesize(tasks: str | None = None, env: str | None = None, model: str | No
     `api_limit_strict` fails the run when one does not exist instead of running without it.
     """
     logger = get_run_logger()
-    given = nested(dict(tasks=tasks, env=env, model=model, out=out, base_url=base_url, n=n, keep=keep,
+    given = SYNTH.nested(dict(tasks=tasks, env=env, model=model, out=out, base_url=base_url, n=n, keep=keep,
                         concurrency=concurrency, episode_concurrency=episode_concurrency, max_turns=max_turns,
                         max_tokens=max_tokens, seed=seed, sampling=sampling, backend=backend, license=license,
                         env_kw=env_kw, timeout_s=timeout_s, max_retries=max_retries,

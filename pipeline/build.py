@@ -72,6 +72,8 @@ class BuildConfig:
     rendering: str = NormalizeConfig.rendering
     max_turn_chars: int = NormalizeConfig.max_turn_chars
     max_total_chars: int = ValidateConfig.max_total_chars
+    # The most turns (all roles) a record may have; longer ones are quarantined as too_long.
+    max_record_turns: int = ValidateConfig.max_turns
     # What a step the env refused inside an episode does: mask | drop | keep (pipeline/ingest/validate.py).
     invalid_steps: str = ValidateConfig.invalid_steps
     progress_every: int = 1000
@@ -99,7 +101,8 @@ class BuildConfig:
 
     @property
     def validate(self) -> ValidateConfig:
-        return ValidateConfig(max_total_chars=self.max_total_chars, invalid_steps=self.invalid_steps)
+        return ValidateConfig(max_total_chars=self.max_total_chars, max_turns=self.max_record_turns,
+                              invalid_steps=self.invalid_steps)
 
 
 @dataclass

@@ -4,27 +4,41 @@ The examples run end to end through the real CLI in tests/test_build_e2e.py and 
 """
 from __future__ import annotations
 
+import argparse
+import importlib
+import inspect
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, REPO
-from trajforge.flows.cli import _build_run, _synth_run, parser
+from trajforge.flows.cli import _build_run, _given, _synth_run, parser
 from trajforge.flows.config import (
+    BUILD,
+    EVAL,
+    RFT,
+    SALVAGE,
+    SCORE,
+    SELECT_STEPS,
+    SYNTH,
     BuildRun,
     ConfigError,
     from_dict,
-    load_build_run,
     merge,
-    nested,
     read_config,
     stage_config,
     synth_config,
 )
 from trajforge.pipeline.build import BuildConfig
+from trajforge.pipeline.evaluation.run import EvalConfig
+from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.llm.client import LLMConfig
+from trajforge.pipeline.quality.critical_steps import SelectConfig
 from trajforge.pipeline.quality.dedup import DedupConfig
-from trajforge.pipeline.synth.config import AgentConfig, SynthConfig
+from trajforge.pipeline.quality.score import ScoreConfig
+from trajforge.pipeline.synth.config import AgentConfig, RFTConfig, SynthConfig
+from trajforge.pipeline.synth.salvage import SalvageConfig
 from trajforge.sources import REGISTRY
 
 EXAMPLE = REPO / "configs" / "build.yaml"
@@ -33,6 +47,10 @@ SYNTH_EXAMPLE = REPO / "configs" / "synth.yaml"
 
 def build_args(*argv: str):
     return parser().parse_args(["build", *argv])
+
+
+def load_build_run(path: str) -> BuildRun:
+    return from_dict(BuildRun, read_config(path), path)
 
 
 def test_example_config_loads_and_states_the_defaults():
@@ -117,7 +135,7 @@ def test_synth_flags_override_the_file():
         "--config", str(SYNTH_EXAMPLE), "--n", "1", "--max-turns", "3", "--timeout", "30", "--api-key-env", "K",
         "--sampling", "temperature=0.5", "--sampling", "top_k=null"))
     assert api_key_env == "K" and "api_key_env" not in config
-    job = synth_config(merge(config, nested(given)), "test")
+    job = synth_config(merge(config, SYNTH.nested(given)), "test")
     assert (job.n, job.agent.max_turns, job.llm.timeout_s) == (1, 3, 30.0)
     assert job.llm.sampling == {"temperature": 0.5, "top_k": None}
     assert job.llm.max_retries == LLMConfig.max_retries and job.keep == SynthConfig.keep
@@ -134,3 +152,82 @@ def test_synth_config_is_checked(data, says):
     with pytest.raises(ConfigError) as err:
         synth_config(data, "synth.yaml")
     assert says in str(err.value)
+
+
+# Every command: the options add no default of their own and the flows restate none; the config
+# dataclasses state them. Each row: the command line with only what the command requires, the
+# config those values alone make, and the flow.
+LLM = LLMConfig(model="m")
+COMMANDS = {
+    "synth": (["--tasks", "t", "--env", "db", "--out", "o", "--model", "m"],
+              SynthConfig(tasks="t", env="db", out="o", llm=LLM), "trajforge.flows.synth:synthesize"),
+    "salvage": (["f.parquet", "--tasks", "t", "--out", "o", "--model", "m"],
+                SalvageConfig(failures=["f.parquet"], tasks="t", out="o", llm=LLM), "trajforge.flows.salvage:salvage"),
+    "select-steps": (["in", "--out", "o", "--model", "m"], SelectConfig(inputs="in", out="o", llm=LLM),
+                     "trajforge.flows.select_steps:select_steps"),
+    "score": (["in", "--out", "o", "--scorer", "rm", "--model", "m"],
+              ScoreConfig(inputs="in", out="o", scorer="rm", model="m"), "trajforge.flows.score:score"),
+    # The command keeps a results table where the flow keeps none unless named (the one option with
+    # a default of its own); `envs` is the flow's (every declared split when not given).
+    "eval": (["--out", "o"], EvalConfig(out="o", envs=["db"], results="results"), "trajforge.flows.eval:evaluate"),
+    "rft": (["--tasks", "t", "--env", "db", "--base-model", "b", "--out", "o", "--sft-config", "s.yaml"],
+            RFTConfig(tasks="t", env="db", base_model="b", out="o", sft_args=["--config", "s.yaml"]),
+            "trajforge.flows.rft:rft"),
+}
+TABLES = {"build": BUILD, "synth": SYNTH, "salvage": SALVAGE, "select-steps": SELECT_STEPS, "score": SCORE,
+          "eval": EVAL, "rft": RFT}
+CLI_DEFAULTS = {("eval", "results"): "results"}
+
+
+def subcommand(name: str) -> argparse.ArgumentParser:
+    [commands] = [a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices[name]
+
+
+def at_path(config, path: str):
+    """The value at a dotted path of a config instance (an `llm` that is None: LLMConfig's defaults)."""
+    for part in path.split("."):
+        config = getattr(LLMConfig() if config is None else config, part)
+    return config
+
+
+@pytest.mark.parametrize("command", TABLES)
+def test_options_take_their_defaults_from_the_config(command):
+    table = TABLES[command]
+    options = [a for a in subcommand(command)._actions if a.option_strings and a.dest in table.paths]
+    assert options
+    for action in options:
+        if not action.required:
+            assert action.default == CLI_DEFAULTS.get((command, action.dest), argparse.SUPPRESS), action.dest
+    if command == "build":  # parsed: test_without_a_file_the_flags_alone_decide
+        return
+    argv, expected, _ = COMMANDS[command]
+    given = _given(parser().parse_args([command, *argv]), table)
+    if command == "rft":
+        given["sft_args"] = ["--config", "s.yaml"]
+    config = table.config_of({"envs": ["db"], **given} if command == "eval" else given, "options")
+    assert config == expected
+    # --help shows the dataclass's default of each option not given.
+    for action in options:
+        if hasattr(action, "config_default") and action.dest not in given:
+            assert action.config_default() == at_path(expected, table.paths[action.dest]), action.dest
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_flows_state_no_default_of_their_own(command):
+    module, _, name = COMMANDS[command][2].partition(":")
+    flow = getattr(importlib.import_module(module), name)
+    parameters = inspect.signature(flow.fn).parameters
+    table = TABLES[command]
+    assert set(table.paths) <= set(parameters)
+    for key in table.paths:
+        assert parameters[key].default in (None, inspect.Parameter.empty), key
+
+
+def test_a_build_config_sets_the_most_turns_a_record_may_have(fixtures_build):
+    """`stages.max_record_turns` (the validator's limit, not an episode's `max_turns` budget)."""
+    record = pq.read_table(fixtures_build / "data" / "sft").to_pylist()[0]
+    turns = len(record["conversations"])
+    assert validate_record(record, stage_config({"max_record_turns": turns}, "build.yaml").validate) is None
+    too_long = validate_record(record, stage_config({"max_record_turns": turns - 1}, "build.yaml").validate)
+    assert too_long.reason == "too_long" and f"(max {turns - 1})" in too_long.detail

@@ -14,7 +14,7 @@ import yaml
 from tests.conftest import FIXTURES
 from tests.support.search_policy import LOST_THOUGHT, SeededServer, noisy_policy
 from trajforge.flows.cli import _synth_run, parser
-from trajforge.flows.config import merge, nested, synth_config
+from trajforge.flows.config import SYNTH, merge, synth_config
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 from trajforge.pipeline.envs.tasks import load_tasks
 from trajforge.pipeline.ingest.validate import validate_record
@@ -383,7 +383,7 @@ def test_search_flags_reach_the_config(tmp_path):
                                       str(tmp_path), "--search", "beam", "--branch", "2", "--max-calls", "9",
                                       "--max-task-tokens", "500", "--value-model", "judge"])
     config, _, given = _synth_run(args)
-    job = synth_config(merge(config, nested(given)), "options")
+    job = synth_config(merge(config, SYNTH.nested(given)), "options")
     assert job.search == SearchConfig(strategy="beam", branch=2, max_calls=9, max_tokens=500, value_model="judge")
     with pytest.raises(SystemExit):
         parser().parse_args(["synth", "--search", "greedy"])

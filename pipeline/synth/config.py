@@ -3,6 +3,7 @@
 `SynthConfig` is the job (`pipeline.synth.job`), `AgentConfig` one episode (`pipeline.synth.agent`),
 `SearchConfig` the tree search per task (`pipeline.synth.search`), `LLMConfig` the model endpoint
 (`pipeline.llm.client`). A `trajforge synth --config` file has their shape (configs/synth.yaml).
+`RFTConfig` is the rejection-sampling loop that synthesizes each round (flows/rft.py).
 """
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from trajforge.pipeline.llm.client import LLMConfig
 KEEP = ("best", "all")
 SEARCH_STRATEGIES = ("best_of_n", "beam", "mcts", "dfsdt")
 VALUE_MODELS = ("judge",)
+# How long a checkpoint served for a run (`trajforge rft`, `eval --serve`) may take to answer.
+SERVE_STARTUP_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
 class AgentConfig:
-    max_turns: int = 8                # AgentBench's round limit
+    # The episode's turn budget: model actions before it ends as `max_turns` (AgentBench's round limit).
+    max_turns: int = 8
     max_format_retries: int = 2       # re-prompts in a row for one step before the episode fails
     success_threshold: float = 1.0    # env score at or above this is a success
     max_tokens: int | None = None
@@ -72,3 +76,24 @@ class SynthConfig:
             raise ValueError(f"keep must be one of {KEEP}, not {self.keep!r}")
         if self.n < 1:
             raise ValueError("n must be at least 1")
+
+
+@dataclass
+class RFTConfig:
+    """`trajforge rft`: rounds of build -> SFT -> serve -> synthesize on `tasks` -> keep successes."""
+    tasks: str                         # the round tasks (their successes are trained on)
+    env: str
+    base_model: str                    # the model every round fine-tunes (folder or Hub id)
+    out: str
+    # The build's sources (source name -> local path or Hub repo id, None: its Hub repo).
+    sources: dict[str, str | None] = field(default_factory=lambda: {"agentinstruct": None})
+    rounds: int = 2
+    sft_args: list[str] = field(default_factory=list)    # the SFT launcher's arguments (--config FILE ...)
+    serve: str | list[str] = "transformers"             # a server name (pipeline.rft) or a command
+    startup_timeout_s: float = SERVE_STARTUP_TIMEOUT_S
+    n: int = SynthConfig.n                               # samples per round task
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    # A checkpoint served on a CPU answers few requests at once.
+    llm: LLMConfig = field(default_factory=lambda: LLMConfig(concurrency=16))
+    eval_tasks: str | None = None      # held-out tasks of each round's eval (default: the env's split less `tasks`)
+    eval_n: int = 1                    # samples per held-out task
