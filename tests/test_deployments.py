@@ -32,7 +32,9 @@ def prefect_server(tmp_path):
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect_home"), "PREFECT_API_URL": api,
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_UI_ENABLED": "false",
-           "HF_HUB_OFFLINE": "1", "PWD": str(REPO), "PYTHONPATH": str(REPO)}
+           "HF_HUB_OFFLINE": "1", "PWD": str(REPO),
+           # A PYTHONPATH already set (a checkout of its own) stays in front of the repository.
+           "PYTHONPATH": os.pathsep.join(filter(None, (os.environ.get("PYTHONPATH"), str(REPO))))}
     log = open(tmp_path / "server.log", "wb")
     server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
