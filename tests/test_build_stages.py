@@ -16,7 +16,8 @@ from fuzz_corpus import generate
 
 from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, RAW
 from trajforge.pipeline.build import BuildConfig, UnitResult, process_unit, unit_key
-from trajforge.pipeline.publish.shards import read_marker, unit_marker, write_marker
+from trajforge.pipeline.build.resume import unit_marker
+from trajforge.pipeline.publish.shards import read_marker, write_marker
 from trajforge.pipeline.stages import StageTally, merge_tallies
 from trajforge.sources import get_source
 from trajforge.sources.base import SourceFile

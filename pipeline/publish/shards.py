@@ -7,9 +7,9 @@ row groups small enough that a streaming reader holds one group at a time.
 Same table + same ShardConfig -> same file names and byte-identical files: nothing in a shard
 depends on time, host, runner or worker count.
 
-Crash safety: every file is written to a temp name and renamed; a shard (or a staged unit) is
-done when its completion marker exists and names the same input fingerprint. Markers live under
-`<out>/.staging`, which a release never publishes.
+Crash safety: every file is written to a temp name and renamed; a shard (or a staged unit,
+pipeline/build/resume.py) is done when its completion marker exists and names the same input
+fingerprint. Markers live under `<out>/.staging`, which a release never publishes.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import atomic_path, write_json, write_table
-from trajforge.pipeline.publish.manifest import code_version, file_sha256
+from trajforge.pipeline.publish.manifest import file_sha256
 from trajforge.pipeline.stages import in_order
 
 SHARD_RE = re.compile(r"^(?P<split>[A-Za-z0-9_]+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.parquet$")
@@ -136,18 +136,6 @@ def layout(out: Path) -> dict[str, dict[str, list[str]]]:
                 found.setdefault(folder.name, {}).setdefault(match["split"], []).append(
                     path.relative_to(out).as_posix())
     return found
-
-
-# -- resumable units ---------------------------------------------------------------------------
-
-def unit_fingerprint(source: str, path: Path, split: str, config: dict) -> str:
-    """What a staged unit depends on: the input file's content, its place, the config, the code."""
-    payload = [source, str(Path(path).resolve()), split, file_sha256(Path(path)), config, code_version()]
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-def unit_marker(staging: Path, key: str) -> Path:
-    return staging / "markers" / "units" / f"{key}.done"
 
 
 # -- shards from a stream ----------------------------------------------------------------------
