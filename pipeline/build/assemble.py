@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import StreamingParquet, atomic_path
-from trajforge.pipeline.build.config import BuildConfig
+from trajforge.pipeline.build.config import BATCH_ROWS, BuildConfig
 from trajforge.pipeline.build.outputs import OUTPUTS, Output, UnitContext, UnitOutputs
 from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.quality.dedup_table import band_columns, near_matrices, record_keys, shingle_set_hashes
@@ -50,7 +50,6 @@ from trajforge.schemas import arrow_schema
 if TYPE_CHECKING:
     from trajforge.pipeline.build.units import UnitResult
 
-BATCH_ROWS = 1024
 
 
 def stage_keys(records: list[dict], start: int, config: BuildConfig) -> pl.DataFrame:

@@ -14,6 +14,9 @@ from trajforge.pipeline.publish.shards import ShardConfig
 from trajforge.pipeline.quality.dedup import DedupConfig
 from trajforge.pipeline.quality.negatives import NegativesConfig
 
+# Records per batch wherever the build streams staged files: memory stays one batch.
+BATCH_ROWS = 1024
+
 
 @dataclass(frozen=True)
 class BuildConfig:

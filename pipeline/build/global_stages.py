@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Protocol
 import polars as pl
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.build.assemble import BATCH_ROWS, StagedRecords
-from trajforge.pipeline.build.config import BuildConfig
+from trajforge.pipeline.build.assemble import StagedRecords
+from trajforge.pipeline.build.config import BATCH_ROWS, BuildConfig
 from trajforge.pipeline.evaluation.splits import HeldOut, declared_held_out
 from trajforge.pipeline.quality.dedup import Contamination, read_eval_tasks
 from trajforge.pipeline.quality.dedup_table import RANK_COLUMNS, duplicates_table

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import StreamingParquet
-from trajforge.pipeline.build.config import BuildConfig
+from trajforge.pipeline.build.config import BATCH_ROWS, BuildConfig
 from trajforge.pipeline.envs.tasks import Task, load_tasks
 from trajforge.pipeline.quality.derived import (
     grpo_env_row,
@@ -45,7 +45,6 @@ from trajforge.pipeline.quality.search_steps import stage_step_rows
 from trajforge.pipeline.registry import Registry
 from trajforge.schemas import arrow_schema
 
-BATCH_ROWS = 1024
 # A staged file of an output: (path, uncompressed Arrow bytes, rows).
 Part = tuple[str, int, int]
 
@@ -108,6 +107,7 @@ RowMaker = Callable[[dict, dict[str, list[dict]], UnitContext], list[dict]]
 
 @dataclass(frozen=True)
 class Output:
+    """One config under data/ (see the module's docstring for each field)."""
     name: str
     schema: str
     note: str

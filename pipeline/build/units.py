@@ -31,6 +31,7 @@ from trajforge.sources import RawRow, SourceFile, get_source, iter_rows, looks_l
 
 log = logging.getLogger("trajforge.build")
 
+
 @dataclass
 class UnitResult:
     """What one unit wrote and counted; small enough to pass between processes."""
