@@ -38,12 +38,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_build import DEFAULT_FIXTURES, generate  # noqa: E402
-from trajforge.pipeline import assemble, atomic, build  # noqa: E402
-from trajforge.pipeline.build import BuildConfig, process_unit  # noqa: E402
+from trajforge.pipeline import atomic  # noqa: E402
+from trajforge.pipeline.build import BuildConfig, assemble, global_stages, process_unit, second_half  # noqa: E402
+from trajforge.pipeline.build import units as unit_map  # noqa: E402
 from trajforge.sources import get_source  # noqa: E402
 
 MAP = ["read", "normalize", "validate", "keys", "stage write"]
-GLOBAL = ["key table", "dedup", "pools", "unit writers", "shards", "quarantine + report"]
+GLOBAL = ["key table", "decontaminate", "dedup", "pools", "unit writers", "shards", "quarantine + report"]
 
 
 def cpu_seconds() -> float:
@@ -102,18 +103,19 @@ class StageClock:
 def instrument(clock: StageClock) -> None:
     """Time the build's stages where `process_unit` and `finalize` call them."""
     patches = [
-        (build, "iter_rows", clock.wrap_iterator("read", build.iter_rows)),
-        (build, "normalize_stage", clock.wrap("normalize", build.normalize_stage)),
-        (build, "validate_stage", clock.wrap("validate", build.validate_stage)),
+        (unit_map, "iter_rows", clock.wrap_iterator("read", unit_map.iter_rows)),
+        (unit_map, "normalize_stage", clock.wrap("normalize", unit_map.normalize_stage)),
+        (unit_map, "validate_stage", clock.wrap("validate", unit_map.validate_stage)),
         (assemble, "stage_keys", clock.wrap("keys", assemble.stage_keys)),
         (atomic.StreamingParquet, "_flush", clock.wrap("stage write", atomic.StreamingParquet._flush,
                                                                  outermost=True)),
-        (build, "key_table", clock.wrap("key table", build.key_table)),
-        (build, "global_duplicates", clock.wrap("dedup", build.global_duplicates)),
-        (build, "unit_pools", clock.wrap("pools", build.unit_pools)),
-        (build, "write_unit", clock.wrap("unit writers", build.write_unit)),
-        (build, "write_config_from_file", clock.wrap("shards", build.write_config_from_file)),
-        (build, "finalize", clock.wrap("quarantine + report", build.finalize)),
+        (second_half, "key_table", clock.wrap("key table", second_half.key_table)),
+        (global_stages, "contamination", clock.wrap("decontaminate", global_stages.contamination)),
+        (global_stages, "duplicates_table", clock.wrap("dedup", global_stages.duplicates_table)),
+        (second_half, "unit_pools", clock.wrap("pools", second_half.unit_pools)),
+        (second_half, "write_unit", clock.wrap("unit writers", second_half.write_unit)),
+        (second_half, "write_config_from_file", clock.wrap("shards", second_half.write_config_from_file)),
+        (second_half, "finalize", clock.wrap("quarantine + report", second_half.finalize)),
     ]
     for owner, name, timed in patches:
         setattr(owner, name, timed)
@@ -138,7 +140,7 @@ def run(sources: dict[str, str], out: Path) -> tuple[int, dict, float, float]:
     units = [process_unit(name, f, out / ".staging", config)
              for name, location in sources.items() for f in get_source(name).files(location)]
     cpu1 = cpu_seconds()
-    report = build.finalize(units, out, config)
+    report = second_half.finalize(units, out, config)
     return sum(u.read for u in units), report, cpu1 - cpu0, cpu_seconds() - cpu1
 
 

@@ -1,4 +1,5 @@
-"""The map stages of a unit (read, normalize, validate, stage) and their tallies.
+"""The stages of a build and their tallies: the map stages of a unit (read, normalize, validate,
+stage), and the global stages over every unit.
 
 Each stage counts what came in, what it kept and what it dropped by reason; the unit's counts
 are those tallies, and the quarantine holds one entry per drop with the same reasons.
@@ -10,13 +11,17 @@ import re
 from collections import Counter
 from dataclasses import asdict
 
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, RAW
 from tests.support.fuzz_corpus import generate
 from trajforge.pipeline.build import BuildConfig, UnitResult, process_unit, unit_key
-from trajforge.pipeline.publish.shards import read_marker, unit_marker, write_marker
+from trajforge.pipeline.build.assemble import key_table
+from trajforge.pipeline.build.global_stages import GLOBAL_STAGES, QUARANTINE, StagedBuild, run_global_stages, tally_of
+from trajforge.pipeline.build.report import source_counts
+from trajforge.pipeline.build.resume import read_marker, unit_marker, write_marker
 from trajforge.pipeline.stages import StageTally, merge_tallies
 from trajforge.sources import get_source
 from trajforge.sources.base import SourceFile
@@ -141,3 +146,46 @@ def test_the_report_lists_every_stage_of_the_build_and_they_chain(fixtures_build
     assert stages[0]["in"] == total["read"] and stages[-1]["kept"] == total["written"]
     assert {reason: n for s in stages[:5] for reason, n in s["dropped"].items()} == total["reasons"]
     assert stages[5]["dropped"].get("exact", 0) + stages[6]["dropped"].get("near", 0) == total["duplicates"]
+
+
+def test_global_stages_report_their_own_tallies_and_the_counts_come_from_them(tmp_path):
+    """Each global stage takes in what the one before kept and reports its tally and dropped rows;
+    their split per unit adds up to the stage's tally, and the per-file counts made from the units'
+    tallies balance and name the records left."""
+    config = BuildConfig()
+    units = [process_unit("agentinstruct", f, tmp_path / "staging", config)
+             for f in get_source("agentinstruct").files(FIXTURE_SOURCES["agentinstruct"])]
+    task = pq.read_table(units[0].records_path, columns=["task"])["task"][0].as_py()
+    (tmp_path / "eval.txt").write_text(task + "\n")
+    config = BuildConfig(decontaminate=str(tmp_path / "eval.txt"), decontaminate_splits=False)
+
+    class LongRecords:  # a throwaway stage: what a new stage declares, nothing more
+        name, outcome = "too_long", QUARANTINE
+
+        def run(self, keys, build):
+            dropped = keys.filter(pl.col("chars") > 6000).select("order", reason=pl.lit("too_long"),
+                                                                 detail=pl.lit("long"))
+            return tally_of(self.name, keys, dropped), dropped
+
+    keys = key_table(units, config)
+    runs, kept = run_global_stages(keys, StagedBuild(units, config), [*GLOBAL_STAGES, LongRecords()])
+    assert [run.tally.stage for run in runs] == ["decontaminate", "dedup_exact", "dedup_near", "too_long"]
+    seen = keys.height
+    for run in runs:
+        assert run.tally.seen == seen and run.dropped.height == sum(run.tally.dropped.values())
+        assert merge_tallies([[t] for t in run.unit_tallies]) == [run.tally]
+        seen = run.tally.kept
+    assert seen == kept.height
+    assert runs[0].tally.dropped["contaminated"] >= 1 and runs[1].tally.dropped["exact"] > 0
+    assert runs[3].tally.dropped["too_long"] > 0
+
+    counts = source_counts(units, runs)
+    files = counts["sources"]["agentinstruct"]["files"]
+    for u, unit in enumerate(units):
+        entry = files[unit.source_file]
+        assert entry["read"] == entry["written"] + entry["quarantined"] + entry["duplicates"]
+        assert entry["written"] == kept.filter(pl.col("unit") == u).height
+    total = counts["total"]
+    assert total["duplicates"] == runs[1].tally.dropped["exact"] + sum(runs[2].tally.dropped.values())
+    assert total["reasons"]["too_long"] == runs[3].tally.dropped["too_long"]
+    assert total["reasons"]["contaminated"] == runs[0].tally.dropped["contaminated"]

@@ -17,9 +17,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import trajforge.pipeline.build as build
+import trajforge.pipeline.build.second_half as second_half
+import trajforge.pipeline.build.units as units
 from tests.conftest import RAW
-from trajforge.pipeline.build import BuildConfig, StreamingParquet, finalize, process_unit
+from trajforge.pipeline.atomic import StreamingParquet
+from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 from trajforge.pipeline.publish.manifest import EARLIER_MANIFEST, GENERATOR, MANIFEST, read_manifest
 from trajforge.sources import get_source, iter_rows
 
@@ -164,14 +166,14 @@ def test_parquet_with_a_truncated_footer(tmp_path):
 
 
 def test_a_crash_no_rule_foresaw_is_one_quarantine_entry(tmp_path, monkeypatch, caplog):
-    real = build.normalize_row
+    real = units.normalize_row
 
     def failing(row, *args, **kwargs):
         if row.get("item_id") == "webshop_1":
             raise ZeroDivisionError("boom")
         return real(row, *args, **kwargs)
 
-    monkeypatch.setattr(build, "normalize_row", failing)
+    monkeypatch.setattr(units, "normalize_row", failing)
     with caplog.at_level(logging.WARNING, "trajforge.build"):
         unit, quarantine = unit_of(tmp_path, "webshop_train.json", array(fifty()[:3]))
     assert unit.written == 2
@@ -264,7 +266,7 @@ def test_rebuild_removes_leftovers_keeps_user_files_and_never_shows_a_mixed_mani
     (out / MANIFEST).write_text(json.dumps(manifest))
 
     # A rebuild killed before its manifest: no manifest (readers see no finished build) ...
-    monkeypatch.setattr(build, "write_card", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(second_half, "write_card", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     src = tmp_path / "src-out"
     (file,) = get_source("agenttraj_l").files(str(src))
     unit = process_unit("agenttraj_l", file, out / ".staging", BuildConfig())

@@ -1,6 +1,6 @@
 """What the docs name exists: every module, function or class README.md or a page under docs/
 gives as a dotted name (`pipeline.synth.envs.make_env`, `trajforge.flows.notify`) imports and
-resolves, and every repository path or file name it gives (`pipeline/build.py`,
+resolves, and every repository path or file name it gives (`pipeline/build/units.py`,
 `configs/build.yaml`, `NOTES.md`) is in the repository. A moved module or a removed file leaves no
 stale statement behind. The README stays short and opens with the quick start; the rest is in docs/."""
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_the_checks_find_what_the_readme_names():
     """The patterns see the names they are for (a pattern that matched nothing would pass anything)."""
     every = "\n".join(DOCS.values())
     assert {"pipeline.synth.envs.make_env", "pipeline.build.BuildConfig"} <= set(DOTTED.findall(every))
-    assert {"pipeline/build.py", "configs/build.yaml"} <= set(PATH.findall(every))
+    assert {"pipeline/build/units.py", "configs/build.yaml"} <= set(PATH.findall(every))
     assert "constraints.txt" in FILE_NAME.findall(README)
     assert not _resolves("pipeline.envs.make_env") and not _resolves("pipeline.build.NoSuchThing")
 

@@ -44,16 +44,6 @@ HUB_LICENSES = {"apache-2.0", "mit", "cc-by-4.0", "cc-by-sa-4.0", "cc-by-nc-4.0"
                 "cc0-1.0", "odc-by", "llama3", "unknown", "other"}
 SIZE_CATEGORIES = [(1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"),
                    (10_000_000, "1M<n<10M"), (100_000_000, "10M<n<100M")]
-CONFIG_NOTES = {
-    "sft": "positive trajectories for supervised fine-tuning (loss on assistant turns)",
-    "negatives": "trajectories with a known defect (`negative_type`, `parent_id`)",
-    "preference": "chosen/rejected pairs for DPO",
-    "grpo": "prompts with reference answers for GRPO",
-    "grpo_env": "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",
-    "step_pairs": "step-level DPO pairs from tree searches: at a shared prefix, a step that led to success vs one that did not",
-    "step_values": "process-reward labels from tree searches: per step, the share of rollouts through it that succeeded",
-    "step_labels": "assistant steps labelled good/bad for process reward models",
-}
 
 
 def hub_revision(path: Path) -> str | None:
@@ -216,9 +206,9 @@ def _steps_lines(counts: dict | None) -> list[str]:
     return ["## Step-level data", "", STEPS_NOTE, ""] + _table(STEPS_HEADER, steps_rows(counts)) + [""]
 
 
-def _config_lines(out: Path, files: dict[str, dict[str, list[str]]]) -> list[str]:
+def _config_lines(out: Path, files: dict[str, dict[str, list[str]]], notes: dict[str, str]) -> list[str]:
     rows = [[f"`{name}`" + (" (default)" if name == DEFAULT_CONFIG else ""), split,
-             _split_stats(out, paths)[0], len(paths), CONFIG_NOTES.get(name, "")]
+             _split_stats(out, paths)[0], len(paths), notes.get(name, "")]
             for name, splits in sorted(files.items()) for split, paths in sorted(splits.items())]
     return _table(["config", "split", "rows", "shards", "what"], rows)
 
@@ -256,8 +246,9 @@ def _validation_lines(by_env: dict | None) -> list[str]:
             + _table(VALIDATION_HEADER, validation_rows(by_env)) + [""])
 
 
-def render_card(out: Path, report: dict, provenance: list[dict], build: str, code: str) -> str:
-    """The full README.md text for the build in `out`."""
+def render_card(out: Path, report: dict, provenance: list[dict], build: str, code: str,
+                notes: dict[str, str]) -> str:
+    """The full README.md text for the build in `out`; `notes`: config name -> what it holds."""
     files = layout(out)
     licenses = source_licenses(out, files)
     # Files read as one source at the builder's word that look like another's: the other's license
@@ -269,7 +260,7 @@ def render_card(out: Path, report: dict, provenance: list[dict], build: str, cod
              "[trajforge](https://github.com/trajforge/trajforge): every input record is either in a "
              "config below, in the quarantine (with a reason), or in the duplicate map.", "",
              f"- build id: `{build}`", f"- code version: `{code}`", "", "## Configs", ""]
-    lines += _config_lines(out, files)
+    lines += _config_lines(out, files, notes)
     lines += ["", "```python", "from datasets import load_dataset",
               'ds = load_dataset("<this repo or folder>", "sft", split="train")', "```", "", "## Counts", ""]
     lines += _count_lines(report)
@@ -289,7 +280,8 @@ def render_card(out: Path, report: dict, provenance: list[dict], build: str, cod
     return "\n".join(lines) + "\n"
 
 
-def write_card(out: Path, report: dict, provenance: list[dict], build: str, code: str) -> Path:
+def write_card(out: Path, report: dict, provenance: list[dict], build: str, code: str,
+               notes: dict[str, str]) -> Path:
     path = out / "README.md"
-    write_text(path, render_card(out, report, provenance, build, code))
+    write_text(path, render_card(out, report, provenance, build, code, notes))
     return path

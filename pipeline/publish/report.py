@@ -1,9 +1,9 @@
 """What a build did, for people: counts added to report.json, and report.html with PNG plots.
 
-`stage_counts` moves the records dropped after ingest (contaminated, duplicates) from `written`
-to their own columns per source and per file, so read = written + quarantined + duplicates holds
-everywhere. `report_extras` adds duplicate clusters, negatives and the shape of the data;
-`write_html` draws the plots with matplotlib (Agg, no display needed) next to report.html.
+The counts per source and stage come from the build's tallies (pipeline/build/report.py) and the
+outputs' sections from their registry (pipeline/build/outputs.py); `report_extras` adds duplicate
+clusters and the shape of the data; `write_html` draws the plots with matplotlib (Agg, no display
+needed) next to report.html.
 """
 from __future__ import annotations
 
@@ -21,30 +21,6 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from trajforge.pipeline.atomic import atomic_path, write_text  # noqa: E402
 
 PLOT_DIR = "report_files"
-
-
-def stage_counts(report: dict, contaminated: list[dict], duplicates: list[dict]) -> None:
-    """Account for records removed after ingest (in place): per source, per file and in total."""
-    for entry in [*report["sources"].values(), report["total"]]:
-        entry.setdefault("duplicates", 0)
-        for counts in entry.get("files", {}).values():
-            counts.setdefault("duplicates", 0)
-
-    def move(source: str, source_file: str, column: str, reason: str | None) -> None:
-        for entry in (report["sources"][source], report["total"]):
-            entry["written"] -= 1
-            entry[column] += 1
-            if reason:
-                entry["reasons"][reason] = entry["reasons"].get(reason, 0) + 1
-        counts = report["sources"][source]["files"].get(source_file)
-        if counts is not None:
-            counts["written"] -= 1
-            counts[column] += 1
-
-    for q in contaminated:
-        move(q["source"], q["source_file"], "quarantined", q["reason"])
-    for d in duplicates:
-        move(d["source"], d["source_file"], "duplicates", None)
 
 
 def _clusters(duplicates: list[dict]) -> list[dict]:
@@ -65,10 +41,9 @@ def _summary(values: list[int]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def report_extras(report: dict, duplicates: list[dict], negatives_by_type: dict[str, int],
-                  pairs: int, unpaired: int, grpo: int, turns: list[int], chars: list[int]) -> None:
-    """Dedup, negatives and data-shape sections of report.json (in place). `turns` and `chars` are
-    per written trajectory: its number of turns and of characters."""
+def report_extras(report: dict, duplicates: list[dict], turns: list[int], chars: list[int]) -> None:
+    """Dedup and data-shape sections of report.json (in place). `turns` and `chars` are per
+    written trajectory: its number of turns and of characters."""
     clusters = _clusters(duplicates)
     cross = Counter(f"{d['source']} -> {d['kept_source']}" for d in duplicates if d["source"] != d["kept_source"])
     report["duplicates"] = {
@@ -79,10 +54,6 @@ def report_extras(report: dict, duplicates: list[dict], negatives_by_type: dict[
         "clusters": len(clusters),
         "cross_source_clusters": [c for c in clusters if len(c["sources"]) > 1],
     }
-    report["negatives"] = {"total": sum(negatives_by_type.values()),
-                           "by_type": dict(sorted(negatives_by_type.items())),
-                           "preference_pairs": pairs, "without_pair": unpaired}
-    report["grpo_prompts"] = grpo
     report["shape"] = {"turns": _summary(turns), "chars": _summary(chars)}
 
 

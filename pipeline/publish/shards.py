@@ -1,4 +1,4 @@
-"""Parquet shards in the Hugging Face layout, and completion markers for resumable work.
+"""Parquet shards in the Hugging Face layout.
 
 Layout: `data/<config>/<split>-NNNNN-of-MMMMM.parquet`, the names `datasets` and the Hub expect.
 A split is cut into shards of a target size (rows, or uncompressed Arrow bytes), with zstd and
@@ -7,14 +7,11 @@ row groups small enough that a streaming reader holds one group at a time.
 Same table + same ShardConfig -> same file names and byte-identical files: nothing in a shard
 depends on time, host, runner or worker count.
 
-Crash safety: every file is written to a temp name and renamed; a staged unit is done when its
-completion marker exists and names the same input fingerprint. Markers live under
-`<out>/.staging`, which a release never publishes.
+Crash safety: every file is written to a temp name and renamed (a staged unit's completion marker:
+pipeline/build/resume.py).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.atomic import atomic_path, write_json
-from trajforge.pipeline.publish.manifest import code_version, file_sha256
+from trajforge.pipeline.atomic import atomic_path
 from trajforge.pipeline.stages import in_order
 
 SHARD_RE = re.compile(r"^(?P<split>[A-Za-z0-9_]+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.parquet$")
@@ -57,21 +53,6 @@ def plan_shards(rows: int, nbytes: int, config: ShardConfig) -> list[tuple[int, 
     return [(offset, min(per_shard, rows - offset)) for offset in range(0, rows, per_shard)]
 
 
-# -- completion markers ------------------------------------------------------------------------
-
-def read_marker(path: Path, fingerprint: str) -> dict | None:
-    """The marker's payload if it exists and was written for this fingerprint, else None."""
-    try:
-        marker = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return marker["payload"] if marker.get("fingerprint") == fingerprint else None
-
-
-def write_marker(path: Path, fingerprint: str, payload: dict) -> None:
-    write_json(path, {"fingerprint": fingerprint, "payload": payload}, indent=None)
-
-
 # -- shards ------------------------------------------------------------------------------------
 
 def layout(out: Path) -> dict[str, dict[str, list[str]]]:
@@ -85,18 +66,6 @@ def layout(out: Path) -> dict[str, dict[str, list[str]]]:
                 found.setdefault(folder.name, {}).setdefault(match["split"], []).append(
                     path.relative_to(out).as_posix())
     return found
-
-
-# -- resumable units ---------------------------------------------------------------------------
-
-def unit_fingerprint(source: str, path: Path, split: str, config: dict) -> str:
-    """What a staged unit depends on: the input file's content, its place, the config, the code."""
-    payload = [source, str(Path(path).resolve()), split, file_sha256(Path(path)), config, code_version()]
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-def unit_marker(staging: Path, key: str) -> Path:
-    return staging / "markers" / "units" / f"{key}.done"
 
 
 # -- shards from a stream ----------------------------------------------------------------------

@@ -25,9 +25,10 @@ import pyarrow as pa
 from datasketch import LeanMinHash, MinHashLSH
 
 from trajforge.pipeline.atomic import write_table
+from trajforge.pipeline.build.resume import read_marker, write_marker
 from trajforge.pipeline.envs.tasks import Task
 from trajforge.pipeline.publish.manifest import file_sha256
-from trajforge.pipeline.publish.shards import SHARD_RE, ShardConfig, plan_shards, read_marker, shard_name, write_marker
+from trajforge.pipeline.publish.shards import SHARD_RE, ShardConfig, plan_shards, shard_name
 from trajforge.pipeline.quality.dedup import (
     _TOKEN,
     SCHEME,

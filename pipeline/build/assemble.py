@@ -1,0 +1,249 @@
+"""The second half of a build, in bounded memory: key tables, staged records, per-unit writers.
+
+Each unit stages, next to its records, a key table (`KeysWriter`, built where the records are read):
+per record the dedup keys (dedup_table.record_keys), and the fields the report counts.
+`finalize` (pipeline/build/second_half.py) then
+
+1. concatenates the key tables in build order, without the near-dedup columns (`key_table`);
+2. runs the global stages on that table (pipeline/build/global_stages.py: decontamination, exact
+   and near dedup, `StagedRecords` reading what the table leaves out), then makes ids unique, the
+   published records first (`unique_ids`, a window over `id`);
+3. fills the bounded per-env pools of the negative makers, one pool per unit of its kept positives
+   (`unit_pools`, merged in unit order; pools.py);
+4. streams each unit's staged records once more (`write_unit`), skipping the dropped ones: each
+   kept record goes through the row makers of the outputs (pipeline/build/outputs.py: `sft`, its
+   negatives, their preference pairs, its GRPO prompt, its grpo_env row, step labels) into the
+   unit's file of each. Shards are cut from those files in unit order (shards.write_config_from_file);
+   the report, the card and the manifest come from the key table and the tallies already in memory.
+
+Steps 2-4 are per band, per chunk or per unit: `finalize` hands them to its `map_units`, so a
+flow runs them on its task runner (other cores, or a cluster's workers). Peak memory of the
+driver is the narrow key table (~300 bytes a record) and the duplicates map; of a worker, one
+batch of records or one band's pairs. The outputs are those of the in-memory build: same
+records, same order, same duplicates map, negatives, pairs and prompts.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from trajforge.pipeline.atomic import StreamingParquet, atomic_path
+from trajforge.pipeline.build.config import BATCH_ROWS, BuildConfig
+from trajforge.pipeline.build.outputs import OUTPUTS, Output, UnitContext, UnitOutputs
+from trajforge.pipeline.quality.dedup import DedupConfig
+from trajforge.pipeline.quality.dedup_table import band_columns, near_matrices, record_keys, shingle_set_hashes
+from trajforge.pipeline.quality.negatives import NegativesConfig
+from trajforge.pipeline.quality.pools import EnvPools
+from trajforge.pipeline.quarantine import quarantine_entry, shown
+from trajforge.schemas import arrow_schema
+
+if TYPE_CHECKING:
+    from trajforge.pipeline.build.units import UnitResult
+
+
+
+def stage_keys(records: list[dict], start: int, config: BuildConfig) -> pl.DataFrame:
+    """The key table rows of a batch of one unit's records (`start`: the batch's row in the unit)."""
+    keys = record_keys(records, start, config.dedup)
+    return keys.with_columns(
+        pl.Series("kind", [r["kind"] for r in records], dtype=pl.String),
+        pl.Series("rendering", [r["rendering"] for r in records], dtype=pl.String),
+        pl.Series("domain", [r["domain"] for r in records], dtype=pl.String),
+        pl.Series("env", [r["env"] for r in records], dtype=pl.String),
+        pl.Series("turns", [len(r["conversations"]) for r in records], dtype=pl.Int32),
+        pl.Series("chars", [sum(len(t["content"]) for t in r["conversations"]) for r in records], dtype=pl.Int64),
+    )
+
+
+class KeysWriter:
+    """Stages a unit's key table as its records are written, one batch (one row group) at a time:
+    memory stays one batch of keys, whatever the unit's size."""
+
+    def __init__(self, path: Path, config: BuildConfig, batch_rows: int = BATCH_ROWS):
+        self.path, self.config, self.batch_rows = path, config, batch_rows
+        self.pending: list[dict] = []
+        self.count = 0
+        self._file = atomic_path(path)
+        self._writer = pq.ParquetWriter(self._file.__enter__(), stage_keys([], 0, config).to_arrow().schema,
+                                        compression="zstd")
+
+    def extend(self, records: list[dict]) -> None:
+        """Records as their unit writes them (StreamingParquet's `on_written`): the key table
+        stays row for row in step with the staged records."""
+        self.pending.extend(records)
+        if len(self.pending) >= self.batch_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.pending:
+            self._writer.write_table(stage_keys(self.pending, self.count, self.config).to_arrow())
+            self.count += len(self.pending)
+            self.pending = []
+
+    def close(self) -> None:
+        self._flush()
+        self._writer.close()
+        self._file.__exit__(None, None, None)
+
+
+def key_table(units: list[UnitResult], config: BuildConfig) -> pl.DataFrame:
+    """Every unit's key table in build order, without the near-dedup columns (`near_rows` loads
+    those for the records that need them), with the global `order`, the `unit` and its `row`. Ids
+    are as read; `unique_ids` makes them unique after the global stages."""
+    near = set(band_columns(config.dedup)) | {"sketch"}
+    frames, offset = [], 0
+    for u, unit in enumerate(units):
+        columns = [c for c in pq.read_schema(unit.keys_path).names if c not in near]
+        frame = pl.read_parquet(unit.keys_path, columns=columns)
+        frames.append(frame.with_columns(pl.col("order").alias("row"), (pl.col("order") + offset).alias("order"),
+                                         pl.lit(u, dtype=pl.Int32).alias("unit")))
+        offset += frame.height
+    return pl.concat(frames)
+
+
+def unique_ids(keys: pl.DataFrame, published: pl.Series) -> pl.DataFrame:
+    """`keys` with every repeated id given a stable `~n` suffix (`repeat` n = 2, 3, ...; never
+    overwritten), counted after the global stages: first over the `published` records (kept by
+    dedup and decontamination) in build order, then over the others. A published id so carries
+    `~n` only when n - 1 published records before it have the same upstream id, never because a
+    dropped copy was counted, and a dropped copy's id in the duplicates map is never a published one."""
+    repeat = pl.col("id").cum_count().over("id", order_by=[~published, "order"])
+    return keys.with_columns(repeat.cast(pl.Int32).alias("repeat")).with_columns(
+        pl.when(pl.col("repeat") > 1).then(pl.col("id") + "~" + pl.col("repeat").cast(pl.String))
+        .otherwise(pl.col("id")).alias("id"))
+
+
+def with_unique_ids(duplicates: list[dict], keys: pl.DataFrame) -> list[dict]:
+    """The duplicates map with the ids `unique_ids` gave the dropped and the kept records (by the
+    build `order` of each)."""
+    involved = {o for d in duplicates for o in (d["order"], d["kept_order"])}
+    ids = dict(keys.filter(pl.col("order").is_in(list(involved))).select("order", "id").iter_rows())
+    return [{**d, "id": ids[d["order"]], "kept_id": ids[d["kept_order"]]} for d in duplicates]
+
+
+def read_rows(paths: Sequence[str], wanted: dict[int, list[int]], columns: list[str] | None = None,
+              convert: Callable[[list[dict]], list] = lambda records: records) -> dict[tuple[int, int], object]:
+    """What `convert` makes of the staged records at {unit: [rows]} of the units' record files
+    `paths` (one result per record), by (unit, row); reads only the row groups that hold them, one
+    at a time (a group's records are converted together before the next group is read, so only
+    what `convert` keeps stays in memory)."""
+    out = {}
+    for u, rows in wanted.items():
+        staged = pq.ParquetFile(paths[u])
+        sizes = [staged.metadata.row_group(g).num_rows for g in range(staged.num_row_groups)]
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        groups = np.searchsorted(starts, rows, side="right") - 1
+        for g in np.unique(groups).tolist():
+            inside = rows[groups == g]
+            taken = staged.read_row_group(g, columns=columns).take(pa.array(inside - starts[g]))
+            out.update({(u, int(r)): value for r, value in zip(inside.tolist(), convert(taken.to_pylist()))})
+    return out
+
+
+@dataclass(frozen=True)
+class StagedRecords:
+    """The staged units as `dedup_table.duplicates_table` reads them: near-stage columns from the
+    key files, shingle sets from the records. Only paths: cheap to send to a worker."""
+    records_paths: tuple[str, ...]
+    keys_paths: tuple[str, ...]
+    config: DedupConfig
+
+    def near_rows(self, table: pl.DataFrame):
+        """(row indices of `table`, band keys, sketches), one unit's key file at a time."""
+        columns = band_columns(self.config) + ["sketch"]
+        index = table.select("unit", "row").with_row_index("at")
+        for (u,), part in sorted(index.partition_by("unit", as_dict=True).items()):
+            rows = pl.read_parquet(self.keys_paths[u], columns=columns)[part["row"].to_numpy()]
+            yield part["at"].to_numpy(), *near_matrices(rows, self.config)
+
+    def shingle_sets(self, refs: list[tuple[int, int]], size: int) -> list[np.ndarray]:
+        wanted: dict[int, list[int]] = {}
+        for u, row in refs:
+            wanted.setdefault(u, []).append(row)
+        found = read_rows(self.records_paths, wanted, columns=["task", "conversations"],
+                          convert=lambda records: shingle_set_hashes(records, size))
+        return [found[ref] for ref in refs]
+
+
+def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:
+    """The pools of one unit's kept positives, in order; reads four small columns and the first turn."""
+    pools = EnvPools()
+    kept = set(kept_rows.tolist())
+    row = 0
+    for batch in pq.ParquetFile(records_path).iter_batches(
+            batch_size=BATCH_ROWS, columns=["kind", "env", "domain", "answer", "conversations"]):
+        first = pc.list_slice(batch.column("conversations"), 0, 1)
+        small = pa.RecordBatch.from_arrays([batch.column("kind"), batch.column("env"), batch.column("domain"),
+                                            batch.column("answer"), first],
+                                           names=["kind", "env", "domain", "answer", "conversations"])
+        for i, record in enumerate(small.to_pylist()):
+            if row + i in kept:
+                pools.add(record)
+        row += batch.num_rows
+    return pools
+
+
+def _staged_records(records_path: str) -> Iterator[dict]:
+    for batch in pq.ParquetFile(records_path).iter_batches(batch_size=BATCH_ROWS):
+        yield from batch.to_pylist()
+
+
+def _with_repeat(record: dict, repeat: int | None) -> dict:
+    """The record with the id `unique_ids` gave it (`~n`, and `meta.id_repeat`), when it repeats an id."""
+    if repeat is None:
+        return record
+    meta = json.loads(record["meta"])
+    meta["id_repeat"] = repeat
+    return {**record, "id": f"{record['id']}~{repeat}", "meta": json.dumps(meta, sort_keys=True)}
+
+
+def _quarantine_row(record: dict, reason: str, detail: str) -> dict:
+    return quarantine_entry(record["source"], record["source_file"], json.loads(record["meta"]).get("source_index", -1),
+                            record["source_id"], reason, detail, shown(record))
+
+
+def _write_rows(output: Output, rows: list[dict], writer: StreamingParquet, counts: dict[str, Counter]) -> None:
+    for row in rows:
+        writer.append(row)
+    if output.count is not None:
+        counts[output.name].update(item for row in rows for item in output.count(row))
+
+
+def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: dict[int, int],
+               quarantined: dict[int, tuple[str, str]], pools: EnvPools, negatives: NegativesConfig) -> UnitOutputs:
+    """Stream one unit's staged records once: each kept record (its id made unique, `repeats`) goes
+    through the row maker of every output (pipeline/build/outputs.py, in the registry's order) into
+    the unit's file of that output; the records a global stage quarantined (`quarantined`: row ->
+    reason, detail) become quarantine rows."""
+    makers = [output for output in OUTPUTS.values() if output.rows is not None]
+    writers = {o.name: StreamingParquet(Path(staged) / f"{o.name}.parquet", arrow_schema(o.schema)) for o in makers}
+    counts: dict[str, Counter] = {o.name: Counter() for o in makers if o.count is not None}
+    unit = UnitContext(pools, negatives)
+    kept = set(kept_rows.tolist())
+    out = UnitOutputs()
+    for at, record in enumerate(_staged_records(records_path)):
+        record = _with_repeat(record, repeats.get(at))
+        if at in quarantined:
+            out.quarantined.append(_quarantine_row(record, *quarantined[at]))
+        if at not in kept:
+            continue
+        made: dict[str, list[dict]] = {}
+        for output in makers:
+            made[output.name] = output.rows(record, made, unit)
+            _write_rows(output, made[output.name], writers[output.name], counts)
+    for name, writer in writers.items():
+        writer.close()
+        out.paths[name], out.nbytes[name], out.rows[name] = str(writer.path), writer.nbytes, writer.count
+    out.counts, out.synthetic_answers = counts, unit.synthetic_answers
+    return out

@@ -1,0 +1,182 @@
+"""The global stages of a build: each sees every unit's records that the stages before it kept.
+
+A global stage is an object with a `name`, an `outcome` (where the records it drops go: the
+quarantine, or the duplicates map) and `run(keys, build) -> (tally, dropped)`: `keys` is the key
+table (pipeline/build/assemble.py `key_table`) of the records still in, `build` what else it may
+read (the units' staged files, the config, the task runner's `map_units`). It returns its
+`StageTally` (records in, kept, dropped by reason) and its dropped rows, a frame with at least the
+build `order` and the `reason` of each, and `detail` for a quarantine (the quarantine row's detail),
+or the duplicates map's columns (schemas/duplicates.schema.json, plus `kept_order`).
+
+`GLOBAL_STAGES` lists them in the order they run; `run_global_stages` runs them and splits each
+stage's tally per unit, which is where the report's per-file and per-source counts come from
+(pipeline/build/report.py). Adding a stage is a class here and its line in `GLOBAL_STAGES`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import polars as pl
+import pyarrow.parquet as pq
+
+from trajforge.pipeline.build.assemble import StagedRecords
+from trajforge.pipeline.build.config import BATCH_ROWS, BuildConfig
+from trajforge.pipeline.evaluation.splits import HeldOut, declared_held_out
+from trajforge.pipeline.quality.dedup import Contamination, read_eval_tasks
+from trajforge.pipeline.quality.dedup_table import RANK_COLUMNS, duplicates_table
+from trajforge.pipeline.stages import StageTally, in_order
+
+if TYPE_CHECKING:
+    from trajforge.pipeline.build.units import UnitResult
+
+# Where a global stage's dropped records go.
+QUARANTINE, DUPLICATES = "quarantine", "duplicates"
+QUARANTINE_COLUMNS = {"order": pl.Int64, "reason": pl.String, "detail": pl.String}
+DUPLICATE_COLUMNS = {"id": pl.String, "source": pl.String, "source_id": pl.String, "source_file": pl.String,
+                     "kept_id": pl.String, "kept_source": pl.String, "match": pl.String, "similarity": pl.Float64,
+                     "order": pl.Int64, "kept_order": pl.Int64}
+
+
+@dataclass(frozen=True)
+class StagedBuild:
+    """What a global stage may read besides the key table."""
+    units: list[UnitResult]
+    config: BuildConfig
+    map_units: Callable = in_order
+    # Scratch space for a stage's arrays (near dedup's band tables), under the build's staging folder.
+    workdir: Path | None = None
+
+
+class GlobalStage(Protocol):
+    name: str
+    outcome: str  # QUARANTINE or DUPLICATES
+
+    def run(self, keys: pl.DataFrame, build: StagedBuild) -> tuple[StageTally, pl.DataFrame]: ...
+
+    def report(self, tally: StageTally, config: BuildConfig) -> dict:
+        """The stage's own sections of report.json, if any."""
+        ...
+
+
+def tally_of(name: str, keys: pl.DataFrame, dropped: pl.DataFrame) -> StageTally:
+    """A stage's tally: the records of `keys` in, the `dropped` ones out by reason, the rest kept."""
+    return StageTally.of(name, keys.height, dict(dropped.group_by("reason").len().sort("reason").iter_rows()))
+
+
+# -- decontamination ---------------------------------------------------------------------------
+
+def _eval_tasks(config: BuildConfig) -> tuple[Contamination | None, HeldOut | None]:
+    """The n-gram index of the evaluation task texts (the `--decontaminate` file and, unless
+    switched off, the declared splits' texts less the spared ones), and the declared splits."""
+    texts = read_eval_tasks(Path(config.decontaminate)) if config.decontaminate else []
+    held = declared_held_out() if config.decontaminate_splits else None
+    spared = set(config.decontaminate_except)
+    texts += [t for t in held.texts if t not in spared] if held else []
+    return (Contamination(texts, config.decontaminate_ngram) if texts else None), held
+
+
+def _contamination_detail(task: str, index: Contamination) -> str | None:
+    hit = index.match(task)
+    if hit is None:
+        return None
+    return f"task shares {len(hit[1].split())} words with evaluation task #{hit[0]}: {hit[1]!r}"[:500]
+
+
+def contamination(units: list[UnitResult], config: BuildConfig) -> pl.Series:
+    """Per record in build order: why its task overlaps an evaluation task, or null. Reads the
+    `task`, `env` and `source_id` columns only; done here, not per unit, because the evaluation
+    tasks are a setting of this step: the `--decontaminate` file and, unless switched off, the
+    declared eval splits (pipeline/evaluation/splits.py: task text n-grams, AgentGym items)."""
+    index, held = _eval_tasks(config)
+    details: list[str | None] = []
+    for unit in units:
+        staged = pq.ParquetFile(unit.records_path)
+        if index is None and held is None:
+            details.extend([None] * staged.metadata.num_rows)
+            continue
+        for batch in staged.iter_batches(batch_size=BATCH_ROWS, columns=["task", "env", "source_id"]):
+            for task, env, source_id in zip(*(batch.column(c).to_pylist() for c in ("task", "env", "source_id"))):
+                details.append((held and held.item_match(env, source_id))
+                               or (index and _contamination_detail(task, index)) or None)
+    return pl.Series("detail", details, dtype=pl.String)
+
+
+@dataclass(frozen=True)
+class Decontaminate:
+    """Records whose task is an evaluation task go to the quarantine as `contaminated`."""
+    name: str = "decontaminate"
+    outcome: str = QUARANTINE
+
+    def run(self, keys: pl.DataFrame, build: StagedBuild) -> tuple[StageTally, pl.DataFrame]:
+        details = contamination(build.units, build.config)
+        dropped = (keys.select("order").with_columns(details.gather(keys["order"]), reason=pl.lit("contaminated"))
+                   .filter(pl.col("detail").is_not_null()).select(*QUARANTINE_COLUMNS))
+        return tally_of(self.name, keys, dropped), dropped
+
+    def report(self, tally: StageTally, config: BuildConfig) -> dict:
+        """Which eval splits (and which version of each) this build holds out: `trajforge eval` reads it."""
+        return {"held_out": {"splits": declared_held_out().splits if config.decontaminate_splits else {},
+                             "spared": len(config.decontaminate_except), "file": config.decontaminate,
+                             "contaminated": tally.dropped["contaminated"]}}
+
+
+# -- dedup -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Dedup:
+    """Records that repeat a better-ranked one go to the duplicates map (pipeline/quality/dedup_table.py):
+    `near` False, the exact stage; True, the near stage (on what the exact stage kept, so no exact
+    pair is left and only near ones are found)."""
+    name: str
+    near: bool
+    outcome: str = DUPLICATES
+
+    def run(self, keys: pl.DataFrame, build: StagedBuild) -> tuple[StageTally, pl.DataFrame]:
+        config = replace(build.config.dedup, near=self.near and build.config.dedup.near)
+        records = StagedRecords(tuple(u.records_path for u in build.units), tuple(u.keys_path for u in build.units),
+                                config)
+        rows = duplicates_table(keys.select(*RANK_COLUMNS, "id", "source", "source_id", "source_file"), records,
+                                config, build.map_units, build.workdir)
+        dropped = pl.DataFrame(rows, schema=DUPLICATE_COLUMNS).with_columns(reason=pl.col("match"))
+        return tally_of(self.name, keys, dropped), dropped
+
+    def report(self, tally: StageTally, config: BuildConfig) -> dict:
+        return {}
+
+
+GLOBAL_STAGES: list[GlobalStage] = [Decontaminate(), Dedup("dedup_exact", near=False), Dedup("dedup_near", near=True)]
+
+
+# -- running them ------------------------------------------------------------------------------
+
+@dataclass
+class StageRun:
+    """A global stage's result: its tally, its dropped rows (with their `unit` and `row`), and its
+    tally split per unit (in unit order)."""
+    stage: GlobalStage
+    tally: StageTally
+    dropped: pl.DataFrame
+    unit_tallies: list[StageTally]
+
+
+def _unit_tallies(name: str, keys: pl.DataFrame, dropped: pl.DataFrame, units: int) -> list[StageTally]:
+    seen = dict(keys.group_by("unit").len().iter_rows())
+    by_unit: list[dict[str, int]] = [{} for _ in range(units)]
+    for u, reason, n in dropped.group_by("unit", "reason").len().sort("unit", "reason").iter_rows():
+        by_unit[u][reason] = n
+    return [StageTally.of(name, seen.get(u, 0), by_unit[u]) for u in range(units)]
+
+
+def run_global_stages(keys: pl.DataFrame, build: StagedBuild,
+                      stages: list[GlobalStage] = GLOBAL_STAGES) -> tuple[list[StageRun], pl.DataFrame]:
+    """Each stage on the records the stages before it kept: (each stage's run, the key rows kept by all)."""
+    runs = []
+    for stage in stages:
+        tally, dropped = stage.run(keys, build)
+        dropped = dropped.join(keys.select("order", "unit", "row"), on="order", how="left", maintain_order="left")
+        runs.append(StageRun(stage, tally, dropped, _unit_tallies(stage.name, keys, dropped, len(build.units))))
+        keys = keys.filter(~pl.col("order").is_in(dropped["order"].implode()))
+    return runs, keys

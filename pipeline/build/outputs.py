@@ -1,0 +1,252 @@
+"""The outputs of a build: one `Output` per config under `data/`, in `OUTPUTS`.
+
+An output names its JSON Schema (schemas/<schema>.schema.json, which gives its Parquet schema), its
+line in the dataset card, and how its rows are made:
+
+- `rows`, per kept record: `write_unit` (pipeline/build/assemble.py) calls it on each record the
+  global stages kept, in the registry's order, with what the outputs before it made of that record
+  (`made`: preference pairs and step labels read the record's negatives), and stages the rows per
+  unit; shards are cut from those files in unit order.
+- `parts`, once per build: the staged files (path, Arrow bytes, rows) the shards are cut from, made
+  from the units' staged files or from elsewhere (`grpo_env` adds the task files' tasks; the tree-search
+  configs read the synthetic source's search outputs). None: the output is not written by this build.
+- `count`, what of each row the report counts, and `report`, the output's sections of report.json.
+
+`finalize` writes, reports and lists every output in this registry, and the card's table of configs
+takes its notes from it; adding an output is one `Output` here (and its schema).
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from trajforge.pipeline.atomic import StreamingParquet
+from trajforge.pipeline.build.config import BATCH_ROWS, BuildConfig
+from trajforge.pipeline.envs.tasks import Task, load_tasks
+from trajforge.pipeline.quality.derived import (
+    grpo_env_row,
+    grpo_prompt,
+    negative_step_labels,
+    preference_pair,
+    record_task,
+    reference_answer,
+    step_labels_of,
+)
+from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
+from trajforge.pipeline.quality.pools import EnvPools
+from trajforge.pipeline.quality.search_steps import stage_step_rows
+from trajforge.pipeline.registry import Registry
+from trajforge.schemas import arrow_schema
+
+# A staged file of an output: (path, uncompressed Arrow bytes, rows).
+Part = tuple[str, int, int]
+
+
+@dataclass
+class UnitContext:
+    """What the row makers of one unit read besides the record, and what they note for the build."""
+    pools: EnvPools
+    negatives: NegativesConfig
+    # task id -> the first answer of a synthetic trajectory of it (for the task files' grpo_env rows).
+    synthetic_answers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class UnitOutputs:
+    """What `write_unit` staged and counted for one unit; small enough to pass between processes."""
+    paths: dict[str, str] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    # Per output, what its `count` found in its rows.
+    counts: dict[str, Counter] = field(default_factory=dict)
+    # Quarantine rows of the unit's records that a global stage quarantined, in order.
+    quarantined: list[dict] = field(default_factory=list)
+    synthetic_answers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class BuildOutputs:
+    """The outputs' view of a build after every unit was written: what `parts` and `report` read."""
+    units: list
+    written: list[UnitOutputs]
+    kept_rows: list[np.ndarray]
+    # Per unit, {row: (reason, detail)} of the records a global stage quarantined.
+    quarantined: list[dict[int, tuple[str, str]]]
+    config: BuildConfig
+    staged: Path
+    # Filled as the outputs are staged: rows and counts per output.
+    rows: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, Counter] = field(default_factory=dict)
+
+    def unit_parts(self, name: str) -> list[Part]:
+        return [(w.paths[name], w.nbytes[name], w.rows[name]) for w in self.written]
+
+    @cached_property
+    def tasks(self) -> list[Task]:
+        return [t for path in self.config.rl_tasks for t in load_tasks(path)]
+
+    @cached_property
+    def runnable_tasks(self) -> list[Task]:
+        return [t for t in self.tasks if not t.skip_reason]
+
+    @cached_property
+    def search_steps(self) -> tuple[dict[str, list[Part]], dict]:
+        """The tree-search step rows staged per config, and their counts (pipeline/quality/search_steps.py)."""
+        return stage_step_rows(self.units, self.kept_rows, self.quarantined, self.staged)
+
+
+RowMaker = Callable[[dict, dict[str, list[dict]], UnitContext], list[dict]]
+
+
+@dataclass(frozen=True)
+class Output:
+    """One config under data/ (see the module's docstring for each field)."""
+    name: str
+    schema: str
+    note: str
+    rows: RowMaker | None = None
+    parts: Callable[[BuildOutputs], list[Part] | None] | None = None
+    count: Callable[[dict], Iterable] | None = None
+    report: Callable[[BuildOutputs], dict] | None = None
+
+    def staged_parts(self, build: BuildOutputs) -> list[Part] | None:
+        return self.parts(build) if self.parts is not None else build.unit_parts(self.name)
+
+
+# -- row makers (per kept record) --------------------------------------------------------------
+
+def _the_record(record: dict, made: dict, unit: UnitContext) -> list[dict]:
+    return [record]
+
+
+def _negatives(record: dict, made: dict, unit: UnitContext) -> list[dict]:
+    return negatives_of(record, unit.pools, unit.negatives)
+
+
+def _preference_pairs(record: dict, made: dict, unit: UnitContext) -> list[dict]:
+    """A pair per negative of the record (the parent is the record at hand), where they differ on a reply."""
+    return [pair for negative in made["negatives"] for pair in [preference_pair(negative, record)] if pair is not None]
+
+
+def _grpo_prompt(record: dict, made: dict, unit: UnitContext) -> list[dict]:
+    prompt = grpo_prompt(record) if record["kind"] == "positive" else None
+    return [prompt] if prompt is not None else []
+
+
+def _grpo_env_task(record: dict, made: dict, unit: UnitContext) -> list[dict]:
+    """The grpo_env row of a positive's resettable task (repeats go in `_grpo_env_parts`); a
+    synthetic positive also lends its answer to its task-file task."""
+    if record["kind"] != "positive":
+        return []
+    task_id = json.loads(record["meta"]).get("task_id") if record["source"] == "synthetic" else None
+    if task_id is not None and record["answer"] is not None:
+        unit.synthetic_answers.setdefault(task_id, record["answer"])
+    task = record_task(record)
+    if task is None:
+        return []
+    return [grpo_env_row(task, record["source"], row_id=task.id, env=record["env"], answer=record["answer"])]
+
+
+def _step_labels(record: dict, made: dict, unit: UnitContext) -> list[dict]:
+    labelled = [step_labels_of(record), *(negative_step_labels(negative, record) for negative in made["negatives"])]
+    return [row for row in labelled if row is not None]
+
+
+# -- staged parts (per build) ------------------------------------------------------------------
+
+def first_task_rows(parts: list[str], path: Path, seen: set[str]) -> Part:
+    """The units' grpo_env rows (`parts`, in unit order) without the tasks in `seen` or an earlier
+    row already gave, staged at `path`."""
+    with StreamingParquet(path, arrow_schema("grpo_env")) as writer:
+        for part in parts:
+            for batch in pq.ParquetFile(part).iter_batches(batch_size=BATCH_ROWS):
+                for row in batch.to_pylist():
+                    if row["id"] not in seen:
+                        seen.add(row["id"])
+                        writer.append(row)
+    return str(writer.path), writer.nbytes, writer.count
+
+
+def _grpo_env_parts(build: BuildOutputs) -> list[Part]:
+    """The task files' runnable tasks first (a task takes the first answer of a synthetic trajectory
+    of it when its file knows none), then each kept positive's resettable task, once."""
+    answers: dict[str, str] = {}
+    for part in build.written:
+        for task_id, answer in part.synthetic_answers.items():
+            answers.setdefault(task_id, answer)
+    with StreamingParquet(build.staged / "grpo_env.parquet", arrow_schema("grpo_env")) as task_rows:
+        for task in build.runnable_tasks:
+            task_rows.append(grpo_env_row(task, "tasks", answer=reference_answer(task) or answers.get(task.id)))
+    records = first_task_rows([w.paths["grpo_env"] for w in build.written], build.staged / "grpo_env_records.parquet",
+                              {t.id for t in build.runnable_tasks})
+    return [(str(task_rows.path), task_rows.nbytes, task_rows.count), records]
+
+
+def _search_step_parts(name: str) -> Callable[[BuildOutputs], list[Part] | None]:
+    return lambda build: build.search_steps[0].get(name)
+
+
+# -- counts and report sections ----------------------------------------------------------------
+
+def _negative_type(row: dict) -> list[str]:
+    return [row["negative_type"]]
+
+
+def _labelled_steps(row: dict) -> list[tuple[str, int]]:
+    return [(m["label_source"], m["label"]) for m in row["messages"] if m["label"] is not None]
+
+
+def _negatives_report(build: BuildOutputs) -> dict:
+    negatives, pairs = build.rows["negatives"], build.rows["preference"]
+    return {"negatives": {"total": negatives, "by_type": dict(sorted(build.counts["negatives"].items())),
+                          "preference_pairs": pairs, "without_pair": negatives - pairs}}
+
+
+def _grpo_report(build: BuildOutputs) -> dict:
+    return {"grpo_prompts": build.rows["grpo"]}
+
+
+def _grpo_env_report(build: BuildOutputs) -> dict:
+    return {"grpo_env": {"rows": build.rows["grpo_env"],
+                         "unrunnable_tasks": len(build.tasks) - len(build.runnable_tasks)}}
+
+
+def _step_labels_report(build: BuildOutputs) -> dict:
+    steps = {f"{source}:{'good' if label else 'bad'}": n for (source, label), n in sorted(build.counts["step_labels"].items())}
+    return {"step_labels": {"rows": build.rows["step_labels"], "steps": steps}}
+
+
+def _search_steps_report(build: BuildOutputs) -> dict:
+    counts = build.search_steps[1]
+    return {"search_steps": counts} if counts else {}
+
+
+# In this order: a row maker reads what the outputs before it made of the record (`made`).
+OUTPUTS: Registry[Output] = Registry("output", {output.name: output for output in [
+    Output("sft", "trajectory", "positive trajectories for supervised fine-tuning (loss on assistant turns)",
+           rows=_the_record),
+    Output("negatives", "trajectory", "trajectories with a known defect (`negative_type`, `parent_id`)",
+           rows=_negatives, count=_negative_type, report=_negatives_report),
+    Output("preference", "preference", "chosen/rejected pairs for DPO", rows=_preference_pairs),
+    Output("grpo", "grpo", "prompts with reference answers for GRPO", rows=_grpo_prompt, report=_grpo_report),
+    Output("grpo_env", "grpo_env", "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",
+           rows=_grpo_env_task, parts=_grpo_env_parts, report=_grpo_env_report),
+    Output("step_labels", "step_labels", "assistant steps labelled good/bad for process reward models",
+           rows=_step_labels, count=_labelled_steps, report=_step_labels_report),
+    Output("step_pairs", "step_pairs", "step-level DPO pairs from tree searches: at a shared prefix, a step that "
+           "led to success vs one that did not", parts=_search_step_parts("step_pairs"), report=_search_steps_report),
+    Output("step_values", "step_values", "process-reward labels from tree searches: per step, the share of "
+           "rollouts through it that succeeded", parts=_search_step_parts("step_values"), report=_search_steps_report),
+]})
+
+
+def card_notes() -> dict[str, str]:
+    """Config name -> its line in the dataset card."""
+    return {output.name: output.note for output in OUTPUTS.values()}

@@ -1,0 +1,188 @@
+"""The second half of a build: the staged units merged into the dataset, quarantine, report and card.
+
+`finalize` is a short sequence: the key tables of the units (pipeline/build/assemble.py), the global
+stages on them (pipeline/build/global_stages.py, each reporting its tally and dropped rows), unique
+ids, the outputs (pipeline/build/outputs.py: each unit's kept records through the row makers, then
+shards), the duplicates map and the quarantine, the report (pipeline/build/report.py), and last the
+card and the manifest.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import polars as pl
+import pyarrow.parquet as pq
+
+from trajforge.pipeline.atomic import StreamingParquet, remove_stale_temp_files, write_json, write_parquet
+from trajforge.pipeline.build.assemble import key_table, unique_ids, unit_pools, with_unique_ids, write_unit
+from trajforge.pipeline.build.config import BuildConfig
+from trajforge.pipeline.build.global_stages import DUPLICATES, QUARANTINE, StagedBuild, StageRun, run_global_stages
+from trajforge.pipeline.build.outputs import OUTPUTS, BuildOutputs, card_notes
+from trajforge.pipeline.build.report import source_counts, stage_tallies
+from trajforge.pipeline.build.units import UnitResult
+from trajforge.pipeline.ingest.validate import merge_env_figures
+from trajforge.pipeline.publish.card import write_card
+from trajforge.pipeline.publish.manifest import (
+    GENERATOR,
+    build_id,
+    code_version,
+    remove_earlier_files,
+    set_manifest_aside,
+    write_manifest,
+)
+from trajforge.pipeline.publish.report import report_extras, write_html
+from trajforge.pipeline.publish.shards import write_config_from_file
+from trajforge.pipeline.quality.pools import EnvPools
+from trajforge.pipeline.stages import in_order
+from trajforge.schemas import arrow_schema
+
+log = logging.getLogger("trajforge.build")
+DUPLICATES_FILE = "duplicates.parquet"
+QUARANTINE_FILE = "quarantine/quarantine.parquet"
+
+
+def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConfig(), map_units=in_order) -> dict:
+    """Merge staged units (in the given order) into the dataset, quarantine and report.
+
+    Global stages run on the units' key tables; the outputs are written by streaming each unit's
+    staged records: memory stays one batch of records plus the key tables. The per-unit steps
+    (pools, outputs, shards) go through `map_units(function, calls)`, which returns the results in
+    the calls' order: `in_order` here, or a flow's task runner (processes, a Dask or Ray cluster).
+    The output bytes do not depend on it.
+
+    The manifest of an earlier build in `out` is set aside first and the new one written last, so
+    a folder with a manifest always holds the files of the build it names. Files of the earlier
+    build that this one does not write are removed; nothing else in `out` is touched.
+    """
+    remove_stale_temp_files(out)
+    earlier = set_manifest_aside(out)
+    keys = key_table(units, config)
+    runs, kept_keys = run_global_stages(keys, StagedBuild(units, config, map_units, out / ".staging"))
+    keys = unique_ids(keys, keys["order"].is_in(kept_keys["order"].implode()))
+    outputs = write_outputs(out, units, keys, kept_keys, runs, config, map_units)
+    duplicates = write_duplicates(out, runs, keys)
+    write_quarantine(out, units, outputs)
+    report = build_report(units, runs, kept_keys, outputs, duplicates, config)
+    html_files = write_html(out, report, duplicates, kept_keys["turns"].to_list(), kept_keys["chars"].to_list())
+    write_json(out / "report.json", report)
+    owned = [path for paths in report["outputs"].values() for path in paths]
+    owned += [p.relative_to(out).as_posix() for p in html_files] + ["report.json"]
+    write_release_files(out, report, units, config, owned)
+    remove_earlier_files(out, earlier - set(owned) - {"README.md"})
+    return report
+
+
+@dataclass
+class WrittenOutputs:
+    """What the outputs wrote: each written output's shard paths, and the outputs' view of the build."""
+    files: dict[str, list[str]]
+    build: BuildOutputs
+
+
+def _by_unit(frame: pl.DataFrame, units: int, value) -> list[dict[int, object]]:
+    """{row: value} per unit of the `unit`, `row` rows of `frame`; `value` an expression of its columns."""
+    found: list[dict[int, object]] = [{} for _ in range(units)]
+    for u, row, v in frame.select("unit", "row", value).iter_rows():
+        found[u][row] = v
+    return found
+
+
+def _quarantined(runs: list[StageRun], units: int) -> list[dict[int, tuple[str, str]]]:
+    """Per unit, {row: (reason, detail)} of the records a quarantining global stage dropped."""
+    dropped = [run.dropped.select("unit", "row", "reason", "detail") for run in runs if run.stage.outcome == QUARANTINE]
+    frame = pl.concat(dropped) if dropped else pl.DataFrame(schema={"unit": pl.Int32, "row": pl.Int64,
+                                                                   "reason": pl.String, "detail": pl.String})
+    found = _by_unit(frame, units, pl.concat_list("reason", "detail"))
+    return [{row: tuple(pair) for row, pair in unit.items()} for unit in found]
+
+
+def write_outputs(out: Path, units: list[UnitResult], keys: pl.DataFrame, kept_keys: pl.DataFrame,
+                  runs: list[StageRun], config: BuildConfig, map_units) -> WrittenOutputs:
+    """Every output of the registry: the kept records of each unit through the row makers
+    (`write_unit`, per unit on `map_units`), then each output's staged parts cut into shards."""
+    kept_rows = [kept_keys.filter(pl.col("unit") == u)["row"].to_numpy() for u in range(len(units))]
+    pools = EnvPools()
+    for unit_pool in map_units(unit_pools, [(unit.records_path, rows) for unit, rows in zip(units, kept_rows)]):
+        pools.merge(unit_pool)
+    repeats = _by_unit(keys.filter(pl.col("repeat") > 1), len(units), "repeat")
+    quarantined = _quarantined(runs, len(units))
+    staged = out / ".staging" / "outputs"
+    written = map_units(write_unit, [(unit.records_path, str(staged / f"{u:05d}"), kept_rows[u], repeats[u],
+                                      quarantined[u], pools, config.negatives) for u, unit in enumerate(units)])
+    build = BuildOutputs(units, written, kept_rows, quarantined, config, staged)
+    files = {}
+    for output in OUTPUTS.values():
+        parts = output.staged_parts(build)
+        if parts is None:
+            continue
+        build.rows[output.name] = sum(rows for _, _, rows in parts)
+        build.counts[output.name] = sum((Counter(w.counts.get(output.name, {})) for w in written), Counter())
+        files[output.name] = write_config_from_file(
+            out, output.name, "train", [Path(path) for path, _, _ in parts], arrow_schema(output.schema),
+            sum(nbytes for _, nbytes, _ in parts), config.shards, map_units).get("train", [])
+    shutil.rmtree(staged)
+    return WrittenOutputs(files, build)
+
+
+def write_duplicates(out: Path, runs: list[StageRun], keys: pl.DataFrame) -> list[dict]:
+    """duplicates.parquet: the rows every dedup stage dropped, in build order, with their unique ids.
+    Returns them (with the build `order` of the dropped and the kept record) for the report."""
+    frames = [run.dropped.drop("reason", "unit", "row") for run in runs if run.stage.outcome == DUPLICATES]
+    duplicates = with_unique_ids(pl.concat(frames).sort("order").to_dicts() if frames else [], keys)
+    write_parquet([{k: v for k, v in d.items() if k not in ("order", "kept_order")} for d in duplicates],
+                  arrow_schema("duplicates"), out / DUPLICATES_FILE)
+    return duplicates
+
+
+def write_quarantine(out: Path, units: list[UnitResult], outputs: WrittenOutputs) -> None:
+    """The units' quarantine rows in unit order, then those of the global stages."""
+    with StreamingParquet(out / QUARANTINE_FILE, arrow_schema("quarantine")) as quarantine:
+        for unit in units:
+            for batch in pq.ParquetFile(unit.quarantine_path).iter_batches(batch_size=1000):
+                for entry in batch.to_pylist():
+                    quarantine.append(entry)
+        for part in outputs.build.written:
+            for entry in part.quarantined:
+                quarantine.append(entry)
+
+
+def build_report(units: list[UnitResult], runs: list[StageRun], kept_keys: pl.DataFrame, outputs: WrittenOutputs,
+                 duplicates: list[dict], config: BuildConfig) -> dict:
+    """report.json: the counts from the stages' tallies, the stages' and the outputs' own sections,
+    the mix of what was kept."""
+    report = {**source_counts(units, runs), "generator": GENERATOR, "config": asdict(config),
+              "outputs": {**outputs.files, "quarantine": [QUARANTINE_FILE], "duplicates": [DUPLICATES_FILE]}}
+    for column, name in [("rendering", "renderings"), ("domain", "domains"), ("env", "envs"), ("kind", "kinds")]:
+        report[name] = dict(sorted(Counter(kept_keys[column].to_list()).items()))
+    report["validation_by_env"] = merge_env_figures([u.envs for u in units])
+    for run in runs:
+        report.update(run.stage.report(run.tally, config))
+    report["stages"] = [t.as_dict() for t in stage_tallies(units, runs)]
+    report_extras(report, duplicates, kept_keys["turns"].to_list(), kept_keys["chars"].to_list())
+    for name in outputs.files:
+        if OUTPUTS[name].report is not None:
+            report.update(OUTPUTS[name].report(outputs.build))
+    if kept_keys.is_empty():
+        report["warnings"] = ["no record made it into data/sft: every input record was quarantined or a duplicate"]
+    for warning in report.get("warnings", []):
+        log.warning(warning)
+    return report
+
+
+def write_release_files(out: Path, report: dict, units: list[UnitResult], config: BuildConfig,
+                        files: list[str]) -> str:
+    """Dataset card and manifest, last: they describe the files written before them (`files`,
+    relative to `out`; the card is added). Returns the build id."""
+    code = code_version()
+    build = build_id([(u.source, u.source_file, u.input_sha256) for u in units],
+                     {**asdict(config), "held_out": report["held_out"]["splits"]}, code)
+    provenance = [{"source": u.source, "source_file": u.source_file, "sha256": u.input_sha256,
+                   "revision": u.revision, "looks_like": u.looks_like} for u in units]
+    write_card(out, report, provenance, build, code, card_notes())
+    write_manifest(out, build, [*files, "README.md"])
+    return build
+
