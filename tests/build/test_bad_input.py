@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import RAW
+from tests.support.paths import RAW
 from trajforge.flows.cli import main
 from trajforge.pipeline.build import BuildConfig, process_unit
 from trajforge.sources import SourceError, get_source, iter_rows

@@ -13,7 +13,7 @@ from dataclasses import asdict
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, RAW
+from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES, RAW
 from tests.support.fuzz_corpus import generate
 from trajforge.pipeline.build import BuildConfig, UnitResult, process_unit, unit_key
 from trajforge.pipeline.publish.shards import read_marker, unit_marker, write_marker
@@ -67,7 +67,7 @@ def test_each_stage_counts_the_real_rows_and_the_bad_rows_it_dropped(tmp_path):
     assert unit.stages == [
         {"stage": "read", "in": 9, "kept": 7, "dropped": {"invalid_utf8": 1, "malformed_json": 1}},
         {"stage": "normalize", "in": 7, "kept": 5, "dropped": {"missing_id": 1, "unknown_role": 1}},
-        # textcraft_205 and textcraft_251 are kept, the steps TextCraft refused masked (tests/test_grounding.py).
+        # textcraft_205 and textcraft_251 are kept, the steps TextCraft refused masked (tests/ingest/test_grounding.py).
         {"stage": "validate", "in": 5, "kept": 4, "dropped": {"final_turn_not_assistant": 1}},
         {"stage": "stage", "in": 4, "kept": 4, "dropped": {}},
     ]

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import trajforge.pipeline.build as build
-from tests.conftest import RAW
+from tests.support.paths import RAW
 from trajforge.pipeline.build import BuildConfig, StreamingParquet, finalize, process_unit
 from trajforge.pipeline.publish.manifest import EARLIER_MANIFEST, GENERATOR, MANIFEST, read_manifest
 from trajforge.sources import get_source, iter_rows

@@ -11,14 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import RAW
+from tests.support.paths import RAW, REPO
 
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 from trajforge.pipeline.publish.manifest import read_manifest
 from trajforge.sources import get_source
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 
 
 def make_source(folder: Path) -> Path:

@@ -13,7 +13,8 @@ import datasets
 import polars as pl
 import pytest
 
-from tests.conftest import FIXTURE_QUARANTINE, FIXTURES, REPO
+from tests.support.expected import FIXTURE_QUARANTINE
+from tests.support.paths import FIXTURES, REPO
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.schemas import validator
 
@@ -23,7 +24,7 @@ def test_trajforge_build_on_the_fixtures(tmp_path):
     """From the shipped example config (its sources are every fixture source), with options over it."""
     out = tmp_path / "build"
     # The processes runner: the flow on Prefect's temporary server (the small fixtures alone would
-    # build in process, tests/test_small_build.py); --verbose: its task logs on the console.
+    # build in process, tests/e2e/test_small_build.py); --verbose: its task logs on the console.
     args = [sys.executable, "-m", "trajforge.flows.cli", "build", "--config", str(REPO / "configs" / "build.yaml"),
             "--out", str(out), "--rl-tasks", str(FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl"),
             "--runner", "processes", "--verbose"]

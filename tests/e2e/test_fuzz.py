@@ -14,8 +14,8 @@ from collections import Counter, defaultdict
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, REPO
 from tests.support.fuzz_corpus import generate
+from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES, REPO
 
 pytestmark = pytest.mark.slow
 SEED = 20261201

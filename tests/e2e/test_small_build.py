@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import FIXTURE_SOURCES, REPO
+from tests.support.paths import FIXTURE_SOURCES, REPO
 from trajforge.pipeline.publish.manifest import read_manifest
 
 MAX_LINES = 25

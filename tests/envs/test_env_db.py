@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.conftest import FIXTURES
+from tests.support.paths import FIXTURES
 from trajforge.pipeline.envs.tasks import Task, load_tasks, record_to_task
 from trajforge.pipeline.synth.envs import make_env
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FIXTURES, REPO
+from tests.support.paths import FIXTURES, REPO
+from tests.support.sandbox import sandbox_leftovers
 from trajforge.pipeline.envs.tasks import Task, load_tasks
 from trajforge.pipeline.synth.envs import make_env
 from trajforge.pipeline.synth.envs.os_sandbox import (
@@ -231,20 +232,6 @@ def test_refuses_without_a_sandbox(monkeypatch, tmp_path):
 
 
 # --- escape attempts ----------------------------------------------------------------------------
-def _sandbox_leftovers(name: str) -> list[str]:
-    found = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if name in line]
-    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"**/{name}")]
-    found += [str(p) for p in Path("/tmp").glob(f"{name}*")]
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if name in (entry / "cmdline").read_text(errors="replace"):
-                    found.append(f"process {entry.name}")
-            except OSError:
-                pass
-    return found
-
-
 @pytest.fixture
 def sandboxed():
     """A fresh episode with short timeouts and small limits; checks that close leaves nothing."""
@@ -259,7 +246,7 @@ def sandboxed():
     yield start
     for env, name in envs:
         env.close()
-        assert _sandbox_leftovers(name) == []
+        assert sandbox_leftovers(name) == []
 
 
 @needs_sandbox
@@ -669,4 +656,4 @@ def test_hanging_check_script_is_killed_at_its_timeout():
     finally:
         name = env.sandbox.name if env.sandbox else None
         env.close()
-    assert name is None or _sandbox_leftovers(name) == []
+    assert name is None or sandbox_leftovers(name) == []

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.paths import REPO
 from trajforge.pipeline.envs import recorded_in, runtimes, spec, specs
 from trajforge.pipeline.envs.tasks import Task
 from trajforge.schemas import load_schema

@@ -6,17 +6,16 @@ knows the way."""
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 import pytest
 
 pytest.importorskip("minigrid", reason="the `envs` extra (minigrid) is not installed")
 
-from tests.conftest import FIXTURES  # noqa: E402
-from tests.support.openai_server import Reply, Server  # noqa: E402
+from tests.support.local_agentgym import PLANS, STUCK, GoalPolicy  # noqa: E402
+from tests.support.openai_server import Server  # noqa: E402
 from tests.support.oracles import grpo_env_rows  # noqa: E402
+from tests.support.paths import FIXTURES  # noqa: E402
 from trajforge.pipeline.envs.tasks import load_tasks  # noqa: E402
 from trajforge.pipeline.envs.tool_calls import tool_messages, trajectory_prompt  # noqa: E402
 from trajforge.pipeline.ingest.validate import grammar_breaches, validate_record  # noqa: E402
@@ -30,39 +29,6 @@ from trajforge.training.environments import make_factories  # noqa: E402
 TASKS = FIXTURES / "tasks" / "agentgym"
 SOLVED = {"babyai": "go to the blue ball", "textcraft": "Goal: craft leather."}
 FAILED = {"babyai": "go to the red ball", "textcraft": "Goal: craft yellow terracotta."}
-# The plans that reach each goal; a step is chosen from the last observation where the way depends on it.
-PLANS = {
-    "go to the blue ball": lambda obs: "go to blue ball 1" if "blue ball 1" in obs else "turn right",
-    "go to the red ball": lambda obs: "go to red ball 1" if "red ball 1" in obs else "turn left",
-    "Goal: craft leather.": ["get 4 rabbit hide", "craft 1 leather using 4 rabbit hide"],
-    "Goal: craft yellow terracotta.": ["get 8 terracotta", "get 1 dandelion", "craft 1 yellow dye using 1 dandelion",
-                                       "craft 8 yellow terracotta using 8 terracotta, 1 yellow dye"],
-}
-# What the failing policy does instead, at its n-th action: it turns in place, or gathers and never crafts.
-STUCK = {"go to the red ball": lambda n: "turn left", "Goal: craft yellow terracotta.": lambda n: f"get {n + 1} terracotta"}
-
-
-@dataclass
-class GoalPolicy:
-    """Replies in AgentGym's format (Thought + Action) with the next step of the task's plan; with
-    `stuck`, the tasks in STUCK repeat one useless action."""
-    stuck: bool = False
-
-    def __call__(self, messages: list[dict]) -> Reply:
-        prompt = "\n".join(m["content"] for m in messages if m["role"] == "user")
-        goal = next(g for g in PLANS if g in prompt)
-        sent = [re.split(r"Action:\s*", m["content"])[-1].strip() for m in messages if m["role"] == "assistant"]
-        plan = PLANS[goal]
-        if self.stuck and goal in STUCK:
-            action = STUCK[goal](len(sent))
-        elif callable(plan):
-            action = plan(messages[-1]["content"])
-        else:
-            # The plan's first step not sent yet (a salvaged prefix may have sent some already).
-            action = next((step for step in plan if step not in sent), plan[-1])
-        return Reply(f"The goal is {goal!r}; next I {action}.", f"Thought:\nI will {action}.\n\nAction:\n{action}")
-
-
 def _llm(server: Server) -> LLMConfig:
     return LLMConfig(model="deepseek-ai/DeepSeek-R1", base_url=server.base_url, api_key="sk-test",
                      backoff_base_s=0.01)

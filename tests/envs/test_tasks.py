@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import FIXTURES
+from tests.support.paths import FIXTURES
 from trajforge.pipeline.envs.db import db_answers_match, normalize_db_value, table_hash
 from trajforge.pipeline.envs.os import os_match
 from trajforge.pipeline.envs.tasks import Task, TaskFormatError, coerce_task, load_tasks, task_prompt

@@ -11,8 +11,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import FIXTURES, RAW
 from tests.support.openai_server import Reply, Server
+from tests.support.paths import FIXTURES, RAW
 from trajforge.flows.cli import main
 from trajforge.pipeline.evaluation.metrics import pass_at_k, wilson
 from trajforge.pipeline.evaluation.splits import EVAL_SPLITS

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import FIXTURES, RAW, REPO
-from tests.test_cli_args import refused
+from tests.support.cli import refused
+from tests.support.paths import FIXTURES, RAW, REPO
 
 DB_TASKS = str(FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl")
 SFT_TINY = str(REPO / "training" / "configs" / "sft_tiny.yaml")

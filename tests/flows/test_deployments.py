@@ -2,63 +2,15 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from conftest import RAW
+
+from tests.support.paths import RAW, REPO
+from tests.support.prefect_cli import PREFECT, run
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
-PREFECT = str(Path(sys.executable).with_name("prefect"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def prefect_server(tmp_path):
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect_home"), "PREFECT_API_URL": api,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_UI_ENABLED": "false",
-           "HF_HUB_OFFLINE": "1", "PWD": str(REPO),
-           # A PYTHONPATH already set (a checkout of its own) stays in front of the repository.
-           "PYTHONPATH": os.pathsep.join(filter(None, (os.environ.get("PYTHONPATH"), str(REPO))))}
-    log = open(tmp_path / "server.log", "wb")
-    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
-            time.sleep(0.5)
-        yield api, env
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
-        log.close()
-
-
-def run(cmd: list[str], env: dict, timeout: int = 180) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{cmd}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done
 
 
 def test_prefect_yaml_deploys_and_an_adhoc_build_runs_on_a_worker(prefect_server, tmp_path):

@@ -19,15 +19,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pyarrow.parquet as pq
 import pytest
-from conftest import FIXTURES, RAW
 from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from prefect.settings import PREFECT_API_URL, temporary_settings
-from test_deployments import PREFECT, REPO, prefect_server, run  # noqa: F401 - prefect_server is a fixture
 
 from tests.support.hub_server import HubServer
 from tests.support.openai_server import CriticalStepPolicy, Server, fixture_policy
+from tests.support.paths import FIXTURES, RAW, REPO
+from tests.support.prefect_cli import PREFECT, run
 from trajforge.flows.notify import install
 
 pytestmark = pytest.mark.slow

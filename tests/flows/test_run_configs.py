@@ -1,6 +1,6 @@
 """`trajforge build|synth --config FILE`: the shipped examples, validation, and flags over the file.
 
-The examples run end to end through the real CLI in tests/test_build_e2e.py and tests/test_synth.py.
+The examples run end to end through the real CLI in tests/e2e/test_build_e2e.py and tests/synth/test_synth.py.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, REPO
+from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES, REPO
 from trajforge.flows.cli import _build_run, _given, _synth_run, parser
 from trajforge.flows.config import (
     BUILD,

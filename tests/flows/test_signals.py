@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, FIXTURES, REPO
 from tests.support.openai_server import Server, fixture_policy
+from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES, FIXTURES, REPO
 from trajforge.pipeline.build import build_in_process
 from trajforge.pipeline.publish.manifest import read_manifest
 

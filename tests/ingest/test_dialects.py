@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES
+from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES
 from trajforge.pipeline.ingest.dialects import (
     DIALECTS,
     FREE_TEXT,

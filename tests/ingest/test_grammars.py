@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from tests.conftest import FIXTURE_SOURCES
 from tests.support.oracles import make_negatives
+from tests.support.paths import FIXTURE_SOURCES
 from trajforge.pipeline.envs.grammar import _AGENTGYM_TOOL_LIST, _tool_listings
 from trajforge.pipeline.ingest.grammars import GRAMMARS, grammar_for
 from trajforge.pipeline.ingest.normalize import normalize_row

@@ -12,7 +12,7 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import RAW
+from tests.support.paths import RAW
 from trajforge.pipeline.build import BuildConfig, process_unit
 from trajforge.pipeline.envs.db import parse_answer
 from trajforge.pipeline.ingest.dialects import parse_answer_list

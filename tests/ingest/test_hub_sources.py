@@ -14,8 +14,8 @@ import huggingface_hub
 import pytest
 from huggingface_hub import CommitOperationAdd, HfApi
 
-from tests.conftest import AGENT_FLAN, RAW, REPO
 from tests.support.hub_server import HubServer
+from tests.support.paths import AGENT_FLAN, RAW, REPO
 
 # Upstream repo -> {path in the repo: local file with that content}.
 UPSTREAM = {

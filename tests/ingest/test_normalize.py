@@ -7,7 +7,8 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import AGENT_FLAN, FIXTURE_QUARANTINE, FIXTURE_SOURCES, RAW
+from tests.support.expected import FIXTURE_QUARANTINE
+from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES, RAW
 from trajforge.pipeline.build import BuildConfig, process_unit
 from trajforge.pipeline.ingest.dialects import parse_turn
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, normalize_row

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from huggingface_hub import DatasetCard
 
-from tests.conftest import AGENT_FLAN, FIXTURE_SOURCES, RAW
+from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES, RAW
 from trajforge.flows.build import resolve_source
 from trajforge.flows.cli import main
 from trajforge.sources import REGISTRY, ForeignLayout, check_layout, get_source

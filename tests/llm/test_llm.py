@@ -217,7 +217,7 @@ def test_answered_requests_reset_the_breaker_and_count_as_calls():
 
 def test_a_server_killed_mid_request_is_a_connection_failure():
     server = subprocess.Popen([sys.executable, "-m", "tests.support.openai_server", "--latency", "30"], stdout=subprocess.PIPE,
-                              text=True, cwd=Path(__file__).parents[1], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                              text=True, cwd=Path(__file__).parents[2], env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         base_url = server.stdout.readline().strip()
 

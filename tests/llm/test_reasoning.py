@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.conftest import FIXTURES
+from tests.support.paths import FIXTURES
 from trajforge.pipeline.ingest.dialects import parse_turn
 from trajforge.pipeline.llm.client import parse_body
 from trajforge.pipeline.llm.reasoning import recover_action, split_reasoning

@@ -18,7 +18,7 @@ from pathlib import Path
 import grimp
 import pytest
 
-from tests.conftest import REPO
+from tests.support.paths import REPO
 
 PACKAGES = ("pipeline", "sources", "schemas", "flows", "training")
 # The import names of the optional extras (pyproject.toml), e.g. `prefect-dask` -> `prefect_dask`.

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.paths import REPO
 
 README = (REPO / "README.md").read_text()
 DOCS = {path.relative_to(REPO).as_posix(): path.read_text()

@@ -3,9 +3,8 @@ in editable mode (the finder walks folders) and is silently absent from a wheel.
 from __future__ import annotations
 
 import tomllib
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 
 def test_every_package_folder_is_in_the_distribution():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.conftest import FIXTURES
+from tests.support.paths import FIXTURES
 from trajforge.flows.build import make_task_runner
 from trajforge.pipeline.envs import spec, specs
 from trajforge.pipeline.envs.agentgym import COMMON_PROFILE, server_profile
@@ -110,7 +110,7 @@ def test_cli_runner_names_are_the_registered_task_runners():
 
 
 def test_an_unknown_serve_command_name_lists_the_known_ones_where_it_is_looked_up(tmp_path):
-    from tests.test_cli_args import trajforge
+    from tests.support.cli import trajforge
     from trajforge.flows.rft import rft
 
     message = "unknown serve command 'vlm'; known: transformers, vllm"

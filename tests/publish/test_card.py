@@ -5,12 +5,12 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import FIXTURE_SOURCES
 from datasets import Features
 from datasets.info import DatasetInfosDict
 from datasets.utils.metadata import MetadataConfigs
 from huggingface_hub import DatasetCard
 
+from tests.support.paths import FIXTURE_SOURCES
 from trajforge.pipeline.publish.card import hub_license_id, hub_revision, size_category
 from trajforge.pipeline.publish.manifest import file_sha256, read_manifest
 from trajforge.schemas import arrow_schema

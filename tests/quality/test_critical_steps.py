@@ -174,8 +174,7 @@ def test_label_mask_with_loss_on_critical_is_exactly_the_critical_turns(selected
     pytest.importorskip("trl")
     from datasets import Dataset
 
-    from tests.support.tiny_model import build_tokenizer, fixture_texts
-    from tests.test_training_data import CHATML, END_OF_TURN, HEADERS, labelled_runs
+    from tests.support.tiny_model import CHATML, END_OF_TURN, HEADERS, build_tokenizer, fixture_texts, labelled_runs
     from trajforge.training.data import prepare_sft, tokenize_trajectory
 
     out, report, _, _ = selected
@@ -235,7 +234,7 @@ def test_sft_launcher_trains_critical_steps_as_tool_calls(selected, fixtures_bui
     tiny = build_tiny_model(tmp_path / "tiny", fixtures_build, chat_template=tool_chat_template())
     torch.set_num_threads(1)
     run = tmp_path / "sft"
-    assert main(["train", "sft", "--config", str(Path(__file__).resolve().parents[1] / "training" / "configs" /
+    assert main(["train", "sft", "--config", str(Path(__file__).resolve().parents[2] / "training" / "configs" /
                                                   "sft_tiny.yaml"),
                  "--model_name_or_path", str(tiny), "--dataset_name", str(out), "--output_dir", str(run),
                  "--loss_on", "critical", "--action_format", "tools", "--max_length", "8192", "--eval_fraction", "0",

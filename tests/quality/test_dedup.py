@@ -11,8 +11,8 @@ from dataclasses import replace
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import FIXTURE_SOURCES
 from tests.support.oracles import deduplicate, fold, jaccard
+from tests.support.paths import FIXTURE_SOURCES
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 from trajforge.pipeline.quality.dedup import (
     Contamination,
@@ -35,21 +35,6 @@ def build(fixtures_build):
     sft = pq.read_table(fixtures_build / "data" / "sft").to_pylist()
     dups = pq.read_table(fixtures_build / "duplicates.parquet").to_pylist()
     return report, sft, dups
-
-
-@pytest.fixture(scope="module")
-def merged(tmp_path_factory):
-    """Every valid fixture record before dedup, a repeated id suffixed `~n` in build order (the
-    build suffixes after dedup; the in-memory dedup only needs the ids unique)."""
-    staging = tmp_path_factory.mktemp("staging")
-    units = [process_unit(name, f, staging, BuildConfig())
-             for name, location in FIXTURE_SOURCES.items() for f in get_source(name).files(location)]
-    seen: Counter[str] = Counter()
-    records = []
-    for record in (r for u in units for r in pq.read_table(u.records_path).to_pylist()):
-        seen[record["id"]] += 1
-        records.append({**record, "id": f"{record['id']}~{seen[record['id']]}"} if seen[record["id"]] > 1 else record)
-    return records
 
 
 def test_cross_source_pairs_are_found_and_the_upstream_row_is_kept(build):

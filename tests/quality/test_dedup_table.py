@@ -8,7 +8,6 @@ import polars as pl
 import pytest
 
 from tests.support.oracles import deduplicate, deduplicate_in_memory, jaccard, make_negatives
-from tests.test_dedup import merged  # noqa: F401  (the fixture: every valid fixture record, ids unique)
 from trajforge.pipeline.quality import dedup_table
 from trajforge.pipeline.quality.dedup import DedupConfig, dedup_texts, shingles
 from trajforge.pipeline.quality.dedup_table import (

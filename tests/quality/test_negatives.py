@@ -8,8 +8,8 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import AGENT_FLAN
 from tests.support.oracles import make_negatives
+from tests.support.paths import AGENT_FLAN
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.quality.negatives import EXPECTED_VIOLATION, NEGATIVE_TYPES, NegativesConfig
 from trajforge.schemas import validator

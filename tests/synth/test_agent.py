@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from tests.conftest import FIXTURES
 from tests.support.openai_server import Reply, Server, fixture_policy
+from tests.support.paths import FIXTURES
 from trajforge.pipeline.envs.tasks import load_tasks
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.llm.client import LLMConfig, OpenAIBackend

@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import FIXTURES
 from tests.support.openai_server import FixturePolicy, Server, fixture_policy
+from tests.support.paths import FIXTURES
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.synth.job import SynthConfig, synthesize

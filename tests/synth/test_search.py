@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.conftest import FIXTURES
+from tests.support.paths import FIXTURES
 from tests.support.search_policy import LOST_THOUGHT, SeededServer, noisy_policy
 from trajforge.flows.cli import _synth_run, parser
 from trajforge.flows.config import SYNTH, merge, synth_config

@@ -11,8 +11,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import FIXTURES, REPO
 from tests.support.openai_server import Server, down_url, fixture_policy
+from tests.support.paths import FIXTURES, REPO
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.llm.client import LLMConfig, ServerUnreachable
 from trajforge.pipeline.synth.folder import USAGE_KEYS

@@ -12,8 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
-from tests.support.tiny_model import warm_start  # noqa: E402
-from tests.test_training_trainers import CONFIGS, launch, one_thread, tiny  # noqa: E402,F401  (the same fixtures)
+from tests.support.tiny_model import CONFIGS, launch, warm_start  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def trained(trainer: str, tiny: Path, build: Path, out: Path, *overrides: str) -> dict:

@@ -13,11 +13,13 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("trl")
 
-from tests.conftest import FIXTURES, RAW  # noqa: E402
-from tests.test_training_trainers import one_thread, tiny  # noqa: E402,F401  (the same fixtures)
+from tests.support.paths import FIXTURES, RAW  # noqa: E402
+from tests.support.tiny_model import CONFIGS  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 DB_FILE = FIXTURES / "tasks" / "agentbench" / "db" / "dev.jsonl"
-SFT_TINY = Path(__file__).resolve().parents[1] / "training" / "configs" / "sft_tiny.yaml"
+SFT_TINY = CONFIGS / "sft_tiny.yaml"
 SFT_ARGS = ["--config", str(SFT_TINY), "--max_steps", "2", "--max_length", "512", "--eval_fraction", "0",
             "--save_strategy", "no"]
 SOURCES = {"agentinstruct": str(RAW / "agentinstruct")}

@@ -20,7 +20,7 @@ from trajforge.training.arguments import (  # noqa: E402
 )
 from trajforge.training.cli import main  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parents[1] / "training" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "training" / "configs"
 CLASSES = {"sft": SFTTrainConfig, "grpo": GRPOTrainConfig, "dpo": DPOTrainConfig, "rloo": RLOOTrainConfig,
            "rm": RewardTrainConfig, "prm": ProcessRewardTrainConfig}
 

@@ -8,7 +8,15 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tests.support.tiny_model import CHATML, build_tokenizer, fixture_texts, read_config  # noqa: E402
+from tests.support.tiny_model import (  # noqa: E402
+    CHATML,
+    END_OF_TURN,
+    HEADERS,
+    build_tokenizer,
+    fixture_texts,
+    labelled_runs,
+    read_config,
+)
 from trajforge.training.data import (  # noqa: E402
     IGNORE,
     TemplateError,
@@ -20,22 +28,12 @@ from trajforge.training.data import (  # noqa: E402
     turn_boundaries,
 )
 
-# A second template family: plain-text headers, a default system prompt when there is none,
-# and a different end-of-turn text; the masks must follow whatever the template renders.
-HEADERS = (
-    "{% if messages[0]['role'] != 'system' %}### System:\nYou are an agent.\n\n{% endif %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}### Assistant:\n{{ m['content'] }}<|endoftext|>\n\n"
-    "{% else %}### {{ m['role'] | capitalize }}:\n{{ m['content'] }}\n\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}### Assistant:\n{% endif %}"
-)
 # Rewrites earlier assistant turns once a later message exists (as templates that drop past
 # reasoning do): per-turn masking cannot be derived from it and must be refused.
 REWRITING = (
     "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}<|im_start|>assistant\n...<|im_end|>\n"
     "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
 )
-END_OF_TURN = {CHATML: "<|im_end|>\n", HEADERS: "<|endoftext|>\n\n"}
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +44,6 @@ def sft_rows(fixtures_build: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def tokenizer(fixtures_build: Path):
     return build_tokenizer(fixture_texts(fixtures_build))
-
-
-def labelled_runs(tokenizer, labels: list[int]) -> list[str]:
-    """Decode each maximal run of trained tokens on its own."""
-    runs, current = [], []
-    for label in labels + [IGNORE]:
-        if label != IGNORE:
-            current.append(label)
-        elif current:
-            runs.append(tokenizer.decode(current, skip_special_tokens=False))
-            current = []
-    return runs
 
 
 def trained_turns(row: dict) -> list[str]:

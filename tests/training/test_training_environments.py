@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FIXTURES
 from tests.support.oracles import grpo_env_rows
-from tests.test_env_agentgym import serve  # noqa: F401  (the loopback AgentGym server fixture)
-from tests.test_env_os import _sandbox_leftovers
+from tests.support.paths import FIXTURES
+from tests.support.sandbox import sandbox_leftovers
 from trajforge.pipeline.envs.tasks import load_tasks
 from trajforge.pipeline.envs.tool_calls import action_text, tool_call, tool_messages
 from trajforge.pipeline.quality.derived import grpo_env_row, record_task
@@ -164,10 +163,10 @@ def test_os_adapter_reference_solution_scores_1_and_a_wrong_answer_0():
     sandboxes.append(env._env.sandbox.name)
     env.answer(text="hate")
     assert env.get_reward() == 0.0 and factory.open_count() == 0
-    assert not [found for name in sandboxes for found in _sandbox_leftovers(name)]
+    assert not [found for name in sandboxes for found in sandbox_leftovers(name)]
 
 
-def test_agentgym_adapter_scores_with_the_servers_reward(serve):  # noqa: F811
+def test_agentgym_adapter_scores_with_the_servers_reward(serve):
     server, url = serve()
     task = record_task({"source": "agenttraj_l", "env": "guess", "source_id": "guess_4", "task": "Guess.",
                         "source_file": "guess_train.json"})
@@ -260,7 +259,7 @@ def test_sft_example_and_rl_rollout_of_a_task_share_one_action_format(tmp_path):
 
 
 # --- two GRPO steps with rollouts in SQLite and the OS sandbox -------------------------------------------
-CONFIGS = Path(__file__).resolve().parents[1] / "training" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "training" / "configs"
 
 
 def first_reply(tokenizer, prompt: list[dict], tools: list, call: dict) -> tuple[str, str]:
@@ -382,7 +381,7 @@ def test_two_grpo_steps_run_episodes_in_sqlite_and_the_os_sandbox(fixtures_build
         assert [entry[column] for entry in logged] == pytest.approx(per_step), name
     assert 1.0 in scores["db"]
     assert all(f.open_count() == 0 for f in factories.values())
-    assert sandboxes and not [found for name in sandboxes for found in _sandbox_leftovers(name)]
+    assert sandboxes and not [found for name in sandboxes for found in sandbox_leftovers(name)]
 
 
 def test_max_concurrent_envs_must_cover_one_generation_batch():

@@ -15,24 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
-from tests.support.tiny_model import build_tiny_model, warm_start  # noqa: E402
+from tests.support.tiny_model import CONFIGS, launch, warm_start  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parents[1] / "training" / "configs"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the test machines have 2 cores shared by several processes, and
-    torch's default of one thread per core oversubscribes them (measured 4x slower here)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny(fixtures_build, tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), fixtures_build)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +52,6 @@ def assert_trained(tiny: Path, out: Path) -> dict:
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) > len(before) // 2, f"only {changed} changed"
     return results
-
-
-def launch(trainer: str, tiny: Path, build: Path, out: Path, *overrides: str) -> None:
-    from trajforge.flows.cli import main
-
-    assert main(["train", trainer, "--config", str(CONFIGS / f"{trainer}_tiny.yaml"),
-                 "--model_name_or_path", str(tiny), "--dataset_name", str(build),
-                 "--output_dir", str(out), *overrides]) == 0
 
 
 def test_sft_trains_five_steps_with_eval_and_checkpoints(tiny, sft_run):
