@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 
 def fixtures_build(out: Path) -> Path:
-    from tests.conftest import FIXTURE_SOURCES
+    from tests.support.paths import FIXTURE_SOURCES
     from trajforge.pipeline.build import BuildConfig, finalize, process_unit
     from trajforge.sources import get_source
 

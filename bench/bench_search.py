@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.conftest import FIXTURES  # noqa: E402
+from tests.support.paths import FIXTURES  # noqa: E402
 from tests.support.search_policy import noisy_policy, textcraft_plan  # noqa: E402
 from trajforge.pipeline.envs.tasks import load_tasks  # noqa: E402
 from trajforge.pipeline.llm.client import CallStats, ChatResult, Choice  # noqa: E402

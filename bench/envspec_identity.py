@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import FIXTURE_SOURCES, FIXTURES  # noqa: E402
+from tests.support.paths import FIXTURE_SOURCES, FIXTURES  # noqa: E402
 
 TASKS = FIXTURES / "tasks"
 DB_FILE = TASKS / "agentbench" / "db" / "dev.jsonl"
@@ -63,8 +63,8 @@ def fixture_build(out: Path) -> dict[str, str]:
 
 def synthesis(out: Path) -> dict[str, str]:
     import trajforge.pipeline.synth.job as synth_job
+    from tests.support.local_agentgym import GoalPolicy
     from tests.support.openai_server import Server, fixture_policy
-    from tests.test_local_agentgym_pipeline import GoalPolicy
 
     try:
         from trajforge.pipeline.llm.client import LLMConfig

@@ -1,7 +1,7 @@
 """The trajectory record (schemas/trajectory.schema.json) as Python types, and its one constructor.
 
 Ingest (`pipeline.ingest.normalize`) and synthesis (`pipeline.synth.agent`) both build records
-with `new_record`, so the two cannot disagree on a key; tests/test_record_types.py holds the
+with `new_record`, so the two cannot disagree on a key; tests/ingest/test_record_types.py holds the
 TypedDicts to the JSON Schema's keys and required fields.
 """
 # No `from __future__ import annotations`: TypedDict reads NotRequired from evaluated annotations.

@@ -1,4 +1,5 @@
-"""Shared test fixtures: the real upstream records in tests/fixtures (provenance in its README)."""
+"""Shared test fixtures: the real upstream records in tests/fixtures (provenance in its README);
+their paths are in tests/support/paths.py."""
 from __future__ import annotations
 
 import logging
@@ -20,36 +21,12 @@ os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"
 # test that captures output (capsys), it would keep that test's stream and every later in-process
 # flow would log to a closed file.
 import trajforge.flows.build  # noqa: E402,F401
-
-REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("TRAJFORGE_FIXTURES", REPO / "tests" / "fixtures"))
-RAW = FIXTURES / "raw"
-# Agent-FLAN rows we wrote in the upstream layout (no raw rows are public in reach).
-AGENT_FLAN = FIXTURES / "agent_flan"
-
-# The build over all real fixture records: source name -> folder in the upstream layout.
-FIXTURE_SOURCES = {
-    "agentinstruct": str(RAW / "agentinstruct"),
-    "agenttraj_l": str(RAW / "agenttraj_l"),
-    "openmanus_rl": str(RAW / "openmanus_rl"),
-}
-
-# What the fixture build quarantines, (upstream id, reason) -> rows: each a real defect of the row
-# (db_291/db_314/db_326 are in two containers). Anything else quarantined is a regression. Steps the
-# env refused inside an episode that goes on are masked, not quarantined (alfworld_53 `End of the
-# task.`, textcraft_205's prose turns, textcraft_251 `get` without a count: all answered with the
-# env's refusal, all followed by a recovery; tests/test_grounding.py).
-FIXTURE_QUARANTINE = {
-    ("mind2web_46", "invalid_action"): 1,        # its one action, operation `SET`, is not CLICK/TYPE/SELECT
-    ("db_291", "incomplete_episode"): 2,         # ends on an Operation that never ran, no Answer
-    ("db_314", "incomplete_episode"): 2,
-    ("db_326", "action_loop"): 2,                # the same INSERT, refused with the same MySQL error, six times
-}
+from tests.support.paths import FIXTURE_SOURCES, RAW  # noqa: E402
 
 
 def pytest_addoption(parser):
     parser.addoption("--fuzz-records", type=int, default=3000,
-                     help="records the fuzz suite generates (tests/test_fuzz.py); 10000+ for the full run")
+                     help="records the fuzz suite generates (tests/e2e/test_fuzz.py); 10000+ for the full run")
 
 
 @pytest.fixture(scope="session")
@@ -61,6 +38,16 @@ def fuzz_records(request) -> int:
 def raw_dir() -> Path:
     assert RAW.is_dir(), f"fixtures not found at {RAW} (set TRAJFORGE_FIXTURES)"
     return RAW
+
+
+@pytest.fixture
+def serve():
+    """Loopback servers of AgentGym's protocol (tests/support/agentgym_server.py): serve(**kwargs)
+    starts one and returns (server, url); all are stopped after the test."""
+    from tests.support.agentgym_server import guess_servers
+
+    with guess_servers() as start:
+        yield start
 
 
 @pytest.fixture(scope="session")

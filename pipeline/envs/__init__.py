@@ -9,7 +9,7 @@ trajectory recorded under its name, and for evaluation its held-out split, the o
 steps and the random policy's moves. An `EnvSpec` answers them; each module of this package defines
 `SPECS`, the specs of the envs it is the home of, and `specs()` finds them (so adding an
 environment is adding one module here, plus its runtime module if it runs in-process). Nothing
-outside an env's own modules names it (tests/test_env_specs.py checks that).
+outside an env's own modules names it (tests/envs/test_env_specs.py checks that).
 
 Envs come in two kinds: those that run (a `runtime` class with reset/step/close, in
 `pipeline/synth/envs/`), and those only recorded (AgentInstruct/AgentGym trajectories: a grammar and

@@ -1,4 +1,4 @@
-"""A seeded generator of hostile inputs made from the real fixture rows (tests/test_fuzz.py uses it).
+"""A seeded generator of hostile inputs made from the real fixture rows (tests/e2e/test_fuzz.py uses it).
 
 Every source's fixture rows are copied, given unique ids, mutated (record-level: wrong types,
 roles that are dicts or lists, nesting thousands deep, unpaired surrogates, huge turns, ...),

@@ -19,7 +19,19 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# A second template family: plain-text headers, a default system prompt when there is none,
+# and a different end-of-turn text; the masks must follow whatever the template renders.
+HEADERS = (
+    "{% if messages[0]['role'] != 'system' %}### System:\nYou are an agent.\n\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}### Assistant:\n{{ m['content'] }}<|endoftext|>\n\n"
+    "{% else %}### {{ m['role'] | capitalize }}:\n{{ m['content'] }}\n\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}### Assistant:\n{% endif %}"
+)
+END_OF_TURN = {CHATML: "<|im_end|>\n", HEADERS: "<|endoftext|>\n\n"}
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The shipped trainer configs; each trainer has a `<trainer>_tiny.yaml` sized for the tiny model on CPU.
+CONFIGS = Path(__file__).resolve().parents[2] / "training" / "configs"
 
 
 def fixture_texts(build_dir: Path) -> list[str]:
@@ -126,3 +138,26 @@ def fit_texts(model_dir: Path, texts: list[str], out: Path, steps: int, max_leng
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def launch(trainer: str, tiny: Path, build: Path, out: Path, *overrides: str) -> None:
+    """`trajforge train TRAINER` as a user runs it: its tiny config, the tiny model, a build, overrides."""
+    from trajforge.flows.cli import main
+
+    assert main(["train", trainer, "--config", str(CONFIGS / f"{trainer}_tiny.yaml"),
+                 "--model_name_or_path", str(tiny), "--dataset_name", str(build),
+                 "--output_dir", str(out), *overrides]) == 0
+
+
+def labelled_runs(tokenizer, labels: list[int]) -> list[str]:
+    """Decode each maximal run of trained tokens on its own."""
+    from trajforge.training.data import IGNORE
+
+    runs, current = [], []
+    for label in labels + [IGNORE]:
+        if label != IGNORE:
+            current.append(label)
+        elif current:
+            runs.append(tokenizer.decode(current, skip_special_tokens=False))
+            current = []
+    return runs

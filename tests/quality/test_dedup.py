@@ -1,0 +1,199 @@
+"""Dedup and decontamination on the real fixtures: the known cross-source pairs are found, repeated
+ids with different content are not merged, the duplicate map explains every drop, counts add up."""
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import Counter
+from dataclasses import replace
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.support.oracles import deduplicate, fold, jaccard
+from tests.support.paths import FIXTURE_SOURCES
+from trajforge.pipeline.build import BuildConfig, finalize, process_unit
+from trajforge.pipeline.quality.dedup import (
+    Contamination,
+    DedupConfig,
+    decontaminate,
+    dedup_group,
+    dedup_texts,
+    exact_key,
+    read_eval_tasks,
+    shingles,
+    signatures,
+)
+from trajforge.schemas import validator
+from trajforge.sources import get_source
+
+
+@pytest.fixture(scope="module")
+def build(fixtures_build):
+    report = json.loads((fixtures_build / "report.json").read_text())
+    sft = pq.read_table(fixtures_build / "data" / "sft").to_pylist()
+    dups = pq.read_table(fixtures_build / "duplicates.parquet").to_pylist()
+    return report, sft, dups
+
+
+def test_cross_source_pairs_are_found_and_the_upstream_row_is_kept(build):
+    report, sft, dups = build
+    by_id = {d["id"]: d for d in dups}
+    for item in ("movie_124", "sciworld_2200"):
+        # The converted OpenManus-RL copies (three files hold the same rows) point at AgentTraj-L's row,
+        # which has the upstream loss flags.
+        copies = [d for d in dups if d["source"] == "openmanus_rl" and d["source_id"] == item]
+        assert len(copies) == 3
+        assert {d["kept_id"] for d in copies} == {f"agenttraj_l/{item}"}
+        assert f"agenttraj_l/{item}" in {r["id"] for r in sft}
+    assert by_id["openmanus_rl/todo_0"]["kept_id"] == "agenttraj_l/todo_0"  # the verl parquet's todo rows
+    clusters = {c["kept_id"]: c for c in report["duplicates"]["cross_source_clusters"]}
+    assert set(clusters) == {"agenttraj_l/movie_124", "agenttraj_l/sciworld_2200", "agenttraj_l/todo_0"}
+    assert all(c["sources"] == ["agenttraj_l", "openmanus_rl"] for c in clusters.values())
+
+
+def test_nothing_else_is_merged(build):
+    report, sft, dups = build
+    # Every drop is the same upstream row under another id suffix, file or mirror: same source_id.
+    kept_source_id = {r["id"]: r["source_id"] for r in sft}
+    assert all(kept_source_id[d["kept_id"]] == d["source_id"] for d in dups)
+    assert {d["match"] for d in dups} == {"exact"}
+    # The repeated maze id holds two different trajectories: both stay.
+    assert {"agenttraj_l/lmrlgym_maze_18", "agenttraj_l/lmrlgym_maze_18~2"} <= {r["id"] for r in sft}
+    # AgentInstruct db: db.jsonl and db-sample.parquet are the same 20 rows (17 valid: db_291, db_314
+    # and db_326 are quarantined in both), ADP's content-only copy overlaps 6 of them; the rows with
+    # upstream loss flags are kept.
+    db = [d for d in dups if d["source"] == "agentinstruct"]
+    assert Counter(d["source_file"] for d in db) == {"db.jsonl": 17, "adp_role_content/db.json": 6}
+    assert all(d["kept_id"].split("/")[1].startswith("db_") for d in db)
+    assert {r["loss_flags"] for r in sft if r["id"] in {d["kept_id"] for d in db}} == {"upstream"}
+
+
+def test_a_published_id_is_suffixed_only_after_published_twins(build):
+    """Ids are made unique after dedup: `x~n` is published only with x, x~2 ... x~(n-1), never
+    because a dropped copy of x was counted (the fixtures' AgentInstruct db rows in three files)."""
+    report, sft, dups = build
+    published = {r["id"] for r in sft}
+    for record_id in published:
+        base, _, n = record_id.rpartition("~")
+        if base and n.isdigit():
+            assert {base, *(f"{base}~{k}" for k in range(2, int(n)))} <= published, record_id
+    assert "agenttraj_l/lmrlgym_maze_18~2" in published  # two different trajectories, both kept
+    # The kept db rows (the copies with loss flags) have the plain ids; their dropped copies the suffixes.
+    db_35 = [d for d in dups if d["source_id"] == "db_35"]
+    assert {d["kept_id"] for d in db_35} == {"agentinstruct/db_35"} and "agentinstruct/db_35" in published
+    assert {d["id"] for d in db_35} == {"agentinstruct/db_35~2", "agentinstruct/db_35~3"}
+
+
+def test_duplicate_map_explains_every_drop_and_counts_add_up(build):
+    report, sft, dups = build
+    kept = {r["id"] for r in sft}
+    assert all(d["kept_id"] in kept and d["id"] not in kept for d in dups)
+    assert len({d["id"] for d in dups}) == len(dups)
+    for row in dups:
+        assert not list(validator("duplicates").iter_errors(row))
+    total = report["total"]
+    assert total["read"] == total["written"] + total["quarantined"] + total["duplicates"]
+    for name, entry in report["sources"].items():
+        assert entry["read"] == entry["written"] + entry["quarantined"] + entry["duplicates"], name
+        for file, counts in entry["files"].items():
+            assert counts["read"] == counts["written"] + counts["quarantined"] + counts["duplicates"], file
+    assert len(sft) == total["written"] and len(dups) == total["duplicates"]
+    assert report["duplicates"]["by_source"] == dict(Counter(d["source"] for d in dups))
+
+
+def test_dedup_is_deterministic_and_the_preference_does_not_depend_on_order(merged):
+    assert deduplicate(merged) == deduplicate(merged)
+    kept, dups = deduplicate(merged)
+    kept2, dups2 = deduplicate(list(reversed(merged)))
+    # Build order only breaks ties between equally preferred rows (same source, same loss flags).
+    describe = lambda rows: Counter((r["source"], r["source_id"], r["loss_flags"]) for r in rows)  # noqa: E731
+    assert describe(kept) == describe(kept2)
+    assert len(dups) == len(dups2)
+
+
+def test_near_duplicate_of_a_reworded_row_is_found(merged):
+    original = next(r for r in merged if r["id"] == "agenttraj_l/sciworld_2200")
+    turns = [dict(t) for t in original["conversations"]]
+    first = next(i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"])
+    turns[first] = {**turns[first], "thought": turns[first]["thought"] + " Let me be careful here."}
+    edited = {**original, "id": "synthetic/sciworld_2200_edit", "source": "synthetic", "conversations": turns}
+    edited_text, original_text = dedup_texts([edited, original])
+    assert exact_key(dedup_group(edited), edited_text) != exact_key(dedup_group(original), original_text)
+    kept, dups = deduplicate([original, edited], DedupConfig(threshold=0.8))
+    assert [d["id"] for d in dups] == [edited["id"]]
+    assert dups[0]["match"] == "near" and 0.8 <= dups[0]["similarity"] < 1
+    assert deduplicate([original, edited], DedupConfig(near=False))[1] == []
+
+
+@pytest.mark.parametrize("backend", ["numpy", "datasketch"])
+def test_signature_estimates_jaccard(backend):
+    sets = [shingles(t.split(), 3) for t in
+            ("a b c d e f g h i j k l m n o p", "a b c d e f g h i j k l m n o q", "z y x w v u t s")]
+    sig = signatures(sets, DedupConfig(backend=backend, num_perm=256))
+    estimate = (sig[0] == sig[1]).mean()
+    assert abs(estimate - jaccard(sets[0], sets[1])) < 0.15
+    assert (sig[0] == sig[2]).mean() < 0.1
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError):
+        DedupConfig(threshold=0)
+    with pytest.raises(ValueError):
+        DedupConfig(bands=20, rows=10)
+    with pytest.raises(ValueError):
+        DedupConfig(bands=4, rows=None)
+
+
+def test_decontamination_quarantines_overlapping_tasks(tmp_path, fixtures_build):
+    sft = pq.read_table(fixtures_build / "data" / "sft").to_pylist()
+    target = next(r for r in sft if r["id"] == "agenttraj_l/webshop_1418")
+    tasks = tmp_path / "eval_tasks.txt"
+    # An evaluation task that embeds the row's task in other words, and an unrelated short one.
+    tasks.write_text(f"Eval: {target['task'].upper()}  (test split)\nbuy a hat\n")
+    index = Contamination(read_eval_tasks(tasks), n=8)
+    clean, removed = decontaminate(sft, index)
+    assert [r["id"] for r, _ in removed] == [target["id"]]
+    assert len(clean) == len(sft) - 1
+
+    staging = tmp_path / "staging"
+    units = [process_unit(name, f, staging, BuildConfig())
+             for name, location in FIXTURE_SOURCES.items() for f in get_source(name).files(location)]
+    out = tmp_path / "out"
+    report = finalize(units, out, replace(BuildConfig(), decontaminate=str(tasks)))
+    quarantine = pq.read_table(out / "quarantine" / "quarantine.parquet").to_pylist()
+    [entry] = [q for q in quarantine if q["reason"] == "contaminated"]
+    assert entry["source_id"] == "webshop_1418" and "evaluation task #0" in entry["detail"]
+    total = report["total"]
+    assert total["reasons"]["contaminated"] == 1
+    assert total["read"] == total["written"] + total["quarantined"] + total["duplicates"]
+    assert target["id"] not in {r["id"] for r in pq.read_table(out / "data" / "sft").to_pylist()}
+
+
+def test_eval_task_files_in_json_forms(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps(["task one here", {"task": "task two"}]))
+    (tmp_path / "b.jsonl").write_text('{"instruction": "task three"}\n"task four"\n')
+    assert read_eval_tasks(tmp_path / "a.json") == ["task one here", "task two"]
+    assert read_eval_tasks(tmp_path / "b.jsonl") == ["task three", "task four"]
+
+
+def test_keep_rank_is_stated_by_every_source():
+    from trajforge.sources import REGISTRY, KeepRank, Source, keep_rank
+
+    assert {name: keep_rank(name) for name in REGISTRY} == {
+        "agentinstruct": KeepRank.ORIGINAL, "agent_flan": KeepRank.ORIGINAL, "agenttraj_l": KeepRank.ORIGINAL,
+        "openmanus_rl": KeepRank.RE_RELEASE, "synthetic": KeepRank.SYNTHETIC}
+    with pytest.raises(TypeError, match="must state its keep_rank"):
+        type("Unranked", (Source,), {"name": "unranked"})
+
+
+def test_dedup_texts_tokenize_as_fold_does_on_every_kind_of_text():
+    """ASCII text is tokenized by polars' regex, other text by `fold`'s: the same tokens either way."""
+    rng = random.Random(0)
+    alphabet = [chr(c) for c in range(128)] + list("éİ²–ﬁ\u0301\u00a0\u2028")
+    tasks = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(3000)]
+    records = [{"task": task, "conversations": []} for task in tasks]
+    for task, text in zip(tasks, dedup_texts(records)):
+        assert text.tokens == "\x1f".join(fold(task))
+        assert text.words.split() == [t for t in fold(task) if re.fullmatch(r"\w+", t)]

@@ -1,0 +1,162 @@
+"""The columnar dedup (key table, band group-by, verification, keep choice) and the negative pools:
+the same decisions as the in-memory dedup and the full-scan pools on the real fixtures, and the
+rules themselves on small hand-made cases."""
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+
+from tests.support.oracles import deduplicate, deduplicate_in_memory, jaccard, make_negatives
+from trajforge.pipeline.quality import dedup_table
+from trajforge.pipeline.quality.dedup import DedupConfig, dedup_texts, shingles
+from trajforge.pipeline.quality.dedup_table import (
+    band_keys,
+    band_pairs,
+    near_matrices,
+    record_keys,
+    resolve,
+    sketch_similarity,
+    verify_chunks,
+)
+from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig
+from trajforge.pipeline.quality.pools import EnvPools
+
+
+@pytest.mark.parametrize("threshold", [0.85, 0.6, 0.4])
+def test_same_duplicate_map_as_the_in_memory_dedup_on_the_fixtures(merged, threshold):
+    config = DedupConfig(threshold=threshold)
+    kept, dups = deduplicate(merged, config)
+    kept_table, dups_table = deduplicate_in_memory(merged, config, batch=50)
+    assert dups, "the fixtures hold known duplicates"
+    assert dups_table == dups
+    assert [r["id"] for r in kept_table] == [r["id"] for r in kept]
+
+
+def test_batching_does_not_change_the_keys(merged):
+    whole = record_keys(merged, 0)
+    parts = pl.concat([record_keys(merged[i:i + 7], i) for i in range(0, len(merged), 7)])
+    assert whole.equals(parts)
+
+
+def test_band_keys_equal_exactly_when_the_band_values_do():
+    sigs = np.array([[1, 2, 3, 4], [1, 2, 9, 9], [9, 9, 3, 4], [2, 1, 4, 3]], dtype=np.uint32)
+    keys = band_keys(sigs, bands=2, rows=2)
+    assert keys.shape == (4, 2) and keys.dtype == np.uint64
+    assert keys[0, 0] == keys[1, 0] and keys[0, 1] == keys[2, 1]
+    assert keys[0, 0] != keys[2, 0] and keys[0, 1] != keys[1, 1]
+    # Order inside a band matters: (1, 2) is not (2, 1).
+    assert keys[3, 0] != keys[0, 0] and keys[3, 1] != keys[0, 1]
+
+
+def candidate_pairs(groups, bands):
+    """Every band's candidate batches, as the build's band steps make them."""
+    for band in range(bands.shape[1]):
+        yield from band_pairs(groups, bands, band)
+
+
+def _pairs(groups: list[int], bands: list[list[int]]) -> list[tuple[int, int]]:
+    return [pair for a, b in candidate_pairs(np.array(groups), np.array(bands, dtype=np.uint64))
+            for pair in zip(a.tolist(), b.tolist())]
+
+
+def test_band_grouping_pairs_records_that_share_a_band_within_a_group_once():
+    pairs = _pairs([0, 0, 0, 1, 0], [[1, 2], [1, 2], [5, 2], [1, 2], [7, 8]])
+    # 0-1 share both bands but appear once; 3 has the same keys in another group; 4 shares nothing.
+    assert sorted(pairs) == [(0, 1), (0, 2), (1, 2)]
+
+
+def test_a_bucket_larger_than_a_batch_comes_in_blocks_with_every_pair_once(monkeypatch):
+    monkeypatch.setattr(dedup_table, "PAIR_BATCH", 50)
+    batches = list(candidate_pairs(np.zeros(40, dtype=np.int64), np.full((40, 1), 7, dtype=np.uint64)))
+    assert len(batches) > 10 and max(len(a) for a, _ in batches) <= 50 + 40
+    pairs = [pair for a, b in batches for pair in zip(a.tolist(), b.tolist())]
+    assert sorted(pairs) == [(a, b) for a in range(40) for b in range(a + 1, 40)]
+
+
+def test_sketches_estimate_the_jaccard_of_the_fixture_pairs(merged):
+    """The screen's premise: on real trajectories the sketch similarity is close to the true
+    Jaccard, and no pair at or above the threshold falls below threshold - SKETCH_MARGIN."""
+    config = DedupConfig()
+    keys = record_keys(merged, 0, config)
+    _, sketch = near_matrices(keys, config)
+    sets = [shingles(t.words.split(), config.shingle_size) for t in dedup_texts(merged)]
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, len(merged), 3000), rng.integers(0, len(merged), 3000)
+    similar = [(i, j) for i in range(len(merged)) for j in range(i + 1, len(merged))
+               if len(sets[i] & sets[j]) * 2 > len(sets[i])]
+    a = np.concatenate([a, [i for i, _ in similar]]).astype(np.int64)
+    b = np.concatenate([b, [j for _, j in similar]]).astype(np.int64)
+    estimate = sketch_similarity(sketch, a, b)
+    true = np.array([jaccard(sets[i], sets[j]) for i, j in zip(a.tolist(), b.tolist())])
+    assert (true >= 0.85).sum() > 10, "the fixtures hold near duplicates"
+    assert np.abs(estimate - true).mean() < 0.01
+    assert (estimate[true >= 0.85] >= 0.85 - dedup_table.SKETCH_MARGIN).all()
+
+
+def test_verification_chunks_hold_at_most_a_batch_of_records_and_cover_every_pair(monkeypatch):
+    monkeypatch.setattr(dedup_table, "VERIFY_BATCH", 9)
+    pairs = np.array([(i, j) for i in range(0, 60) for j in range(i + 1, 60, 7)], dtype=np.int64)
+    chunks = list(verify_chunks(pairs))
+    assert len(chunks) > 5 and max(len(rows) for rows, _ in chunks) <= 9 + 1
+    assert [tuple(rows[p]) for rows, local in chunks for p in local.tolist()] == [tuple(p) for p in pairs.tolist()]
+
+
+def test_resolve_drops_for_the_most_similar_kept_record_and_never_chains():
+    # 1 is near 0; 2 is near 1 only (1 is dropped, so 2 stays); 3 is near 0 and 2, more to 2.
+    verified = [(0, 1, 0.9), (1, 2, 0.9), (0, 2, 0.5), (0, 3, 0.86), (2, 3, 0.95)]
+    assert resolve(verified, 0.85) == {1: (0, 0.9), 3: (2, 0.95)}
+    # Ties go to the better-ranked record; pairs below the threshold never merge.
+    assert resolve([(1, 4, 0.9), (0, 4, 0.9), (2, 5, 0.84)], 0.85) == {4: (0, 0.9)}
+
+
+def test_candidates_are_verified_by_the_true_jaccard(merged):
+    """With one row per band every record sharing any single signature value is a candidate: many
+    false positives, which the Jaccard check must reject, so the map is the in-memory one."""
+    loose = DedupConfig(bands=64, rows=1)
+    kept, dups = deduplicate(merged, loose)
+    assert deduplicate_in_memory(merged, loose)[1] == dups
+    keys = record_keys(merged, 0, loose)
+    bands, _ = near_matrices(keys, loose)
+    groups = keys["group"].rank("dense").to_numpy()
+    assert sum(len(a) for a, _ in candidate_pairs(groups, bands)) > 5 * len(dups)
+
+
+def test_pools_give_the_same_negatives_as_the_full_scan(merged):
+    config = NegativesConfig(rates=dict.fromkeys(NEGATIVE_TYPES, 1.0))
+    made = make_negatives(merged, config)
+    assert {n["negative_type"] for n in made} >= {"wrong_answer", "irrelevant_tools"}
+    assert make_negatives(merged, config, EnvPools.of(merged)) == made
+
+
+def _tool(env: str, prompt: str, answer: str | None = None) -> dict:
+    return {"kind": "positive", "env": env, "domain": "tool", "answer": answer,
+            "conversations": [{"role": "user", "content": prompt}]}
+
+
+def test_pools_are_bounded_deterministic_and_exclude_the_own_prompt_and_answer():
+    records = [_tool("weather", f"w{i}", answer=f"a{i % 5}") for i in range(50)] + [_tool("todo", "t1"),
+                                                                                  _tool("todo", "t2")]
+    pools = EnvPools.of(records, max_answers=3)
+    assert pools.wrong_answers("weather", "a1") == ["a0", "a2"]
+    assert pools.wrong_answers("movie", None) == []
+    assert pools.tool_prompts_of_other_envs("movie", "x") == [("todo", "t2"), ("weather", "w49")]
+    # A record whose own prompt is the last one of an env gets that env's previous, different one.
+    assert pools.tool_prompts_of_other_envs("movie", "t2") == [("todo", "t1"), ("weather", "w49")]
+    assert pools.tool_prompts_of_other_envs("todo", "w49") == [("weather", "w48")]
+    assert EnvPools.of(records, max_answers=3) == pools
+    assert EnvPools.of([{**r, "kind": "negative"} for r in records]).answers == {}
+
+
+@pytest.mark.parametrize("parts", [2, 3, 7])
+def test_pools_of_units_merged_in_order_equal_the_pool_of_all_records(merged, parts):
+    """A build fills one pool per unit and merges them: the result must be the one-pass pool, also
+    when the answer cap bites inside a unit and a unit holds one tool prompt only."""
+    records = merged + [_tool("weather", f"w{i % 3}", answer=f"a{i}") for i in range(40)] + [_tool("todo", "t1")]
+    for cap in (3, 1024):
+        whole = EnvPools.of(records, max_answers=cap)
+        combined = EnvPools(max_answers=cap)
+        size = -(-len(records) // parts)
+        for start in range(0, len(records), size):
+            combined.merge(EnvPools.of(records[start:start + size], max_answers=cap))
+        assert combined == whole
