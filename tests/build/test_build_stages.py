@@ -15,8 +15,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES, RAW
 from tests.support.fuzz_corpus import generate
+from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES, RAW
 from trajforge.pipeline.build import BuildConfig, UnitResult, process_unit, unit_key
 from trajforge.pipeline.build.assemble import key_table
 from trajforge.pipeline.build.global_stages import GLOBAL_STAGES, QUARANTINE, StagedBuild, run_global_stages, tally_of

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.support.paths import RAW, REPO
 
+from tests.support.paths import RAW, REPO
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 from trajforge.pipeline.publish.manifest import read_manifest
 from trajforge.sources import get_source
