@@ -159,14 +159,15 @@ class Step:
 
 def action_contexts(record: dict) -> Iterator[tuple[int, dict, Context]]:
     """Every assistant turn with an action, and what the agent had seen before it."""
-    seen = ""
+    seen: list[str] = []
     turns = record["conversations"]
     for i, turn in enumerate(turns):
         if turn["role"] != "assistant":
-            seen = f"{seen}\n{turn['content']}" if seen else turn["content"]
+            if seen or turn["content"]:
+                seen.append(turn["content"])
         elif turn["action"] is not None:
             observation = turns[i - 1]["content"] if i and turns[i - 1]["role"] == "user" else ""
-            yield i, turn, Context(seen, observation, turn["dialect"])
+            yield i, turn, Context(tuple(seen), observation, turn["dialect"])
 
 
 def reply_to(turns: list[dict], i: int) -> str | None:
