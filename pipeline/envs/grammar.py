@@ -37,9 +37,27 @@ INVENTED_VERBS = ("teleport", "levitate", "summon", "conjure")
 @dataclass(frozen=True)
 class Context:
     """What an action is checked against: the turns the agent saw before it."""
-    prompt: str              # every system/user turn before the action, joined
+    seen: tuple[str, ...]    # every system/user turn before the action, from the first non-empty one
     observation: str         # the user turn right before the action ("" if none)
     dialect: str | None = None  # how the turn wrote the action (tool calls have several forms)
+
+    # Joined only when a grammar reads it (tool, KG, Mind2Web): joining every action's growing
+    # prompt costs as much as checking the action.
+    @functools.cached_property
+    def prompt(self) -> str:
+        """The turns seen, joined by newlines."""
+        return "\n".join(self.seen)
+
+    @functools.cached_property
+    def tools(self) -> dict[str, list[str]]:
+        """`offered_tools(self.prompt)`, read turn by turn (each turn's listing is read once, not once
+        per action after it), unless a listing may run on from one turn into the next."""
+        if any(map(_open_listing, self.seen)):
+            return offered_tools(self.prompt)
+        tools: dict[str, list[str]] = {}
+        for turn in self.seen:
+            tools.update(offered_tools(turn))
+        return tools
 
 
 @dataclass(frozen=True)
@@ -180,9 +198,9 @@ _AGENTGYM_TOOL_LIST = re.compile(r"^Name:\s*([\w.\-]+)\(([^)]*)\)", re.M)
 _WORD = re.compile(r"[\w.\-]+")
 
 
-# Read four times per action (whether the tool is offered, its parameters; when validating and when
-# counting): one scan of the prompt. Callers only read the mapping.
-@functools.lru_cache(maxsize=64)
+# Read for each turn of the prompt before every action (`Context.tools`): one scan of a turn.
+# Callers only read the mapping.
+@functools.lru_cache(maxsize=256)
 def offered_tools(prompt: str) -> dict[str, list[str]]:
     """The tools an AgentGym tool prompt lists (`Name: get_tasks(project_id)`) with their parameters."""
     return {m.group(1): [p.strip() for p in m.group(2).split(",") if p.strip()]
@@ -201,15 +219,26 @@ def _tool_listings(prompt: str):
             yield m
 
 
-def tool_offered(name: str, prompt: str) -> bool:
+def _open_listing(text: str) -> bool:
+    """Whether a `Name:` line of `text` has no `)` after it: the only listing text that follows may
+    change (a match never reads past the first `)` after its start)."""
+    at = text.find("Name:", text.rfind(")") + 1)
+    while at >= 0:
+        if at == 0 or text[at - 1] == "\n":
+            return True
+        at = text.find("Name:", at + 1)
+    return False
+
+
+def tool_offered(name: str, context: Context) -> bool:
     """AgentGym prompts list every tool (`Name: f(...)`): only those. ToolBench / Agent-FLAN prompts
     describe their APIs in several layouts (`{'name': 'f', ...}` of tool "t", `t.f: This is the
     subfunction ...`, a plain list) but always name them: the name, or `t.f` with both t and f named,
     must appear in the prompt as a whole word (`Finish` included, where the prompt offers it)."""
-    listed = offered_tools(prompt)
+    listed = context.tools
     if listed:
         return name in listed
-    words = set(_WORD.findall(prompt))
+    words = set(_WORD.findall(context.prompt))
     tool, _, function = name.partition(".")
     return name in words or bool(function and tool in words and function in words)
 
@@ -253,12 +282,12 @@ def check_tool_call(action: str, context: Context) -> Breach | None:
     name, args = tool_call(action, context.dialect)
     if name is None:
         return Breach("tool.syntax", f"{action[:120]!r} is not a tool call with arguments")
-    if not tool_offered(name, context.prompt):
+    if not tool_offered(name, context):
         return Breach("tool.unknown_tool", f"{name!r} is not a tool the prompt offers")
     parsed = parse_arguments(args or "")
     if parsed is None:
         return Breach("tool.arguments", f"{name}: the arguments {(args or '')[:100]!r} are not an object")
-    params = offered_tools(context.prompt).get(name)
+    params = context.tools.get(name)
     unknown = sorted(set(parsed) - set(params)) if params is not None else []
     if unknown:
         return Breach("tool.parameters", f"{name} takes {params}, not {unknown}")
@@ -278,7 +307,7 @@ def break_tool_call(action: str, context: Context) -> dict[str, str]:
         return {"tool.arguments": text}
     sep = " with Action Input: " if context.dialect == "action_input" else "\nAction Input: "
     out = {"tool.arguments": f"{name}{sep}{{{(args or '').strip()[1:-1]}"}
-    if name in offered_tools(context.prompt):
+    if name in context.tools:
         out["tool.parameters"] = f"{name}{sep}" + json.dumps({"teleport_to": "moon"})
     return out
 

@@ -73,24 +73,35 @@ def _turns(row: dict) -> list[dict]:
         raise NormalizeError("wrong_type", f"{key} is {type(raw_turns).__name__}, not a list")
     if not raw_turns:
         raise NormalizeError("empty_conversation")
-    turns = []
-    for i, turn in enumerate(raw_turns):
-        if not isinstance(turn, dict):
-            raise NormalizeError("wrong_type", f"turn {i} is {type(turn).__name__}")
-        extra = set(turn) - TURN_KEYS
-        if extra:
-            raise NormalizeError("unexpected_keys", f"turn {i} has {sorted(extra)}")
-        role = turn.get("role", turn.get("from"))
-        content = turn.get("content", turn.get("value"))
-        if not isinstance(role, str) or role not in ROLE_NAMES:
-            raise NormalizeError("unknown_role", f"turn {i} role {role!r}"[:300])
-        if not isinstance(content, str):
-            raise NormalizeError("wrong_type", f"turn {i} content is {type(content).__name__}")
-        loss = turn.get("loss")
-        if loss is not None and not isinstance(loss, bool):
-            raise NormalizeError("wrong_type", f"turn {i} loss is {type(loss).__name__}")
-        turns.append({"role": ROLE_NAMES[role], "content": content, "loss": loss})
-    return turns
+    return [_turn(i, turn) for i, turn in enumerate(raw_turns)]
+
+
+def _turn(i: int, turn) -> dict:
+    """Upstream turn `i` as {role, content, loss}, whichever key names it uses."""
+    if not isinstance(turn, dict):
+        raise NormalizeError("wrong_type", f"turn {i} is {type(turn).__name__}")
+    if not TURN_KEYS.issuperset(turn):
+        raise NormalizeError("unexpected_keys", f"turn {i} has {sorted(set(turn) - TURN_KEYS)}")
+    role = turn.get("role", turn.get("from"))
+    content = turn.get("content", turn.get("value"))
+    if not isinstance(role, str) or role not in ROLE_NAMES:
+        raise NormalizeError("unknown_role", f"turn {i} role {role!r}"[:300])
+    if not isinstance(content, str):
+        raise NormalizeError("wrong_type", f"turn {i} content is {type(content).__name__}")
+    loss = turn.get("loss")
+    if loss is not None and not isinstance(loss, bool):
+        raise NormalizeError("wrong_type", f"turn {i} loss is {type(loss).__name__}")
+    return {"role": ROLE_NAMES[role], "content": content, "loss": loss}
+
+
+def _clean(turns: list[dict], max_chars: int) -> None:
+    """Clean each turn's content in place (`clean_text`); too long or empty after it is an error."""
+    for i, turn in enumerate(turns):
+        if len(turn["content"]) > max_chars:
+            raise NormalizeError("too_long", f"turn {i} has {len(turn['content'])} chars (max {max_chars})")
+        turn["content"] = clean_text(turn["content"])
+        if not turn["content"]:
+            raise NormalizeError("empty_turn", f"turn {i} ({turn['role']}) is empty after cleaning")
 
 
 def _spec_field(env: str, name: str):
@@ -104,11 +115,7 @@ def _task_index(turns: list[dict], env: str) -> tuple[int, int]:
     first_user = next((i for i, t in enumerate(turns) if t["role"] == "user"), None)
     if first_user is None:
         raise NormalizeError("no_user_turn")
-    # The instruction turn may be followed by an acknowledgement ("Ok.") and then the task.
-    after_ack = first_user + 2
-    default = after_ack if (after_ack < len(turns) and turns[first_user + 1]["role"] == "assistant"
-                            and turns[after_ack]["role"] == "user"
-                            and parse_turn(turns[first_user + 1]["content"]).dialect == FREE_TEXT) else first_user
+    default = _after_acknowledgement(turns, first_user)
     marker = _spec_field(env, "task_start")
     if marker is None:
         return default, 0
@@ -118,6 +125,16 @@ def _task_index(turns: list[dict], env: str) -> tuple[int, int]:
     task_at = starts[-1]
     demo_from = default if default > first_user else first_user + 1
     return task_at, task_at - demo_from
+
+
+def _after_acknowledgement(turns: list[dict], first_user: int) -> int:
+    """The task's turn when no marker says: the instruction turn may be followed by an
+    acknowledgement ("Ok.", an assistant turn with no action) and then the task."""
+    ack, task = first_user + 1, first_user + 2
+    if (task < len(turns) and turns[ack]["role"] == "assistant" and turns[task]["role"] == "user"
+            and parse_turn(turns[ack]["content"]).dialect == FREE_TEXT):
+        return task
+    return first_user
 
 
 def _task_text(content: str, env: str) -> str:
@@ -141,55 +158,58 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
     if domain_env is None:
         raise NormalizeError("unknown_env", f"split {split!r}, id {source_id!r}")
     domain, env = domain_env
-    for i, turn in enumerate(turns):
-        if len(turn["content"]) > config.max_turn_chars:
-            raise NormalizeError("too_long", f"turn {i} has {len(turn['content'])} chars (max {config.max_turn_chars})")
-        turn["content"] = clean_text(turn["content"])
-        if not turn["content"]:
-            raise NormalizeError("empty_turn", f"turn {i} ({turn['role']}) is empty after cleaning")
-
+    _clean(turns, config.max_turn_chars)
     task_at, demo_turns = _task_index(turns, env)
     upstream_loss = any(t["loss"] is not None for t in turns)
-    conversations = []
-    for i, turn in enumerate(turns):
-        is_demo = task_at - demo_turns <= i < task_at
-        out: Turn = {"role": turn["role"], "content": turn["content"], "loss": False,
-                     "thought": None, "action": None, "reasoning": None, "dialect": None}
-        if turn["role"] == "assistant":
-            try:
-                parsed = parse_turn(turn["content"])
-            except ParseError as exc:
-                raise NormalizeError("unparsed_assistant_turn", f"turn {i}: {exc}") from None
-            out.update(thought=parsed.thought, action=parsed.action, dialect=parsed.dialect)
-            if is_demo:
-                out["loss"] = False
-            elif upstream_loss:
-                out["loss"] = bool(turn["loss"])
-            else:
-                # No upstream flags: the acknowledgement before the task is not trained on.
-                out["loss"] = i >= task_at
-        conversations.append(out)
-
-    assistant = [t for t in conversations if t["role"] == "assistant"]
-    answer = extract_answer(assistant[-1]["action"], assistant[-1]["dialect"]) if assistant else None
-    if assistant and answer is None and assistant[-1]["dialect"] == FREE_TEXT and domain == "tool":
-        answer = assistant[-1]["thought"]
-
-    rendering = "native"
-    if config.rendering == "react":
-        rendering = _render_react(conversations, task_at)
-
-    negative_type = source.negative_type(split, source_id)
-    extra_keys = sorted(set(row) - set(ROW_ID_KEYS) - set(CONVERSATION_KEYS))
+    conversations = _parsed(turns, task_at, demo_turns, upstream_loss)
+    rendering = _render_react(conversations, task_at) if config.rendering == "react" else "native"
     meta = {"source_index": index, "split": split}
+    extra_keys = sorted(set(row).difference(ROW_ID_KEYS, CONVERSATION_KEYS))
     if extra_keys:
         meta["extra_keys"] = extra_keys
     return new_record(
         id=source.record_id(split, source_id), source=source.name, source_id=source_id, source_file=source_file,
-        license=source.license, domain=domain, env=env, negative_type=negative_type, rendering=rendering,
-        loss_flags="upstream" if upstream_loss else "inferred", demo_turns=demo_turns,
-        task=_task_text(turns[task_at]["content"], env) or turns[task_at]["content"], answer=answer,
-        conversations=conversations, meta=meta)
+        license=source.license, domain=domain, env=env, negative_type=source.negative_type(split, source_id),
+        rendering=rendering, loss_flags="upstream" if upstream_loss else "inferred", demo_turns=demo_turns,
+        task=_task_text(turns[task_at]["content"], env) or turns[task_at]["content"],
+        answer=_answer(conversations, domain), conversations=conversations, meta=meta)
+
+
+def _parsed(turns: list[dict], task_at: int, demo_turns: int, upstream_loss: bool) -> list[Turn]:
+    """The record's turns: each assistant turn parsed (thought, action, dialect) and its loss flag
+    set (module doc)."""
+    conversations: list[Turn] = []
+    for i, turn in enumerate(turns):
+        if turn["role"] != "assistant":
+            conversations.append({"role": turn["role"], "content": turn["content"], "loss": False,
+                                  "thought": None, "action": None, "reasoning": None, "dialect": None})
+            continue
+        try:
+            parsed = parse_turn(turn["content"])
+        except ParseError as exc:
+            raise NormalizeError("unparsed_assistant_turn", f"turn {i}: {exc}") from None
+        if task_at - demo_turns <= i < task_at:
+            loss = False
+        elif upstream_loss:
+            loss = bool(turn["loss"])
+        else:
+            # No upstream flags: the acknowledgement before the task is not trained on.
+            loss = i >= task_at
+        conversations.append({"role": "assistant", "content": turn["content"], "loss": loss,
+                              "thought": parsed.thought, "action": parsed.action, "reasoning": None,
+                              "dialect": parsed.dialect})
+    return conversations
+
+
+def _answer(conversations: list[Turn], domain: str) -> str | None:
+    """The final answer of the last assistant turn; a tool agent's final prose reply is its answer."""
+    last = next((t for t in reversed(conversations) if t["role"] == "assistant"), None)
+    if last is None:
+        return None
+    answer = extract_answer(last["action"], last["dialect"])
+    if answer is None and last["dialect"] == FREE_TEXT and domain == "tool":
+        return last["thought"]
+    return answer
 
 
 def _passthrough(row: dict, source: Source) -> dict:
@@ -215,13 +235,18 @@ def _render_react(conversations: list[dict], task_at: int) -> str:
         return "native"
     if any(t["dialect"] == FREE_TEXT and t["loss"] for t in conversations if t["role"] == "assistant"):
         return "native"
-    prompt_turns = [t for t in conversations[:task_at + 1] if t["role"] in ("system", "user")]
+    _ask_for_think_act([t for t in conversations[:task_at + 1] if t["role"] in ("system", "user")], dialects)
+    for turn in action_turns:
+        turn["content"] = render_react(turn["thought"], turn["action"])
+    return "react"
+
+
+def _ask_for_think_act(prompt_turns: list[dict], dialects: set[str]) -> None:
+    """Rewrite the dialects' thought/action keywords in the prompt turns to Think/Act (in place), and
+    ask for that format where no turn names `Act:` after it."""
     for turn in prompt_turns:
         for name in sorted(dialects):
             for old, new in DIALECTS[name].prompt_keywords:
                 turn["content"] = re.sub(rf"(?<![\w]){re.escape(old)}", new, turn["content"])
     if not any("Act:" in t["content"] for t in prompt_turns):
         prompt_turns[0]["content"] += REACT_FORMAT_NOTE
-    for turn in action_turns:
-        turn["content"] = render_react(turn["thought"], turn["action"])
-    return "react"

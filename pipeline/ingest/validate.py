@@ -34,6 +34,8 @@ from trajforge.schemas import first_error
 # An assistant turn that goes on to write the environment's reply itself.
 _MODEL_OBSERVATION = re.compile(
     r"^(?:Observation:|The output of the OS:|\[?Observation\]?\s*:)", re.M)
+# What every match of _MODEL_OBSERVATION contains: a turn with neither is not searched line by line.
+_MODEL_OBSERVATION_WORDS = ("Observation", "The output of the OS:")
 
 
 INVALID_STEPS = ("mask", "drop", "keep")
@@ -120,7 +122,9 @@ def _react_rendering(record: dict, config: ValidateConfig) -> Violation | None:
 
 def _model_written_observation(record: dict, config: ValidateConfig) -> Violation | None:
     for i, turn in enumerate(record["conversations"]):
-        if turn["role"] == "assistant" and turn["loss"] and _MODEL_OBSERVATION.search(turn["content"]):
+        if (turn["role"] == "assistant" and turn["loss"]
+                and any(word in turn["content"] for word in _MODEL_OBSERVATION_WORDS)
+                and _MODEL_OBSERVATION.search(turn["content"])):
             return Violation("model_written_observation", f"turn {i} writes the environment's observation")
     return None
 
@@ -159,14 +163,15 @@ class Step:
 
 def action_contexts(record: dict) -> Iterator[tuple[int, dict, Context]]:
     """Every assistant turn with an action, and what the agent had seen before it."""
-    seen = ""
+    seen: list[str] = []
     turns = record["conversations"]
     for i, turn in enumerate(turns):
         if turn["role"] != "assistant":
-            seen = f"{seen}\n{turn['content']}" if seen else turn["content"]
+            if seen or turn["content"]:
+                seen.append(turn["content"])
         elif turn["action"] is not None:
             observation = turns[i - 1]["content"] if i and turns[i - 1]["role"] == "user" else ""
-            yield i, turn, Context(seen, observation, turn["dialect"])
+            yield i, turn, Context(tuple(seen), observation, turn["dialect"])
 
 
 def reply_to(turns: list[dict], i: int) -> str | None:
@@ -201,30 +206,33 @@ def ground_steps(record: dict, breaches: list[tuple[int, str, Breach]] | None = 
     turns = record["conversations"]
     replies = replies_of(record["env"])
     breached = {i: breach for i, _, breach in (grammar_breaches(record)[1] if breaches is None else breaches)}
-    steps = []
-    for i, turn in enumerate(turns):
-        if turn["role"] != "assistant" or not turn["loss"]:
-            continue
-        reply = reply_to(turns, i)
-        refusal = replies.refusal(reply) if reply is not None else None
-        breach = breached.get(i)
-        if turn["action"] is None:
-            # A turn in no dialect that the env answered with a refusal (AgentGym sends the whole turn).
-            if refusal is not None and turn["dialect"] == FREE_TEXT:
-                steps.append(Step(i, REFUSED, "unparsed_assistant_turn", f"the env answered {refusal}"))
-            continue
-        before = turns[i - 1]["content"] if i and turns[i - 1]["role"] == "user" else ""
-        if breach is None:
-            if refusal is not None:
-                steps.append(Step(i, REFUSED, refusal, f"{turn['action'][:120]!r}: the env answered {refusal}"))
-        elif reply is None:
-            steps.append(Step(i, UNCONFIRMED, breach.rule, breach.detail))
-        elif refusal is not None or reply == before:
-            steps.append(Step(i, REFUSED, breach.rule, f"{breach.detail}; the env answered "
-                                                      f"{refusal or 'with the state unchanged'}"))
-        else:
-            steps.append(Step(i, GRAMMAR_ONLY, breach.rule, f"{breach.detail}; the env answered normally"))
-    return steps
+    steps = (_step(turns, i, replies, breached.get(i)) for i, turn in enumerate(turns)
+             if turn["role"] == "assistant" and turn["loss"])
+    return [step for step in steps if step is not None]
+
+
+def _step(turns: list[dict], i: int, replies: Replies, breach: Breach | None) -> Step | None:
+    """The verdict on trained assistant turn `i` (`breach`: the grammar rule its action breaks), or
+    None when the grammar holds and the env did not refuse it."""
+    turn = turns[i]
+    reply = reply_to(turns, i)
+    refusal = replies.refusal(reply) if reply is not None else None
+    if turn["action"] is None:
+        # A turn in no dialect that the env answered with a refusal (AgentGym sends the whole turn).
+        if refusal is not None and turn["dialect"] == FREE_TEXT:
+            return Step(i, REFUSED, "unparsed_assistant_turn", f"the env answered {refusal}")
+        return None
+    if breach is None:
+        if refusal is not None:
+            return Step(i, REFUSED, refusal, f"{turn['action'][:120]!r}: the env answered {refusal}")
+        return None
+    if reply is None:
+        return Step(i, UNCONFIRMED, breach.rule, breach.detail)
+    before = turns[i - 1]["content"] if i and turns[i - 1]["role"] == "user" else ""
+    if refusal is not None or reply == before:
+        return Step(i, REFUSED, breach.rule, f"{breach.detail}; the env answered "
+                                             f"{refusal or 'with the state unchanged'}")
+    return Step(i, GRAMMAR_ONLY, breach.rule, f"{breach.detail}; the env answered normally")
 
 
 def _action_grammar(record: dict, config: ValidateConfig) -> Violation | None:
@@ -363,9 +371,8 @@ def check_record(record: dict, config: ValidateConfig = ValidateConfig()) -> Che
     checked, breaches = grammar_breaches(record)
     steps = ground_steps(record, breaches)
     refused = [s for s in steps if s.verdict == REFUSED]
-    trained = [i for i, t in enumerate(record["conversations"]) if t["role"] == "assistant" and t["loss"]]
-    if refused and len(refused) == len(trained):
-        return Checked(record, Violation("all_steps_refused", f"the env refused each of the {len(trained)} trained "
+    if refused and len(refused) == sum(1 for t in record["conversations"] if t["role"] == "assistant" and t["loss"]):
+        return Checked(record, Violation("all_steps_refused", f"the env refused each of the {len(refused)} trained "
                                                               f"steps: {', '.join(s.rule for s in refused)}"),
                        checked, len(breaches), steps)
     mask = refused if config.invalid_steps == "mask" else []
@@ -373,10 +380,18 @@ def check_record(record: dict, config: ValidateConfig = ValidateConfig()) -> Che
     # Masking only turns loss flags off and names the steps in meta: the written record still fits
     # the schema, and its steps are the record's less the masked ones. Neither is checked twice.
     still_trained = [s for s in steps if s not in mask]
-    known = {"schema": None, "action_grammar": lambda r, c: _steps_violation(r, still_trained, c)}
-    rules = (known.get(name, rule) for name, rule in RULES.items())
-    return Checked(written, next(filter(None, (rule(written, config) for rule in rules if rule is not None)), None),
-                   checked, len(breaches), steps, len(mask))
+    return Checked(written, _first_violation(written, still_trained, config), checked, len(breaches), steps, len(mask))
+
+
+def _first_violation(record: dict, steps: list[Step], config: ValidateConfig) -> Violation | None:
+    """The first rule a record that fits the schema breaks, its `ground_steps` already known."""
+    known = {"schema": None, "action_grammar": lambda r, c: _steps_violation(r, steps, c)}
+    for name, rule in RULES.items():
+        rule = known.get(name, rule)
+        violation = rule(record, config) if rule is not None else None
+        if violation is not None:
+            return violation
+    return None
 
 
 def validate_record(record: dict, config: ValidateConfig = ValidateConfig()) -> Violation | None:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.oracles import make_negatives
 from tests.support.paths import FIXTURE_SOURCES
-from trajforge.pipeline.envs.grammar import _AGENTGYM_TOOL_LIST, _tool_listings
+from trajforge.pipeline.envs.grammar import _AGENTGYM_TOOL_LIST, Context, _tool_listings, offered_tools
 from trajforge.pipeline.ingest.grammars import GRAMMARS, grammar_for
 from trajforge.pipeline.ingest.normalize import normalize_row
 from trajforge.pipeline.ingest.validate import ValidateConfig, action_contexts, validate_record
@@ -225,3 +225,21 @@ def test_tool_listings_are_the_regex_scan_matches():
                "intro\n\nName:  spaced ( p1 , p2 )\ntext Name: inline(q)\nName: last(r)", "", "Name:"]
     for prompt in prompts:
         assert [m.span() for m in _tool_listings(prompt)] == [m.span() for m in _AGENTGYM_TOOL_LIST.finditer(prompt)]
+
+
+def test_context_tools_turn_by_turn_are_those_of_the_joined_prompt():
+    # Listings within a turn, a listing cut by the end of a turn (its `)` in the next one), a turn
+    # that ends on `Name:`, an empty turn, and the tool prompts of the fixtures.
+    turns = ["Name: a(x)\nName: b(y", "z)\nName: c(w)", "text", "", "Name:", " d(v)", "Name: e(u)\nName: a(t)"]
+    cases = [tuple(turns[:k]) for k in range(len(turns) + 1)] + [tuple(turns[k:]) for k in range(len(turns))]
+    for name, location in FIXTURE_SOURCES.items():
+        source = get_source(name)
+        for f in source.files(location):
+            for raw in iter_rows(f.path, f.label):
+                if raw.error is None:
+                    turns = raw.row.get("conversations") or raw.row.get("conversation") or []
+                    cases.append(tuple(t.get("value", t.get("content", "")) for t in turns if isinstance(t, dict)
+                                       and isinstance(t.get("value", t.get("content")), str)))
+    assert any(Context(seen, "").tools for seen in cases)
+    for seen in cases:
+        assert Context(seen, "").tools == offered_tools("\n".join(seen)), seen
