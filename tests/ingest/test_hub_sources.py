@@ -16,6 +16,7 @@ from huggingface_hub import CommitOperationAdd, HfApi
 
 from tests.support.hub_server import HubServer
 from tests.support.paths import AGENT_FLAN, RAW, REPO
+from trajforge.sources.locate import hub_revision
 
 # Upstream repo -> {path in the repo: local file with that content}.
 UPSTREAM = {
@@ -47,3 +48,12 @@ def test_default_build_reads_the_upstream_repos_from_the_hub(tmp_path, monkeypat
     assert {name: entry["read"] for name, entry in report["sources"].items()} == expected_rows
     files = report["sources"]["agenttraj_l"]["files"]
     assert set(files) == set(UPSTREAM["AgentGym/AgentTraj-L"])
+
+
+def test_hub_revision_comes_from_the_cache_snapshot(tmp_path):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    path = tmp_path / "datasets--THUDM--AgentInstruct" / "snapshots" / commit / "data" / "os.parquet"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"x")
+    assert hub_revision(path) == commit
+    assert hub_revision(tmp_path) is None
