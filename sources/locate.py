@@ -58,8 +58,11 @@ def local_path(location: str | os.PathLike) -> Path:
 
 
 def hub_revision(path: Path) -> str | None:
-    """The Hub commit a downloaded file came from (its HF cache snapshot), None for local files."""
-    match = SNAPSHOT_RE.search(Path(path).resolve().as_posix())
+    """The Hub commit a downloaded file came from (its HF cache snapshot), None for local files.
+
+    The path is made absolute but not resolved: in the cache a snapshot's file is a symlink to
+    blobs/<hash>, which names no commit."""
+    match = SNAPSHOT_RE.search(Path(path).absolute().as_posix())
     return match.group(1) if match else None
 
 
