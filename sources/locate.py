@@ -7,11 +7,13 @@ tried and how to read a local copy instead, rather than after Prefect's start-up
 
 Only light modules are imported here: the CLI runs these checks before Prefect loads. The lowest
 module of `sources`: what a location may hold (the data file suffixes) and the error of an unusable
-one (SourceError) are defined here, for sources/base.py to read the files.
+one (SourceError) are defined here, for sources/base.py to read the files, and which Hub commit a
+downloaded file came from (`hub_revision`), for the provenance of every record read from it.
 """
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 # Seconds to wait for the Hub's answer to one metadata request.
@@ -21,6 +23,8 @@ PARQUET_SUFFIXES = (".parquet",)
 JSON_SUFFIXES = (".json",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 DATA_SUFFIXES = PARQUET_SUFFIXES + JSON_SUFFIXES + JSONL_SUFFIXES
+# A file huggingface_hub downloaded lies in its cache under snapshots/<commit>/.
+SNAPSHOT_RE = re.compile(r"/snapshots/([0-9a-f]{40})/")
 
 
 class SourceError(ValueError):
@@ -51,6 +55,15 @@ def is_local_path(location: str | os.PathLike) -> bool:
 
 def local_path(location: str | os.PathLike) -> Path:
     return Path(location).expanduser()
+
+
+def hub_revision(path: Path) -> str | None:
+    """The Hub commit a downloaded file came from (its HF cache snapshot), None for local files.
+
+    The path is made absolute but not resolved: in the cache a snapshot's file is a symlink to
+    blobs/<hash>, which names no commit."""
+    match = SNAPSHOT_RE.search(Path(path).absolute().as_posix())
+    return match.group(1) if match else None
 
 
 def hub_failure(repo_id: str, exc: Exception) -> HubUnavailable:

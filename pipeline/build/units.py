@@ -22,12 +22,12 @@ from trajforge.pipeline.build.assemble import KeysWriter
 from trajforge.pipeline.build.config import BuildConfig
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
 from trajforge.pipeline.ingest.validate import ValidateConfig, check_record, tally_env
-from trajforge.pipeline.publish.card import hub_revision
 from trajforge.pipeline.publish.manifest import file_sha256
 from trajforge.pipeline.quarantine import quarantine_entry, shown
 from trajforge.pipeline.stages import Dropped, StageTally
 from trajforge.schemas import arrow_schema
 from trajforge.sources import RawRow, SourceFile, get_source, iter_rows, looks_like
+from trajforge.sources.locate import hub_revision
 
 log = logging.getLogger("trajforge.build")
 

@@ -38,27 +38,12 @@ from trajforge.pipeline.llm.job import ModelJob
 from trajforge.pipeline.synth.agent import Episode, run_episode
 from trajforge.pipeline.synth.config import AgentConfig
 from trajforge.pipeline.synth.folder import EpisodeJournal, episode_key
+from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.eval")
 
 ORACLE_OK = 0.95      # an oracle below this success rate marks the env as broken
 
-EPISODE_SCHEMA = pa.schema([
-    ("policy", pa.string()), ("env", pa.string()), ("task_id", pa.string()), ("sample", pa.int64()),
-    ("outcome", pa.string()), ("reason", pa.string()), ("detail", pa.string()), ("score", pa.float64()),
-    ("turns", pa.int64()), ("refused_actions", pa.int64()), ("total_tokens", pa.int64()),
-])
-RESULT_COLUMNS = [
-    ("run", pa.string()), ("finished", pa.string()), ("model", pa.string()), ("label", pa.string()),
-    ("policy", pa.string()), ("env", pa.string()), ("split", pa.string()), ("split_fingerprint", pa.string()),
-    ("tasks", pa.int64()), ("episodes", pa.int64()), ("samples_per_task", pa.int64()),
-    ("success_rate", pa.float64()), ("success_ci_low", pa.float64()), ("success_ci_high", pa.float64()),
-    ("mean_score", pa.float64()), ("score_ci_low", pa.float64()), ("score_ci_high", pa.float64()),
-    ("pass_at_1", pa.float64()), ("pass_at_n", pa.float64()), ("mean_turns", pa.float64()),
-    ("mean_tokens", pa.float64()), ("outcomes", pa.string()), ("oracle_success", pa.float64()),
-    ("random_success", pa.float64()), ("training_overlap", pa.int64()), ("eval_dir", pa.string()),
-]
-RESULT_SCHEMA = pa.schema(RESULT_COLUMNS)
 
 
 class EvalRefused(ValueError):
@@ -222,7 +207,7 @@ async def evaluate_async(config: EvalConfig) -> dict:
         if backend is not None:
             report["llm"] = job.llm_report()
     report["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    write_parquet(rows, EPISODE_SCHEMA, out / "episodes.parquet")
+    write_parquet(rows, arrow_schema("eval_episodes"), out / "episodes.parquet")
     from trajforge.pipeline.evaluation.report import write_html
 
     report["report_html"] = str(write_html(out, report, rows)[0])
@@ -270,9 +255,10 @@ def append_results(folder: Path, rows: list[dict]) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         earlier = pq.read_table(table).to_pylist() if table.exists() else []
         all_rows = earlier + rows
-        write_parquet(all_rows, RESULT_SCHEMA, table)
+        schema = arrow_schema("eval_results")
+        write_parquet(all_rows, schema, table)
         with atomic_path(folder / "results.csv") as tmp:
-            pl.from_arrow(pa.Table.from_pylist(all_rows, schema=RESULT_SCHEMA)).write_csv(tmp)
+            pl.from_arrow(pa.Table.from_pylist(all_rows, schema=schema)).write_csv(tmp)
     return table
 
 

@@ -11,7 +11,6 @@ upstream cards state them, rather than one license for the whole.
 """
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -38,18 +37,11 @@ from trajforge.schemas import load_schema
 from trajforge.sources import REGISTRY
 
 DEFAULT_CONFIG = "sft"
-SNAPSHOT_RE = re.compile(r"/snapshots/([0-9a-f]{40})/")
 # Hub license ids; anything else is published as "other" with the stated text in the body.
 HUB_LICENSES = {"apache-2.0", "mit", "cc-by-4.0", "cc-by-sa-4.0", "cc-by-nc-4.0", "cc-by-nc-sa-4.0",
                 "cc0-1.0", "odc-by", "llama3", "unknown", "other"}
 SIZE_CATEGORIES = [(1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"),
                    (10_000_000, "1M<n<10M"), (100_000_000, "10M<n<100M")]
-
-
-def hub_revision(path: Path) -> str | None:
-    """The Hub commit a downloaded file came from (its HF cache snapshot), None for local files."""
-    match = SNAPSHOT_RE.search(Path(path).resolve().as_posix())
-    return match.group(1) if match else None
 
 
 def hub_license_id(stated: str) -> str:

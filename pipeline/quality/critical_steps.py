@@ -77,10 +77,6 @@ RETRY_PROMPT = ("Your answer is not a JSON object of the form {\"critical_steps\
                 "\"...\", \"reason\": \"...\"}]} with step numbers from the trajectory and categories from the "
                 "four given. Answer again with that JSON object only.")
 
-FAILURE_SCHEMA = pa.schema([("id", pa.string()), ("env", pa.string()), ("source_file", pa.string()),
-                            ("reason", pa.string()), ("detail", pa.string())])
-
-
 class SelectionError(FormatError):
     """An answer that is not a usable selection; `reason` is a code."""
 
@@ -302,7 +298,7 @@ class _SelectionTally:
     def write(self, out: Path, files: list[Path], job: ModelJob) -> dict:
         """The failure rows and the report (returned)."""
         failures, per_env = self.failures, self.per_env
-        write_parquet(failures, FAILURE_SCHEMA, out / "select_failures.parquet")
+        write_parquet(failures, arrow_schema("select_failures"), out / "select_failures.parquet")
         envs = {env: {**counts, "categories": dict(sorted(counts["categories"].items())),
                       "critical_share": round(counts["critical"] / counts["steps"], 4) if counts["steps"] else None}
                 for env, counts in sorted(per_env.items())}

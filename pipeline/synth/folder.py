@@ -11,7 +11,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import write_json, write_parquet
@@ -22,14 +21,6 @@ from trajforge.pipeline.synth.config import SynthConfig
 from trajforge.schemas import arrow_schema
 
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "total_tokens")
-
-FAILURE_SCHEMA = pa.schema([
-    ("id", pa.string()), ("task_id", pa.string()), ("sample", pa.int64()), ("env", pa.string()),
-    ("reason", pa.string()), ("detail", pa.string()), ("reward", pa.float64()), ("answer", pa.string()),
-    ("model", pa.string()), ("conversations", pa.string()), ("steps", pa.string()),
-    ("usage", pa.struct([(k, pa.int64()) for k in USAGE_KEYS])),
-    ("rejected", pa.string()),  # JSON: the replies re-prompted away, with their text and reasoning
-])
 
 
 class EpisodeJournal:
@@ -73,7 +64,7 @@ def failure_row(episode: Episode, model: str) -> dict:
 
 
 def write_failures(rows: list[dict], path: Path) -> None:
-    write_parquet(rows, FAILURE_SCHEMA, path)
+    write_parquet(rows, arrow_schema("synth_failures"), path)
 
 
 def job_tasks(config: SynthConfig) -> list[Any]:

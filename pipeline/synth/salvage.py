@@ -54,7 +54,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import write_json, write_parquet
@@ -76,14 +75,6 @@ def replayable_envs() -> list[str]:
 
 # Synthesis failures that say nothing about the task's solvability from a prefix.
 NOT_TASK_FAILURES = ("llm_error", "env_error", "skipped")
-
-OUTCOME_SCHEMA = pa.schema([
-    ("id", pa.string()), ("task_id", pa.string()), ("env", pa.string()), ("failure_reason", pa.string()),
-    ("outcome", pa.string()), ("detail", pa.string()), ("steps", pa.int64()), ("prefixes_tried", pa.int64()),
-    ("prefix_steps", pa.int64()), ("record_id", pa.string()), ("dropped_steps", pa.int64()),
-    ("replay_mismatch", pa.string()),
-])
-
 
 class CallBudget:
     """A ChatBackend that forwards at most `max_calls` uncached calls, then raises LLMError("budget_exhausted").
@@ -380,7 +371,7 @@ def _write_salvage(config: SalvageConfig, job: ModelJob, budget: CallBudget,
     out = Path(config.out)
     rows = [row for row, _ in results]
     records_by_env = _write_records(out, [record for _, record in results if record is not None])
-    write_parquet(rows, OUTCOME_SCHEMA, out / "salvage.parquet")
+    write_parquet(rows, arrow_schema("salvage_outcomes"), out / "salvage.parquet")
     report = {**_outcome_counts(rows, records_by_env),
               "episodes_run": job.counts["run"], "episodes_resumed": job.counts["resumed"],
               "budget": {"max_calls": config.max_calls, "spent": budget.spent, "refused": budget.refused,

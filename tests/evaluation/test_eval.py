@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.openai_server import Reply, Server
 from tests.support.paths import FIXTURES, RAW
+from tests.support.tables import declared_rows
 from trajforge.flows.cli import main
 from trajforge.pipeline.evaluation.metrics import pass_at_k, wilson
 from trajforge.pipeline.evaluation.splits import EVAL_SPLITS
@@ -97,7 +98,7 @@ def test_eval_counts_every_failure_reason_and_flags_the_broken_task_file(tmp_pat
     babyai = report["envs"]["babyai"]["model"]
     assert babyai["outcomes"] == {"refused_action": 14} and babyai["refused_actions"] == 14 * 3
     assert report["envs"]["babyai"]["broken"] is False
-    episodes = pq.read_table(tmp_path / "failing" / "episodes.parquet").to_pylist()
+    episodes = declared_rows(tmp_path / "failing" / "episodes.parquet", "eval_episodes")
     assert len([e for e in episodes if e["policy"] == "model"]) == 14 + 14
     html = (tmp_path / "failing" / "report.html").read_text()
     assert "broken" in html and all((tmp_path / "failing" / "report_files" / p).stat().st_size > 1000
@@ -132,7 +133,7 @@ def test_calibration_on_the_declared_splits_and_two_checkpoints_in_one_table(tmp
         assert policies["random"]["success_rate"] <= 0.2
         assert a["envs"][env]["split"] == EVAL_SPLITS[env].name
     assert a["envs"]["babyai"]["model"]["success_rate"] > b["envs"]["babyai"]["model"]["success_rate"] == 0.0
-    rows = pq.read_table(tmp_path / "results" / "results.parquet").to_pylist()
+    rows = declared_rows(tmp_path / "results" / "results.parquet", "eval_results")
     babyai = {r["label"]: r for r in rows if r["env"] == "babyai"}
     assert set(babyai) == {"ckpt-a", "ckpt-b", "policy/oracle", "policy/random"}
     assert babyai["ckpt-a"]["success_rate"] == a["envs"]["babyai"]["model"]["success_rate"]

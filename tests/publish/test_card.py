@@ -11,7 +11,7 @@ from datasets.utils.metadata import MetadataConfigs
 from huggingface_hub import DatasetCard
 
 from tests.support.paths import FIXTURE_SOURCES
-from trajforge.pipeline.publish.card import hub_license_id, hub_revision, size_category
+from trajforge.pipeline.publish.card import hub_license_id, size_category
 from trajforge.pipeline.publish.manifest import file_sha256, read_manifest
 from trajforge.schemas import arrow_schema
 from trajforge.sources import get_source
@@ -108,12 +108,6 @@ def test_build_is_reproducible_in_another_folder(fixtures_build, tmp_path):
         assert (tmp_path / rel).read_bytes() == (fixtures_build / rel).read_bytes(), rel
 
 
-def test_hub_revision_comes_from_the_cache_snapshot(tmp_path):
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    path = tmp_path / "datasets--THUDM--AgentInstruct" / "snapshots" / commit / "data" / "os.parquet"
-    path.parent.mkdir(parents=True)
-    path.write_bytes(b"x")
-    assert hub_revision(path) == commit
-    assert hub_revision(tmp_path) is None
+def test_hub_license_ids_are_kept_and_other_texts_published_as_other():
     assert hub_license_id("unknown (AgentGym code: mit)") == "unknown"
     assert hub_license_id("some custom terms") == "other"

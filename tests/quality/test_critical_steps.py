@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.support.openai_server import _ERROR_WORDS, CriticalStepPolicy, Server
+from tests.support.tables import declared_rows
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.quality.critical_steps import SelectConfig, SelectionError, parse_selection, select_steps
@@ -62,7 +63,7 @@ def test_flags_land_on_the_turns_the_selector_named(selected, fixtures_build):
     out, report, _, _ = selected
     inputs, records = _records(fixtures_build), _records(out)
     assert [r["id"] for r in records] == [r["id"] for r in inputs]  # nothing lost, order kept
-    failed = {row["id"]: row for row in pq.read_table(out / "select_failures.parquet").to_pylist()}
+    failed = {row["id"]: row for row in declared_rows(out / "select_failures.parquet", "select_failures")}
     judged = 0
     for before, record in zip(inputs, records):
         assert validate_record(record) is None, record["id"]
@@ -92,7 +93,7 @@ def test_flags_land_on_the_turns_the_selector_named(selected, fixtures_build):
 
 def test_every_failure_ends_once_with_a_reason_and_counts_add_up(selected, fixtures_build):
     out, report, _, calls = selected
-    failures = pq.read_table(out / "select_failures.parquet").to_pylist()
+    failures = declared_rows(out / "select_failures.parquet", "select_failures")
     ids = [f["id"] for f in failures]
     assert len(ids) == len(set(ids)) == report["failed"] > 0
     assert {f["reason"] for f in failures} == {"no_json"}
@@ -134,7 +135,7 @@ def test_llm_errors_are_not_journaled_and_the_next_run_retries_them(fixtures_bui
     with Server(CriticalStepPolicy(), shapes=SELECTOR_SHAPES, fault=lambda n, body: "500" if n % 5 == 0 else None) as server:
         first = select_steps(_config(server, source, out))
         assert first["failure_reasons"] == {"llm_error:server_error": first["failed"]} and first["failed"] > 0
-        failed = {f["id"] for f in pq.read_table(out / "select_failures.parquet").to_pylist()}
+        failed = {f["id"] for f in declared_rows(out / "select_failures.parquet", "select_failures")}
         server.fault = None
         before = server.calls
         second = select_steps(_config(server, source, out))

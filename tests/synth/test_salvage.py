@@ -10,6 +10,7 @@ import pytest
 
 from tests.support.openai_server import FixturePolicy, Server, fixture_policy
 from tests.support.paths import FIXTURES
+from tests.support.tables import declared_rows
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.llm.client import LLMConfig
 from trajforge.pipeline.synth.job import SynthConfig, synthesize
@@ -65,7 +66,7 @@ def _salvage(server: Server, failures: Path, tasks: Path, out: Path, **kw) -> di
 
 
 def _check_outcomes(out: Path, failures: Path) -> tuple[list[dict], dict[str, dict]]:
-    rows = pq.read_table(out / "salvage.parquet").to_pylist()
+    rows = declared_rows(out / "salvage.parquet", "salvage_outcomes")
     failed_ids = [f.id for f in read_failures(failures)]
     # Every failure ends exactly once, with an outcome and, unless salvaged, a reason.
     assert sorted(r["id"] for r in rows) == sorted(failed_ids) and len(set(failed_ids)) == len(failed_ids)

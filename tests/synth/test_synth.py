@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.openai_server import Server, down_url, fixture_policy
 from tests.support.paths import FIXTURES, REPO
+from tests.support.tables import declared_rows
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.pipeline.llm.client import LLMConfig, ServerUnreachable
 from trajforge.pipeline.synth.folder import USAGE_KEYS
@@ -36,9 +37,9 @@ def _config(server: Server | str, out: Path, tasks: Path = DB_FILE, env: str = "
 
 def _outcomes(out: Path, env: str) -> tuple[list[dict], list[dict], list[dict]]:
     records = pq.read_table(out / "data" / "synthetic" / f"{env}.parquet").to_pylist()
-    failures = [f for f in pq.read_table(out / "failures.parquet").to_pylist() if f["env"] == env]
+    failures = [f for f in declared_rows(out / "failures.parquet", "synth_failures") if f["env"] == env]
     unselected_path = out / "unselected.parquet"
-    unselected = pq.read_table(unselected_path).to_pylist() if unselected_path.exists() else []
+    unselected = declared_rows(unselected_path, "synth_failures") if unselected_path.exists() else []
     return records, failures, unselected
 
 
