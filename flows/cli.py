@@ -378,7 +378,8 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
                         "llm: and agent: sections, and api_key_env); the options below override it")
     option("--tasks", help="task file: AgentBench OS JSON, DBBench JSONL, or plain JSONL (required here or in the "
                            "config)")
-    option("--env", help="environment name: os, db, agentgym (required here or in the config)")
+    option("--env", help="an environment that runs, e.g. os, db, babyai, textcraft, sciworld, agentgym (an "
+                           "unknown name is refused with the list; required here or in the config)")
     option("--model", help="model name as the server knows it (family defaults follow it; required here or in the "
                            "config)")
     option("--n", type=int, help="samples per task (best-of-N)")
@@ -565,7 +566,8 @@ def _add_rft(sub: argparse._SubParsersAction) -> None:
            help="a source of the build (repeatable), as for `trajforge build`")
     p.add_argument("--tasks", required=True, help="task file the served checkpoint is sampled on each round (its "
                                                   "successes are trained on)")
-    p.add_argument("--env", required=True, help="environment of the tasks: os, db, agentgym")
+    p.add_argument("--env", required=True, help="environment of the tasks, one that runs (an unknown name is "
+                                                "refused with the list)")
     p.add_argument("--base-model", required=True, help="model every round fine-tunes (folder or Hub id)")
     p.add_argument("--out", required=True, help="output folder")
     option("--rounds", type=int, help="build, SFT, serve, synthesize rounds")

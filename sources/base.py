@@ -478,9 +478,10 @@ class Source:
         `db-sample.parquet`)."""
         return file_stem(path).split("-")[0]
 
-    def row_id(self, row: dict) -> str | None:
-        value = row.get("id", row.get("item_id"))
-        return None if value is None else str(value)
+    def row_id(self, row: dict) -> object:
+        """The row's upstream id as stored (a string or an integer in a well-formed row); a source
+        whose rows keep it under another key overrides this. The normalizer checks its type."""
+        return row.get("id", row.get("item_id"))
 
     def record_id(self, split: str, source_id: str) -> str:
         """The namespaced id: unique per source as long as upstream ids are unique per source."""

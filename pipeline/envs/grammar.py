@@ -172,7 +172,8 @@ def break_commands(name: str, table: list[Template], action: str) -> dict[str, s
 def command_grammar(name: str, source: str, table: list[Template], terminal=None,
                     extra: Callable[[str, Context], Breach | None] | None = None,
                     extra_breaks: Callable[[str, Context], dict[str, str]] | None = None,
-                    extra_rules: dict[str, str] | None = None, replies: Replies = Replies()) -> Grammar:
+                    extra_rules: dict[str, str] | None = None, replies: Replies = Replies(),
+                    ends: str = Grammar.ends) -> Grammar:
     def check(action: str, context: Context) -> Breach | None:
         return check_commands(name, table, action) or (extra(action.strip(), context) if extra else None)
 
@@ -188,7 +189,7 @@ def command_grammar(name: str, source: str, table: list[Template], terminal=None
         rules[f"{name}.arguments"] = "its arguments fit the verb's template: " + "; ".join(
             t.text for t in sorted(table, key=lambda t: t.text))
     rules.update(extra_rules or {})
-    return Grammar(name, source, rules, check, breaks, terminal, replies=replies)
+    return Grammar(name, source, rules, check, breaks, terminal, ends, replies=replies)
 
 
 

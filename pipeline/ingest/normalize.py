@@ -148,11 +148,12 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
     """Turn one upstream row into a record, or raise NormalizeError with a reason code."""
     if "schema_version" in row:
         return _passthrough(row, source)
-    source_id = source.row_id(row)
-    if source_id is None or not source_id.strip():
+    raw_id = source.row_id(row)
+    if raw_id is None or not str(raw_id).strip():
         raise NormalizeError("missing_id", f"row has none of {ROW_ID_KEYS}")
-    if not isinstance(row.get("id", row.get("item_id")), (str, int)):
+    if not isinstance(raw_id, (str, int)):
         raise NormalizeError("wrong_type", "id is not a string")
+    source_id = str(raw_id)
     turns = _turns(row)
     domain_env = source.domain_env(split, source_id, turns[0]["content"][:4000])
     if domain_env is None:

@@ -11,7 +11,7 @@ from tests.support.expected import FIXTURE_QUARANTINE
 from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES, RAW
 from trajforge.pipeline.build import BuildConfig, process_unit
 from trajforge.pipeline.ingest.dialects import parse_turn
-from trajforge.pipeline.ingest.normalize import NormalizeConfig, normalize_row
+from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
 from trajforge.pipeline.ingest.validate import validate_record
 from trajforge.schemas import arrow_schema, validator
 from trajforge.sources import get_source, iter_rows
@@ -176,3 +176,25 @@ def test_negative_files_are_the_sources_own():
     assert openmanus.negative_type("train", "AgentFlan_toolbench_negative_5") == "tool_irrelevance"
     assert openmanus.negative_type("train", "AgentFlan_toolbench_react_10p_5") is None
     assert get_source("agentinstruct").negative_type("os", "os_1") is None
+
+
+def test_a_source_whose_ids_live_under_another_key_overrides_row_id():
+    """The normalizer checks the type of what the source's `row_id` returns, not of `id` / `item_id`."""
+    source = get_source("agentinstruct")
+
+    class UidSource(type(source)):
+        def row_id(self, row: dict) -> object:
+            return row.get("uid")
+
+    row = next(iter_rows(RAW / "agentinstruct" / "db.jsonl")).row
+    moved = {("uid" if key == "id" else key): value for key, value in row.items()}
+    record, expected = normalize_row(moved, UidSource(), "db", "x", 0), normalize_row(row, source, "db", "x", 0)
+    # The same record; only the meta says that the row carried a key the normalizer does not read.
+    assert json.loads(record.pop("meta"))["extra_keys"] == ["uid"] and "extra_keys" not in json.loads(expected.pop("meta"))
+    assert record == expected
+    with pytest.raises(NormalizeError) as refused:
+        normalize_row({**moved, "uid": ["not", "an", "id"]}, UidSource(), "db", "x", 0)
+    assert refused.value.reason == "wrong_type"
+    with pytest.raises(NormalizeError) as missing:
+        normalize_row({**moved, "uid": " "}, UidSource(), "db", "x", 0)
+    assert missing.value.reason == "missing_id"
