@@ -8,7 +8,7 @@ on a class or function.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -62,6 +62,17 @@ class Registry(Mapping[str, T], Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
+
+    # The dict's own views: `Mapping`'s generic ones go through `__getitem__` per entry, and the
+    # build walks registries (dialects, negative makers) for every turn and record.
+    def keys(self) -> KeysView[str]:
+        return self._entries.keys()
+
+    def values(self) -> ValuesView[T]:
+        return self._entries.values()
+
+    def items(self) -> ItemsView[str, T]:
+        return self._entries.items()
 
     def __len__(self) -> int:
         return len(self._entries)

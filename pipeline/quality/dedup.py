@@ -102,13 +102,16 @@ _PYTHON_ONLY_SPACE = "\x1c\x1d\x1e\x1f"
 def _tokenized(texts: list[str]) -> tuple[list[str], list[str]]:
     """(tokens joined by \x1f, words joined by spaces) of each folded text. ASCII text goes
     through polars' regex at once, several times faster than `re` on its many small matches;
-    any other text through `re` with the same patterns."""
+    any other text through `re` with the same patterns. In polars the words are the tokens that
+    start with a word character (the others are single punctuation characters): one scan of the
+    text, not two."""
     tokens, words = [""] * len(texts), [""] * len(texts)
     fast = [i for i, t in enumerate(texts) if t.isascii() and not any(c in t for c in _PYTHON_ONLY_SPACE)]
     if fast:
         found = pl.DataFrame({"text": [texts[i] for i in fast]}, schema={"text": pl.String}).select(
-            pl.col("text").str.extract_all(_TOKEN.pattern).list.join("\x1f").alias("tokens"),
-            pl.col("text").str.extract_all(_WORD.pattern).list.join(" ").alias("words"))
+            pl.col("text").str.extract_all(_TOKEN.pattern).alias("found")).select(
+            pl.col("found").list.join("\x1f").alias("tokens"),
+            pl.col("found").list.eval(pl.element().filter(pl.element().str.contains(r"^\w"))).list.join(" ").alias("words"))
         for i, t, w in zip(fast, found["tokens"].to_list(), found["words"].to_list()):
             tokens[i], words[i] = t or "", w or ""
     for i in sorted(set(range(len(texts))) - set(fast)):
