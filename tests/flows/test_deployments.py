@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 import yaml
 
 from tests.support.paths import RAW, REPO
-from tests.support.prefect_cli import PREFECT, run
+from tests.support.prefect_cli import API, PREFECT, run
 
 pytestmark = pytest.mark.slow
 
@@ -16,11 +15,11 @@ pytestmark = pytest.mark.slow
 def test_prefect_yaml_deploys_and_an_adhoc_build_runs_on_a_worker(prefect_server, tmp_path):
     api, env = prefect_server
     declared = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
-    assert httpx.post(f"{api}/work_pools/", json={"name": "trajforge", "type": "process"}).status_code == 201
+    assert API.post(f"{api}/work_pools/", json={"name": "trajforge", "type": "process"}).status_code == 201
     run([PREFECT, "--no-prompt", "deploy", "--all"], env)
 
-    deployments = httpx.post(f"{api}/deployments/filter", json={}).json()
-    flows = {f["id"]: f["name"] for f in httpx.post(f"{api}/flows/filter", json={}).json()}
+    deployments = API.post(f"{api}/deployments/filter", json={}).json()
+    flows = {f["id"]: f["name"] for f in API.post(f"{api}/flows/filter", json={}).json()}
     found = {f"{flows[d['flow_id']]}/{d['name']}": d for d in deployments}
     assert set(found) == {"synthesize/nightly", "synthesize/adhoc", "build-dataset/after-synthesis",
                           "release/after-build", "release/adhoc", "build-and-release/weekly", "build-dataset/adhoc"}
@@ -35,7 +34,7 @@ def test_prefect_yaml_deploys_and_an_adhoc_build_runs_on_a_worker(prefect_server
         "folder"]
     # The triggers are automations on the server, one per chained step; each starts its deployment
     # on the folder the triggering run wrote (a template the server renders from that run).
-    automations = {a["name"]: a for a in httpx.post(f"{api}/automations/filter", json={}, timeout=60).json()}
+    automations = {a["name"]: a for a in API.post(f"{api}/automations/filter", json={}, timeout=60).json()}
     assert {"trajforge: build after synthesis", "trajforge: release after build"} <= set(automations)
     assert automations["trajforge: build after synthesis"]["actions"][0]["parameters"] == {
         "synthetic": "{{ flow_run.parameters.out }}"}
@@ -50,7 +49,7 @@ def test_prefect_yaml_deploys_and_an_adhoc_build_runs_on_a_worker(prefect_server
     # A worker picks the run up, runs it in a subprocess from the checkout, and exits.
     run([PREFECT, "worker", "start", "--pool", "trajforge", "--run-once"], env, timeout=240)
 
-    state = httpx.get(f"{api}/flow_runs/{run_id}").json()["state"]
+    state = API.get(f"{api}/flow_runs/{run_id}").json()["state"]
     assert state["type"] == "COMPLETED", state
     report = json.loads((out / "report.json").read_text())
     assert report["sources"]["openmanus_rl"]["read"] > 0

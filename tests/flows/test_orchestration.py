@@ -16,7 +16,6 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import httpx
 import pyarrow.parquet as pq
 import pytest
 from prefect.blocks.notifications import CustomWebhookNotificationBlock
@@ -27,7 +26,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from tests.support.hub_server import HubServer
 from tests.support.openai_server import CriticalStepPolicy, Server, fixture_policy
 from tests.support.paths import FIXTURES, RAW, REPO
-from tests.support.prefect_cli import PREFECT, run
+from tests.support.prefect_cli import API, PREFECT, run
 from trajforge.flows.notify import install
 
 pytestmark = pytest.mark.slow
@@ -37,8 +36,6 @@ HUB_REPO = "trajforge-test/chained"
 LIMIT = "model-api"
 RATE_LIMIT = "model-api-rate"
 SLOTS = 2
-# The server answers slowly on a loaded machine; httpx's default 5 s is not enough there.
-HTTP = httpx.Client(timeout=60)
 
 
 class Webhook(ThreadingHTTPServer):
@@ -63,11 +60,11 @@ class Webhook(ThreadingHTTPServer):
 
 
 def deployment_id(api: str, flow: str, name: str) -> str:
-    return HTTP.get(f"{api}/deployments/name/{flow}/{name}").json()["id"]
+    return API.get(f"{api}/deployments/name/{flow}/{name}").json()["id"]
 
 
 def runs_of(api: str, deployment: str) -> list[dict]:
-    return HTTP.post(f"{api}/flow_runs/filter",
+    return API.post(f"{api}/flow_runs/filter",
                       json={"flow_runs": {"deployment_id": {"any_": [deployment]}}}).json()
 
 
@@ -107,7 +104,7 @@ def table(data) -> list[dict]:
 
 def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_server, tmp_path):
     api, env = prefect_server
-    assert HTTP.post(f"{api}/work_pools/", json={"name": "trajforge", "type": "process"}).status_code == 201
+    assert API.post(f"{api}/work_pools/", json={"name": "trajforge", "type": "process"}).status_code == 201
     run([PREFECT, "--no-prompt", "deploy", "--all"], env)
     run([PREFECT, "global-concurrency-limit", "create", LIMIT, "--limit", str(SLOTS)], env)
     run([PREFECT, "global-concurrency-limit", "create", RATE_LIMIT, "--limit", "100", "--slot-decay-per-second", "50"],
@@ -137,7 +134,7 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
         for dep, params in [(after_synthesis, {"sources": {"openmanus_rl": str(RAW / "openmanus_rl")},
                                                "out": str(build), "stages": {"decontaminate_splits": False}}),
                             (after_build, {"repo": HUB_REPO, "tag": "v1"})]:
-            assert HTTP.patch(f"{api}/deployments/{dep}", json={"parameters": params}).status_code == 204
+            assert API.patch(f"{api}/deployments/{dep}", json={"parameters": params}).status_code == 204
 
         synth_params = ["-p", f"tasks={tasks}", "-p", "env=db", "-p", "n=2", "-p", "concurrency=8",
                         "-p", f"base_url={model.base_url}", "-p", f"out={synth}", "-p", f"api_limit={LIMIT}"]
@@ -161,7 +158,7 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
             synth_run = wait_for(lambda: finished(api, nightly), "the nightly synthesis", 240, worker, log_path)
             build_run = wait_for(lambda: finished(api, after_synthesis), "the triggered build", 240, worker, log_path)
             release_run = wait_for(lambda: finished(api, after_build), "the triggered release", 240, worker, log_path)
-            adhoc_run = wait_for(lambda: terminal(HTTP.get(f"{api}/flow_runs/{adhoc}").json()), "the one-off synthesis",
+            adhoc_run = wait_for(lambda: terminal(API.get(f"{api}/flow_runs/{adhoc}").json()), "the one-off synthesis",
                                  60, worker, log_path)
             for flow_run in (synth_run, adhoc_run, build_run, release_run):
                 assert flow_run["state"]["type"] == "COMPLETED", (flow_run["name"], flow_run["state"])
@@ -176,7 +173,7 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
         assert build_run["idempotency_key"] and release_run["idempotency_key"]
         assert build_run["parameters"]["synthetic"] == str(synth) and release_run["parameters"]["folder"] == str(build)
         assert len(runs_of(api, after_synthesis)) == len(runs_of(api, after_build)) == 1
-        logs = {run: " ".join(entry["message"] for entry in HTTP.post(f"{api}/logs/filter", json={
+        logs = {run: " ".join(entry["message"] for entry in API.post(f"{api}/logs/filter", json={
             "logs": {"flow_run_id": {"any_": [run]}}}).json()) for run in (synth_run["id"], adhoc, failing)}
         assert f"share the concurrency limit '{LIMIT}' ({SLOTS} slots)" in logs[synth_run["id"]]
         assert f"share the rate limit '{RATE_LIMIT}'" in logs[adhoc]
@@ -214,7 +211,7 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
         assert float(got["synth-progress"]) == 100.0
 
         report = json.loads((build / "report.json").read_text())
-        children = [r["id"] for r in HTTP.post(f"{api}/flow_runs/filter", json={
+        children = [r["id"] for r in API.post(f"{api}/flow_runs/filter", json={
             "flow_runs": {"parent_flow_run_id": {"any_": [build_run["id"]]}}}).json()]
         got = artifacts(client, build_run["id"], *children)
         sources = {r["source"]: r for r in table(got["build-sources"])}
@@ -271,7 +268,7 @@ def test_select_steps_salvage_and_rft_share_the_model_api_limit_and_notify_on_fa
                      api_limit="no-such-limit", api_limit_strict=True, return_state=True)
         assert salvaged.is_failed() and looped.is_failed()
         assert "global concurrency limit 'no-such-limit' does not exist" in looped.message
-    logs = " ".join(entry["message"] for entry in HTTP.post(f"{api}/logs/filter", json={
+    logs = " ".join(entry["message"] for entry in API.post(f"{api}/logs/filter", json={
         "logs": {"flow_run_id": {"any_": [str(salvaged.state_details.flow_run_id)]}}}).json())
     assert f"share the concurrency limit '{LIMIT}' (1 slots)" in logs
     deadline = time.monotonic() + 120
