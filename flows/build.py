@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -51,13 +52,19 @@ def _set_environment(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
+def process_workers(workers: int) -> int:
+    """Worker processes of the `processes` runner: more than cores only add memory (an interpreter
+    and a batch each)."""
+    return max(1, min(workers, os.cpu_count() or 1))
+
+
 @TASK_RUNNERS.register("processes")
 def _processes(address: str | None, workers: int, env: dict[str, str]):
     # Units are CPU-bound Python (parsing, normalizing, MinHash): processes use every core, threads
-    # only one (the GIL). More processes than cores only add memory (an interpreter and a batch each).
+    # only one (the GIL).
     from prefect.task_runners import ProcessPoolTaskRunner
 
-    return ProcessPoolTaskRunner(max_workers=max(1, min(workers, os.cpu_count() or 1)),
+    return ProcessPoolTaskRunner(max_workers=process_workers(workers),
                                  initializer=_set_environment, initargs=(env,))
 
 
@@ -96,6 +103,14 @@ def make_task_runner(runner: str = "processes", address: str | None = None, work
     return TASK_RUNNERS[runner](address, workers, {"PREFECT_API_URL": api_url} if api_url else {})
 
 
+def step_tasks(runner: str, address: str | None, workers: int) -> int | None:
+    """Tasks per step of the second half: two per worker on a local runner (a slow unit does not hold
+    the others back), a task per unit on a cluster at an address (its size is not known here)."""
+    if address:
+        return None
+    return 2 * (process_workers(workers) if runner == "processes" else workers)
+
+
 def _worth_retrying(task, task_run, state) -> bool:
     """A SourceError (missing path, offline, 401/403/404 from the Hub) fails the same way again."""
     return not isinstance(state.result(raise_on_failure=False), SourceError)
@@ -129,25 +144,35 @@ def process_unit_task(name: str, file: SourceFile, staging: str, config: BuildCo
 
 
 @task(name="unit-step", cache_policy=NO_CACHE, persist_result=False)
-def unit_step(function, args: tuple):
-    """One per-unit step of the second half of a build (a unit's pools, a unit's outputs)."""
-    return function(*args)
+def unit_step(function, calls: list[tuple]) -> list:
+    """Per-unit steps of the second half of a build (units' pools, units' outputs, band screens,
+    shards), one call after the other."""
+    return [function(*args) for args in calls]
 
 
-def on_task_runner(function, calls: list[tuple]) -> list:
-    """`finalize`'s `map_units` on the flow's task runner: every call submitted, results in call order."""
+def on_task_runner(function, calls: list[tuple], tasks: int | None = None) -> list:
+    """`finalize`'s `map_units` on the flow's task runner, results in call order. The calls go in at
+    most `tasks` tasks (None: one each), dealt out in turn so that large and small units mix: each
+    task costs Prefect ~0.1-0.3 s of CPU in the worker and in the flow (its client, settings and TLS
+    context, the context sent along), as much as a small unit's step."""
     step = unit_step.with_options(name=function.__name__.replace("_", "-"))
-    futures = [step.submit(function, args) for args in calls]
-    return [future.result() for future in futures]
+    groups = len(calls) if tasks is None else max(1, min(tasks, len(calls)))
+    futures = [step.submit(function, calls[g::groups]) for g in range(groups)]
+    results: list = [None] * len(calls)
+    for g, future in enumerate(futures):
+        results[g::groups] = future.result()
+    return results
 
 
 @flow(name="build-units")
-def build_units(files: list[tuple[str, SourceFile]], staging: str, out: str, config: BuildConfig) -> dict:
+def build_units(files: list[tuple[str, SourceFile]], staging: str, out: str, config: BuildConfig,
+                step_tasks: int | None = None) -> dict:
     """The build on this flow's task runner: every unit is processed there (results in input
     order, deterministic), then the global stages run here on the key tables and the per-unit
-    steps of the second half (pools, outputs) go back to the runner. Returns the report."""
+    steps of the second half (pools, outputs) go back to the runner, in at most `step_tasks`
+    tasks per step (None: a task per unit). Returns the report."""
     units = process_units(files, staging, config)
-    return finalize(units, Path(out), config, map_units=on_task_runner)
+    return finalize(units, Path(out), config, map_units=partial(on_task_runner, tasks=step_tasks))
 
 
 def process_units(files: list[tuple[str, SourceFile]], staging: str, config: BuildConfig) -> list[UnitResult]:
@@ -206,7 +231,7 @@ def build_dataset(sources: dict[str, str | None] | None = None, out: str | None 
     runner = auto_runner(sum(f.path.stat().st_size for _, f in files)) if run.runner == AUTO else run.runner
     api_url = str(FlowRunContext.get().client.api_url)
     report = build_units.with_options(task_runner=make_task_runner(runner, run.address, run.workers, api_url))(
-        files, str(staging), str(out_dir), settings)
+        files, str(staging), str(out_dir), settings, step_tasks(runner, run.address, run.workers))
     # The CLI prints the summary table; deployment runs have report.json, report.html and the artifacts.
     build_artifacts(report, run.out)
     return report

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from trajforge.pipeline.atomic import write_text
 from trajforge.pipeline.evaluation.metrics import OUTCOMES
-from trajforge.pipeline.publish.report import _STYLE, _empty, _save, _table, plt
+from trajforge.pipeline.publish.report import _STYLE, _empty, _save, _table, pyplot
 
 COLORS = {"model": "#4c72b0", "oracle": "#55a868", "random": "#8c8c8c"}
 OUTCOME_COLORS = dict(zip(OUTCOMES, ["#55a868", "#c44e52", "#dd8452", "#8172b3", "#ccb974", "#64b5cd", "#937860",
@@ -20,7 +20,7 @@ def _figures(report: dict) -> dict[str, dict[str, dict]]:
 
 def plot_success(report: dict, out: Path) -> str:
     figures = _figures(report)
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = pyplot().subplots(figsize=(8, 4))
     if not figures:
         _empty(ax, "no env evaluated")
         return _save(fig, out, "success.png")
@@ -49,7 +49,7 @@ def plot_success(report: dict, out: Path) -> str:
 def plot_outcomes(report: dict, out: Path) -> str:
     figures = _figures(report)
     bars = [(f"{env} {w}", s["outcomes"]) for env, f in figures.items() for w, s in f.items()]
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * max(1, len(bars))))
+    fig, ax = pyplot().subplots(figsize=(8, 1.2 + 0.45 * max(1, len(bars))))
     if not bars:
         _empty(ax, "no episodes")
         return _save(fig, out, "outcomes.png")
@@ -66,7 +66,7 @@ def plot_outcomes(report: dict, out: Path) -> str:
 
 
 def plot_pass_at_k(report: dict, out: Path) -> str:
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = pyplot().subplots(figsize=(6, 3.5))
     curves = {env: e["model"]["pass_at_k"] for env, e in report["envs"].items() if "model" in e}
     if not any(len(c) > 1 for c in curves.values()):
         _empty(ax, "pass@k needs more than one sample per task (--n)")

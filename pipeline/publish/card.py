@@ -16,9 +16,6 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from datasets import DatasetInfo, Features, SplitDict, SplitInfo
-from datasets.info import DatasetInfosDict
-from datasets.utils.metadata import MetadataConfigs
 from huggingface_hub import DatasetCardData
 
 from trajforge.pipeline.atomic import write_text
@@ -80,6 +77,12 @@ def source_licenses(out: Path, files: dict[str, dict[str, list[str]]]) -> dict[s
 
 
 def card_data(out: Path, files: dict[str, dict[str, list[str]]], licenses: dict[str, list[str]]) -> DatasetCardData:
+    # `datasets` loads in ~1.5 s (pandas, its Arrow formatting); only the card needs it, and every
+    # worker process of a build imports this module.
+    from datasets import DatasetInfo, Features, SplitDict, SplitInfo
+    from datasets.info import DatasetInfosDict
+    from datasets.utils.metadata import MetadataConfigs
+
     default = DEFAULT_CONFIG if DEFAULT_CONFIG in files else next(iter(sorted(files)), None)
     infos, configs, largest = DatasetInfosDict(), MetadataConfigs(), 0
     for name, splits in sorted(files.items()):

@@ -12,15 +12,20 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from trajforge.pipeline.atomic import atomic_path, write_text  # noqa: E402
+from trajforge.pipeline.atomic import atomic_path, write_text
 
 PLOT_DIR = "report_files"
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display), loaded at the first plot: it takes ~1 s,
+    and every worker process of a build imports this module without drawing anything."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _clusters(duplicates: list[dict]) -> list[dict]:
@@ -98,7 +103,7 @@ def _save(fig, out: Path, name: str) -> str:
     fig.tight_layout()
     with atomic_path(out / PLOT_DIR / name) as tmp:
         fig.savefig(tmp, dpi=100, format=Path(name).suffix[1:])
-    plt.close(fig)
+    pyplot().close(fig)
     return f"{PLOT_DIR}/{name}"
 
 
@@ -109,6 +114,8 @@ def _empty(ax, text: str) -> None:
 
 def _whole_numbers(*axes) -> None:
     """Ticks at whole numbers only: these axes count records, and 2.5 records means nothing."""
+    from matplotlib.ticker import MaxNLocator
+
     for axis in axes:
         axis.set_major_locator(MaxNLocator(integer=True))
 
@@ -128,7 +135,7 @@ def _barh(ax, counts: dict, title: str, color: str) -> None:
 def plot_stages(report: dict, out: Path) -> str:
     sources = sorted(report["sources"])
     columns = [("written", "#4c72b0"), ("quarantined", "#dd8452"), ("duplicates", "#8c8c8c")]
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.6 * len(sources)))
+    fig, ax = pyplot().subplots(figsize=(8, 1.2 + 0.6 * len(sources)))
     left = [0] * len(sources)
     for column, color in columns:
         values = [report["sources"][s].get(column, 0) for s in sources]
@@ -145,13 +152,13 @@ def plot_stages(report: dict, out: Path) -> str:
 
 
 def plot_quarantine(report: dict, out: Path) -> str:
-    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.35 * max(1, len(report["total"]["reasons"]))))
+    fig, ax = pyplot().subplots(figsize=(8, 1.5 + 0.35 * max(1, len(report["total"]["reasons"]))))
     _barh(ax, report["total"]["reasons"], "Quarantine reasons", "#dd8452")
     return _save(fig, out, "quarantine.png")
 
 
 def plot_duplicates(duplicates: list[dict], out: Path) -> str:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     if not duplicates:
         _empty(ax, "no duplicates")
         return _save(fig, out, "duplicates.png")
@@ -172,14 +179,14 @@ def plot_duplicates(duplicates: list[dict], out: Path) -> str:
 
 
 def plot_mix(report: dict, out: Path) -> str:
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 5))
+    fig, (a, b) = pyplot().subplots(1, 2, figsize=(11, 5))
     _barh(a, report["domains"], "Domains", "#55a868")
     _barh(b, report["envs"], "Environments", "#64b5cd")
     return _save(fig, out, "mix.png")
 
 
 def plot_lengths(turns: list[int], chars: list[int], out: Path) -> str:
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = pyplot().subplots(1, 2, figsize=(11, 4))
     if turns:
         a.hist(turns, bins=30, color="#4c72b0")
         b.hist(chars, bins=30, color="#8172b3")
@@ -195,7 +202,7 @@ def plot_lengths(turns: list[int], chars: list[int], out: Path) -> str:
 
 def plot_negatives(report: dict, out: Path) -> str:
     by_type = report["negatives"]["by_type"]
-    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.35 * max(1, len(by_type))))
+    fig, ax = pyplot().subplots(figsize=(8, 1.5 + 0.35 * max(1, len(by_type))))
     _barh(ax, by_type, "Negatives per type", "#c44e52")
     return _save(fig, out, "negatives.png")
 

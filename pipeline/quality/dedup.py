@@ -34,7 +34,6 @@ from typing import NamedTuple
 
 import numpy as np
 import polars as pl
-from datasketch import MinHash
 
 from trajforge.pipeline.ingest.dialects import clean_text
 from trajforge.pipeline.registry import Registry
@@ -180,6 +179,8 @@ class ShingleSets(Sequence):
 
 
 def _datasketch_signatures(sets: Sequence[set[str]], num_perm: int, seed: int, hashes=None) -> np.ndarray:
+    from datasketch import MinHash  # the optional backend; datasketch loads scipy (~1.5 s) on import
+
     out = np.empty((len(sets), num_perm), dtype=np.uint32)
     for i, s in enumerate(sets):
         m = MinHash(num_perm=num_perm, seed=seed, scheme=SCHEME)
