@@ -88,17 +88,19 @@ class StreamingParquet:
     written row by row: each row it still refuses goes to `on_refused(row, exc)` (a build unit
     quarantines it), and the rest of the batch is kept; `on_written(rows)` sees the rows of every
     batch written. As a context manager, it is renamed into place on a clean exit and its temp
-    file removed on an error.
+    file removed on an error. `compression`: Parquet's codec (a file read once and deleted, like a
+    unit's staged outputs, is cheaper written without one).
     """
 
-    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000, on_refused=None, on_written=None):
+    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000, on_refused=None, on_written=None,
+                 compression: str = "zstd"):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.schema, self.batch_rows = path, schema, batch_rows
         self.on_refused = on_refused
         self.on_written = on_written
         self.nbytes = 0  # Arrow size of what was written (shards are planned by it)
         self.tmp = temp_name(path)
-        self.writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
+        self.writer = pq.ParquetWriter(self.tmp, schema, compression=compression)
         self.pending: list[dict] = []
         self.count = 0
 

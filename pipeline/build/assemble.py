@@ -50,6 +50,10 @@ from trajforge.schemas import arrow_schema
 if TYPE_CHECKING:
     from trajforge.pipeline.build.units import UnitResult
 
+# A unit's staged outputs are read once (into the shards, which compress) and deleted: written
+# without a codec they cost ~0.06 ms of CPU a record less to write and read than with zstd, for
+# ~3x their zstd size on disk while the build runs (~10 GB instead of ~3 at 1M records).
+STAGED_OUTPUT_COMPRESSION = "none"
 
 
 def stage_keys(records: list[dict], start: int, config: BuildConfig) -> pl.DataFrame:
@@ -227,7 +231,8 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
     the unit's file of that output; the records a global stage quarantined (`quarantined`: row ->
     reason, detail) become quarantine rows."""
     makers = [output for output in OUTPUTS.values() if output.rows is not None]
-    writers = {o.name: StreamingParquet(Path(staged) / f"{o.name}.parquet", arrow_schema(o.schema)) for o in makers}
+    writers = {o.name: StreamingParquet(Path(staged) / f"{o.name}.parquet", arrow_schema(o.schema),
+                                        compression=STAGED_OUTPUT_COMPRESSION) for o in makers}
     counts: dict[str, Counter] = {o.name: Counter() for o in makers if o.count is not None}
     unit = UnitContext(pools, negatives)
     kept = set(kept_rows.tolist())

@@ -33,11 +33,10 @@ from trajforge.pipeline.envs.tasks import Task, load_tasks
 from trajforge.pipeline.quality.derived import (
     grpo_env_row,
     grpo_prompt,
-    negative_step_labels,
     preference_pair,
     record_task,
     reference_answer,
-    step_labels_of,
+    step_label_rows,
 )
 from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
@@ -155,8 +154,7 @@ def _grpo_env_task(record: dict, made: dict, unit: UnitContext) -> list[dict]:
 
 
 def _step_labels(record: dict, made: dict, unit: UnitContext) -> list[dict]:
-    labelled = [step_labels_of(record), *(negative_step_labels(negative, record) for negative in made["negatives"])]
-    return [row for row in labelled if row is not None]
+    return step_label_rows(record, made["negatives"])
 
 
 # -- staged parts (per build) ------------------------------------------------------------------

@@ -111,6 +111,8 @@ def _masked_turns(meta: dict) -> set[int]:
 def _beneficial_turns(conversations: list[dict], meta: dict) -> set[int]:
     """Turns of a salvaged record's replayed prefix (meta `beneficial_steps`: indexes of its actions)."""
     steps = set(meta.get("beneficial_steps", []))
+    if not steps:
+        return set()
     actions = [i for i, t in enumerate(conversations) if t["role"] == "assistant" and t["action"]]
     return {turn for k, turn in enumerate(actions) if k in steps}
 
@@ -142,9 +144,20 @@ def _labelled(turns: list[dict], labels: list[tuple[int | None, str | None]]) ->
             for t, (label, source) in zip(turns, labels)]
 
 
+def step_label_rows(record: dict, negatives: list[dict]) -> list[dict]:
+    """The step_labels rows of a kept trajectory and of its `negatives`, those with a labelled
+    step; the trajectory's labels are worked out once for all of them."""
+    labels = turn_labels(record)
+    rows = [_labelled_row(record, labels), *(negative_step_labels(negative, record, labels) for negative in negatives)]
+    return [row for row in rows if row is not None]
+
+
 def step_labels_of(record: dict) -> dict | None:
     """The step_labels row of a kept trajectory, or None when no step of it is labelled."""
-    labels = turn_labels(record)
+    return _labelled_row(record, turn_labels(record))
+
+
+def _labelled_row(record: dict, labels: list[tuple[int | None, str | None]]) -> dict | None:
     if all(label is None for label, _ in labels):
         return None
     return {"id": f"{record['id']}#steps", "record_id": record["id"], "kind": "positive",
@@ -152,17 +165,17 @@ def step_labels_of(record: dict) -> dict | None:
             "env": record["env"], "messages": _labelled(record["conversations"], labels)}
 
 
-def negative_step_labels(negative: dict, parent: dict) -> dict | None:
+def negative_step_labels(negative: dict, parent: dict, parent_labels: list[tuple[int | None, str | None]]) -> dict | None:
     """The step_labels row of a negative: its turns up to the step where it goes wrong (the
     rejected turn of its preference pair), that step bad (`negative`), the steps before it labelled
-    as in the parent where the context is still the parent's. Nothing after the first error is
-    labelled: what follows a wrong step says nothing about the steps themselves."""
+    as in the parent (`parent_labels`: its `turn_labels`) where the context is still the parent's.
+    Nothing after the first error is labelled: what follows a wrong step says nothing about the
+    steps themselves."""
     neg, par = negative["conversations"], parent["conversations"]
     diverged = _divergence(par, neg)
     bad = len(neg) - 1 if json.loads(negative["meta"]).get("chosen") is not None else diverged
     if bad is None or neg[bad]["role"] != "assistant":
         return None
-    parent_labels = turn_labels(parent)
     same = bad if diverged is None else min(diverged, bad)
     labels = [parent_labels[k] if k < same else (None, None) for k in range(bad)] + [(BAD, "negative")]
     return {"id": f"{negative['id']}#steps", "record_id": negative["id"], "kind": "negative",

@@ -85,9 +85,18 @@ def _action_turns(record: dict) -> list[int]:
             if t["role"] == "assistant" and t["loss"] and t["action"] is not None]
 
 
-def _context_words(record: dict) -> set[str]:
-    text = "\n".join(t["content"] for t in record["conversations"] if t["role"] != "assistant").lower()
-    return set(re.findall(r"[\w.\-]+", text))
+WORD = re.compile(r"[\w.\-]+")
+
+
+def _context_text(record: dict) -> str:
+    return "\n".join(t["content"] for t in record["conversations"] if t["role"] != "assistant").lower()
+
+
+def _is_word_of(text: str, word: str) -> bool:
+    """Whether `word` is one of the words (maximal runs of `WORD`) of `text`: one search for it
+    between non-word characters, not a set of every word of a long prompt."""
+    return (WORD.fullmatch(word) is not None and word in text
+            and re.search(rf"(?<![\w.\-]){re.escape(word)}(?![\w.\-])", text) is not None)
 
 
 def _negative(parent: dict, kind: str, conversations: list[dict], extra: dict | None = None) -> dict:
@@ -118,8 +127,8 @@ def _replace_name(turn: dict, old: str, new: str) -> dict | None:
 
 def _renamed_action(record: dict, names: tuple[str, ...]) -> list[dict] | None:
     turns = record["conversations"]
-    known = _context_words(record)
-    new = next((n for n in names if n not in known), None)
+    text = _context_text(record)
+    new = next((n for n in names if not _is_word_of(text, n)), None)
     for i in _action_turns(record):
         old = action_name(turns[i]["action"], turns[i]["dialect"])
         changed = _replace_name(turns[i], old, new) if old and new else None
@@ -177,7 +186,7 @@ def make_irrelevant_tools(record: dict, pool: EnvPools, seed: int) -> dict | Non
     conversations = [swapped] + turns[1:first + 1]
     probe = {**record, "conversations": conversations}
     name = action_name(turns[first]["action"], turns[first]["dialect"])
-    if name is None or name.lower() in _context_words(probe):
+    if name is None or _is_word_of(_context_text(probe), name.lower()):
         return None
     # The right reply to the swapped prompt: finish without calling a tool, in the env's own syntax
     # (AgentGym tool envs end with `finish with Action Input: {"answer": ...}`).

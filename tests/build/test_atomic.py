@@ -112,3 +112,18 @@ def test_failed_write_removes_its_temp_file_and_keeps_the_target(tmp_path):
         stream.append({"writer": 1, "payload": "p"})
         raise RuntimeError("stage failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+
+
+def test_streaming_parquet_writes_the_codec_it_is_given(tmp_path):
+    rows = [{"writer": i, "payload": "same text " * 20} for i in range(2500)]
+    sizes = {}
+    for codec in ("zstd", "none"):
+        with StreamingParquet(tmp_path / f"{codec}.parquet", SCHEMA, compression=codec) as stream:
+            for row in rows:
+                stream.append(row)
+        written = pq.ParquetFile(tmp_path / f"{codec}.parquet")
+        assert {written.metadata.row_group(g).column(c).compression
+                for g in range(written.num_row_groups) for c in range(2)} == {"ZSTD" if codec == "zstd" else "UNCOMPRESSED"}
+        assert written.read().to_pylist() == rows
+        sizes[codec] = (tmp_path / f"{codec}.parquet").stat().st_size
+    assert sizes["none"] > sizes["zstd"]
