@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from trajforge.pipeline.envs.grammar import Breach, Context, Replies
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn
 from trajforge.pipeline.ingest.grammars import GRAMMARS, grammar_for
+from trajforge.pipeline.ingest.normalize import NormalizedRecord
 from trajforge.pipeline.registry import Registry
 from trajforge.schemas import first_error
 
@@ -62,7 +63,7 @@ class Violation:
 
 
 def _schema(record: dict, config: ValidateConfig) -> Violation | None:
-    error = first_error("trajectory", record)
+    error = first_error("trajectory", record, items_built=isinstance(record, NormalizedRecord))
     return Violation("schema", error[:500]) if error else None
 
 
