@@ -88,15 +88,18 @@ def _marker_dialect(name: str, thought_head: str, action_pattern: str, head: str
     marker where the action keeps its own (`Final Answer:`), the rendered marker otherwise.
     """
     regex = re.compile(rf"^(?:{thought_head}(?P<thought>.*?)\s*\n\s*)?{action_pattern}$", re.S)
+    markers = (head.strip(), action_marker or marker.strip())
+    # The regex is anchored and `thought_head` and `action_pattern` start with these markers (held by
+    # tests/ingest/test_dialects.py): a turn that starts with neither is not tried (prose, `Action:` later).
 
     def parse(text: str) -> ParsedTurn | None:
-        m = regex.match(text)
+        m = regex.match(text) if text.startswith(markers) else None
         return ParsedTurn((m["thought"] or "").strip(), m["action"].strip(), name) if m else None
 
     def render(thought: str, action: str | None) -> str:
         return _joined(head, thought, sep, marker, action or "")
 
-    return Dialect(name, parse, render, keywords, (head.strip(), action_marker or marker.strip()))
+    return Dialect(name, parse, render, keywords, markers)
 
 
 _THOUGHT_ACTION_WORDS = (("Thought:", "Think:"), ("Action:", "Act:"))
@@ -177,12 +180,13 @@ def _render_json_tool(thought: str, action: str | None) -> str:
 
 # --- prose + ```python {'name': ..., 'parameters': ...}``` (Agent-FLAN tflan / cot) ----------
 _PY_CALL = re.compile(r"^(?P<thought>.*?)\s*```(?:python|json)?\n(?P<call>\{.*\})\s*\n```$", re.S)
-# What every match of _PY_CALL contains; a turn with none of them is not tried (SQL blocks are many).
-_PY_CALL_OPENINGS = ("```\n{", "```python\n{", "```json\n{")
 
 
 def _parse_dict_call(text: str) -> ParsedTurn | None:
-    m = _PY_CALL.match(text) if any(opening in text for opening in _PY_CALL_OPENINGS) else None
+    # Every match of _PY_CALL contains one of these openings; a turn with none is not tried (SQL blocks
+    # are many). Written out: a generator over them costs more than the searches.
+    opens = "```\n{" in text or "```python\n{" in text or "```json\n{" in text
+    m = _PY_CALL.match(text) if opens else None
     if not m:
         return None
     try:

@@ -10,6 +10,7 @@ import pytest
 
 from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES
 from trajforge.pipeline.ingest.dialects import (
+    _MARKER_DIALECTS,
     DIALECTS,
     FREE_TEXT,
     ParseError,
@@ -55,6 +56,14 @@ def test_each_dialect_parses_and_renders(dialect):
     assert (again.dialect, again.thought, again.action) == (dialect, thought, action)
     react = parse_turn(render_react(thought, action))
     assert (react.dialect, react.thought, react.action) == ("think_act", thought, action)
+
+
+def test_a_marker_dialects_regex_starts_with_its_markers():
+    """A marker dialect tries its anchored regex only on a turn that starts with its thought or its
+    action marker: each regex's two ways to start are those markers, as plain text."""
+    for name, thought_head, action_pattern, *_ in _MARKER_DIALECTS:
+        for marker, pattern in zip(DIALECTS[name].markers, (thought_head, action_pattern.removeprefix("(?P<action>"))):
+            assert pattern.startswith(marker) and re.escape(marker).replace("\\ ", " ") == marker, name
 
 
 def test_no_thought_turns_and_trailing_spaces_and_leading_newline():
