@@ -143,6 +143,13 @@ def _task_text(content: str, env: str) -> str:
     return (m.group(1) if m else content).strip()
 
 
+class NormalizedRecord(dict):
+    """A record `normalize_row` built from an upstream row's turns. Each turn has the schema's turn
+    shape by construction (`_parsed` writes every key with its type, `_clean` leaves no content
+    empty), so validation checks the schema on the rest only. Whoever edits its turns afterwards
+    makes a plain dict of it."""
+
+
 def normalize_row(row: dict, source: Source, split: str, source_file: str, index: int,
                   config: NormalizeConfig = NormalizeConfig()) -> TrajectoryRecord:
     """Turn one upstream row into a record, or raise NormalizeError with a reason code."""
@@ -168,12 +175,12 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
     extra_keys = sorted(set(row).difference(ROW_ID_KEYS, CONVERSATION_KEYS))
     if extra_keys:
         meta["extra_keys"] = extra_keys
-    return new_record(
+    return NormalizedRecord(new_record(
         id=source.record_id(split, source_id), source=source.name, source_id=source_id, source_file=source_file,
         license=source.license, domain=domain, env=env, negative_type=source.negative_type(split, source_id),
         rendering=rendering, loss_flags="upstream" if upstream_loss else "inferred", demo_turns=demo_turns,
         task=_task_text(turns[task_at]["content"], env) or turns[task_at]["content"],
-        answer=_answer(conversations, domain), conversations=conversations, meta=meta)
+        answer=_answer(conversations, domain), conversations=conversations, meta=meta))
 
 
 def _parsed(turns: list[dict], task_at: int, demo_turns: int, upstream_loss: bool) -> list[Turn]:

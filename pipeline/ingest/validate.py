@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from trajforge.pipeline.envs.grammar import Breach, Context, Replies
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn
 from trajforge.pipeline.ingest.grammars import GRAMMARS, grammar_for
+from trajforge.pipeline.ingest.normalize import NormalizedRecord
 from trajforge.pipeline.registry import Registry
 from trajforge.schemas import first_error
 
@@ -62,7 +63,7 @@ class Violation:
 
 
 def _schema(record: dict, config: ValidateConfig) -> Violation | None:
-    error = first_error("trajectory", record)
+    error = first_error("trajectory", record, items_built=isinstance(record, NormalizedRecord))
     return Violation("schema", error[:500]) if error else None
 
 
@@ -257,20 +258,26 @@ def _action_loop(record: dict, config: ValidateConfig) -> Violation | None:
     step still counts as an attempt: the loop is in the episode either way."""
     turns = record["conversations"]
     replies = replies_of(record["env"])
-    masked = masked_turns(record)
-    run, previous, stuck = 0, None, False
+    run, previous_at = 0, None
     for i, turn in enumerate(turns):
         if turn["role"] != "assistant" or turn["action"] is None:
             continue
-        run = run + 1 if turn["action"] == previous and stuck else 1
-        if run >= LOOP_REPEATS and (turn["loss"] or i in masked):
+        # The env's reply to the previous attempt (and the meta) are read only where they can matter:
+        # most actions repeat none before them.
+        repeated = previous_at is not None and turn["action"] == turns[previous_at]["action"]
+        run = run + 1 if repeated and _got_nowhere(turns, previous_at, replies) else 1
+        if run >= LOOP_REPEATS and (turn["loss"] or i in masked_turns(record)):
             return Violation("action_loop", f"turn {i}: the same action {run} times, the env refusing it, doing "
                                             "nothing or leaving the state unchanged each time")
-        previous = turn["action"]
-        reply = reply_to(turns, i)
-        before = turns[i - 1]["content"] if i and turns[i - 1]["role"] == "user" else ""
-        stuck = reply is not None and replies.stuck(reply, before)
+        previous_at = i
     return None
+
+
+def _got_nowhere(turns: list[dict], i: int, replies: Replies) -> bool:
+    """Whether the env's reply to assistant turn `i` shows its action got nowhere (`Replies.stuck`)."""
+    reply = reply_to(turns, i)
+    before = turns[i - 1]["content"] if i and turns[i - 1]["role"] == "user" else ""
+    return reply is not None and replies.stuck(reply, before)
 
 
 def _episode_end(record: dict, config: ValidateConfig) -> Violation | None:

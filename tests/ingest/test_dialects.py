@@ -10,6 +10,7 @@ import pytest
 
 from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES
 from trajforge.pipeline.ingest.dialects import (
+    _MARKER_DIALECTS,
     DIALECTS,
     FREE_TEXT,
     ParseError,
@@ -55,6 +56,45 @@ def test_each_dialect_parses_and_renders(dialect):
     assert (again.dialect, again.thought, again.action) == (dialect, thought, action)
     react = parse_turn(render_react(thought, action))
     assert (react.dialect, react.thought, react.action) == ("think_act", thought, action)
+
+
+def test_a_marker_dialects_regex_starts_with_its_markers():
+    """A marker dialect tries its anchored regex only on a turn that starts with its thought or its
+    action marker: each regex's two ways to start are those markers, as plain text."""
+    for name, thought_head, action_pattern, *_ in _MARKER_DIALECTS:
+        for marker, pattern in zip(DIALECTS[name].markers, (thought_head, action_pattern.removeprefix("(?P<action>"))):
+            assert pattern.startswith(marker) and re.escape(marker).replace("\\ ", " ") == marker, name
+
+
+def _spaced_thought_parse(text: str) -> tuple[str, str | None, str]:
+    """The oracle for the thought's end: the dialects' regexes with `.*?\\s*\\n` (the spaces before the
+    line break left out of the thought), tried in the registry's order as parse_turn does."""
+    text = clean_text(text)
+    for name in DIALECTS:
+        spec = next((s for s in _MARKER_DIALECTS if s[0] == name), None)
+        if spec is not None:
+            m = re.match(rf"^(?:{spec[1]}(?P<thought>.*?)\s*\n\s*)?{spec[2]}$", text, re.S)
+        elif name == "prose_action" and not text.startswith("Thought:"):
+            m = re.match(r"^(?P<thought>.*?)\s*\n\s*Action:[ \t]*(?P<action>\S.*)$", text, re.S)
+            m = m if m and "Action:" not in m["thought"] else None
+        else:
+            parsed = DIALECTS[name].parse(text)
+            if parsed is not None:
+                return parsed.thought, parsed.action, name
+            continue
+        if m:
+            return (m["thought"] or "").strip(), m["action"].strip(), name
+    return text, None, FREE_TEXT
+
+
+def test_the_thought_ends_where_the_spaced_form_ends_it():
+    """The dialects' regexes end the thought at a line break and strip it: the same thought, action and
+    dialect as the form that leaves the spaces before the line break out, on every real turn."""
+    crafted = ["Thought:\nA plan.\n\n\nAction:\nsearch[x]\n\nAction:\nclick[y]", "Thought: a \t\n \n  Action: b\nAction: c",
+               "I plan.\n\nAction: one\nmore\nAction: two", "THOUGHT: x\n\u3000\nACTION: y", "Think: a\n\nAct: b\nAct: c", "Plan first. Action: x"]
+    for text in [*_real_assistant_turns(), *crafted]:
+        parsed = parse_turn(text)
+        assert (parsed.thought, parsed.action, parsed.dialect) == _spaced_thought_parse(text), text[:200]
 
 
 def test_no_thought_turns_and_trailing_spaces_and_leading_newline():

@@ -11,9 +11,15 @@ from tests.support.expected import FIXTURE_QUARANTINE
 from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES, RAW
 from trajforge.pipeline.build import BuildConfig, process_unit
 from trajforge.pipeline.ingest.dialects import parse_turn
-from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
+from trajforge.pipeline.ingest.normalize import (
+    RENDERINGS,
+    NormalizeConfig,
+    NormalizedRecord,
+    NormalizeError,
+    normalize_row,
+)
 from trajforge.pipeline.ingest.validate import validate_record
-from trajforge.schemas import arrow_schema, validator
+from trajforge.schemas import arrow_schema, first_error, validator
 from trajforge.sources import get_source, iter_rows
 
 
@@ -198,3 +204,22 @@ def test_a_source_whose_ids_live_under_another_key_overrides_row_id():
     with pytest.raises(NormalizeError) as missing:
         normalize_row({**moved, "uid": " "}, UidSource(), "db", "x", 0)
     assert missing.value.reason == "missing_id"
+
+
+@pytest.mark.parametrize("rendering", RENDERINGS)
+def test_normalized_turns_fit_the_schema_by_construction(rendering):
+    """Validation checks a normalized record against the schema less its turns, which normalize builds
+    to it: on every fixture row the full check agrees."""
+    config, normalized = NormalizeConfig(rendering=rendering), 0
+    for name, location in {**FIXTURE_SOURCES, "agent_flan": str(AGENT_FLAN)}.items():
+        source = get_source(name)
+        for f in source.files(location):
+            for raw in (r for r in iter_rows(f.path, f.label) if not r.error):
+                try:
+                    record = normalize_row(raw.row, source, f.split, f.label, raw.index, config)
+                except NormalizeError:
+                    continue
+                if isinstance(record, NormalizedRecord):
+                    normalized += 1
+                    assert first_error("trajectory", record, items_built=True) == first_error("trajectory", record)
+    assert normalized > 100

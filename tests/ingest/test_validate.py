@@ -6,7 +6,11 @@ import copy
 import pyarrow.parquet as pq
 import pytest
 
+from tests.support.paths import RAW
+from trajforge.pipeline.ingest.normalize import NormalizedRecord, normalize_row
 from trajforge.pipeline.ingest.validate import validate_record
+from trajforge.schemas import first_error
+from trajforge.sources import get_source, iter_rows
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +62,19 @@ def _mismatch(r):
 def test_rule_catches_its_case(record, change, reason):
     violation = _broken(record, change)
     assert violation is not None and violation.reason == reason, violation
+
+
+def test_a_normalized_record_still_fails_the_schema_where_its_row_decides():
+    """Validation leaves out the schema's turn check for a record normalize built (its turns are
+    built to it); what the row decides still fails, with the full check's reason and detail."""
+    source = get_source("agentinstruct")
+    row = next(iter_rows(RAW / "agentinstruct" / "db.jsonl")).row
+    for broken, path in (({**row, "id": "db 1"}, "id"), ({**row, "conversations": row["conversations"][:1]},
+                                                          "conversations")):
+        record = normalize_row(broken, source, "db", "db.jsonl", 0)
+        violation = validate_record(record)
+        assert isinstance(record, NormalizedRecord) and violation is not None and violation.reason == "schema"
+        assert violation.detail == first_error("trajectory", dict(record))[:500] and violation.detail.startswith(path)
 
 
 def test_compiled_and_reference_validators_agree(fixtures_build, record):
