@@ -24,6 +24,7 @@ depends only on the records, so reruns keep the same representatives.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -94,58 +95,66 @@ class DedupText(NamedTuple):
     words: str  # the word tokens, joined by spaces: what shingles are made of
 
 
-# Python's `re` takes these four ASCII characters for whitespace, polars' (Rust) regex does not;
-# elsewhere on ASCII text the two agree on \w and \s.
-_PYTHON_ONLY_SPACE = "\x1c\x1d\x1e\x1f"
+# Between the folded texts of a record: a turn boundary, so "a b" + "c" differs from "a" + "b c",
+# and the boundary between an assistant turn's thought and action. Each is a token of its own;
+# in a text, where `re` takes them for whitespace, they become spaces.
+_TURN, _THOUGHT_END = "\x1e", "\x1d"
 
 
-def _tokenized(texts: list[str]) -> tuple[list[str], list[str]]:
-    """(tokens joined by \x1f, words joined by spaces) of each folded text. ASCII text goes
-    through polars' regex at once, several times faster than `re` on its many small matches;
-    any other text through `re` with the same patterns. In polars the words are the tokens that
-    start with a word character (the others are single punctuation characters): one scan of the
-    text, not two."""
-    tokens, words = [""] * len(texts), [""] * len(texts)
-    fast = [i for i, t in enumerate(texts) if t.isascii() and not any(c in t for c in _PYTHON_ONLY_SPACE)]
-    if fast:
-        found = pl.DataFrame({"text": [texts[i] for i in fast]}, schema={"text": pl.String}).select(
-            pl.col("text").str.extract_all(_TOKEN.pattern).alias("found")).select(
-            pl.col("found").list.join("\x1f").alias("tokens"),
-            pl.col("found").list.eval(pl.element().filter(pl.element().str.contains(r"^\w"))).list.join(" ").alias("words"))
-        for i, t, w in zip(fast, found["tokens"].to_list(), found["words"].to_list()):
-            tokens[i], words[i] = t or "", w or ""
-    for i in sorted(set(range(len(texts))) - set(fast)):
-        tokens[i], words[i] = "\x1f".join(_TOKEN.findall(texts[i])), " ".join(_WORD.findall(texts[i]))
-    return tokens, words
+def _part(text: str) -> str:
+    text = _folded(text)
+    if _TURN in text or _THOUGHT_END in text:
+        text = text.replace(_TURN, " ").replace(_THOUGHT_END, " ")
+    return text
 
 
-def _layout(record: dict, texts: list[str]) -> list[str | int]:
-    """Appends the record's folded texts to `texts`; returns their indices there, with the markers
-    that go between them."""
-    layout: list[str | int] = [len(texts)]
-    texts.append(_folded(record["task"]))
+def _record_text(record: dict) -> str:
+    """The record's folded texts (`DedupText`'s), joined by the turn markers."""
+    parts = [_part(record["task"])]
     turns = record["conversations"]
     start = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), len(turns))
     for turn in turns[start:]:
-        layout.append("\x1e")  # a turn boundary, so "a b" + "c" differs from "a" + "b c"
         if turn["role"] == "assistant":
-            layout += [len(texts), "\x1d", len(texts) + 1]
-            texts += [_folded(turn["thought"] or ""), _folded(turn["action"] or "")]
+            parts += [_TURN, _part(turn["thought"] or ""), _THOUGHT_END, _part(turn["action"] or "")]
         else:
-            layout.append(len(texts))
-            texts.append(_folded(turn["content"]))
-    return layout
+            parts += [_TURN, _part(turn["content"])]
+    return "".join(parts)
+
+
+def _character_class(pattern: str) -> str:
+    """The code points `re` matches with the one-character `pattern`, as a Rust regex (polars)
+    character class body."""
+    every = np.arange(0x110000, dtype=np.uint32)
+    every = every[(every < 0xD800) | (every > 0xDFFF)]  # surrogates: no string holds them alone
+    found = np.array([ord(c) for c in re.findall(pattern, every.tobytes().decode("utf-32-le"))])
+    breaks = np.flatnonzero(np.diff(found) != 1)
+    starts, ends = np.append(found[:1], found[breaks + 1]), np.append(found[breaks], found[-1:])
+    return "".join(f"\\x{{{a:X}}}" + (f"-\\x{{{b:X}}}" if b > a else "") for a, b in zip(starts.tolist(), ends.tolist()))
+
+
+@functools.cache
+def _polars_patterns() -> tuple[str, str]:
+    """(tokens, runs of non-word characters) for polars, matching on any text what `re` matches
+    with `_TOKEN` and between `\\w+` runs. Polars' (Rust) \\w and \\s differ from `re`'s outside
+    ASCII (marks, some numerals, the separators \\x1c-\\x1f), so the classes are `re`'s own,
+    spelled out; the turn markers are tokens."""
+    word, space = _character_class(r"\w"), _character_class(r"\s")
+    return f"[{word}]+|[^{word}{space}]|[{_TURN}{_THOUGHT_END}]", f"[^{word}]+"
+
+
+def _tokens_and_words(folded: Sequence[str]) -> pl.DataFrame:
+    """`tokens` (joined by \\x1f) and `words` (the \\w+ runs, joined by spaces) of each text, by
+    polars' regex at once: several times faster than `re` on their many small matches."""
+    tokens, gaps = _polars_patterns()
+    return pl.DataFrame({"text": folded}, schema={"text": pl.String}).select(
+        pl.col("text").str.extract_all(tokens).list.join("\x1f").alias("tokens"),
+        pl.col("text").str.replace_all(gaps, " ").str.strip_chars(" ").alias("words"))
 
 
 def dedup_texts(records: Sequence[dict]) -> list[DedupText]:
     """The `DedupText` of each record, the texts of all of them tokenized at once."""
-    texts: list[str] = []
-    layouts = [_layout(record, texts) for record in records]  # per record: indices into texts, and markers
-    tokens, words = _tokenized(texts)
-    return [DedupText("\x1f".join(part if isinstance(part, str) else tokens[part] for part in layout
-                                   if isinstance(part, str) or tokens[part]),
-                      " ".join(words[part] for part in layout if isinstance(part, int) and words[part]))
-            for layout in layouts]
+    found = _tokens_and_words([_record_text(record) for record in records])
+    return list(map(DedupText, found["tokens"].to_list(), found["words"].to_list()))
 
 
 def dedup_group(record: dict) -> str:

@@ -15,8 +15,10 @@ from tests.support.oracles import deduplicate, fold, jaccard
 from tests.support.paths import FIXTURE_SOURCES
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 from trajforge.pipeline.quality.dedup import (
+    _TOKEN,
     Contamination,
     DedupConfig,
+    _tokens_and_words,
     decontaminate,
     dedup_group,
     dedup_texts,
@@ -189,11 +191,35 @@ def test_keep_rank_is_stated_by_every_source():
 
 
 def test_dedup_texts_tokenize_as_fold_does_on_every_kind_of_text():
-    """ASCII text is tokenized by polars' regex, other text by `fold`'s: the same tokens either way."""
+    """Polars tokenizes every text as `fold` (Python's `re`) does, whatever the code points (marks,
+    numerals, separators, the turn markers' own characters inside a text), turn by turn."""
     rng = random.Random(0)
-    alphabet = [chr(c) for c in range(128)] + list("éİ²–ﬁ\u0301\u00a0\u2028")
-    tasks = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(3000)]
-    records = [{"task": task, "conversations": []} for task in tasks]
-    for task, text in zip(tasks, dedup_texts(records)):
-        assert text.tokens == "\x1f".join(fold(task))
-        assert text.words.split() == [t for t in fold(task) if re.fullmatch(r"\w+", t)]
+    alphabet = ([chr(c) for c in range(128)] + list("éİ²–ﬁ\u0301\u00a0\u2028\u0660\u203f\u180e\u3000")
+                + [chr(rng.choice([rng.randrange(0x80, 0x3000), rng.randrange(0xE000, 0x110000)])) for _ in range(300)])
+
+    def text():
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+
+    records = []
+    for _ in range(1500):
+        turns = [{"role": "user", "content": text(), "loss": False}]
+        for _ in range(rng.randint(0, 3)):
+            turns += [{"role": "assistant", "content": "", "thought": rng.choice([None, text()]), "action": text(),
+                       "loss": True}, {"role": "user", "content": text(), "loss": False}]
+        records.append({"task": text(), "conversations": turns})
+    for record, found in zip(records, dedup_texts(records)):
+        tokens = fold(record["task"])
+        for turn in record["conversations"][1:]:
+            tokens += ["\x1e", *(fold(turn["thought"] or "") + ["\x1d"] + fold(turn["action"])
+                                  if turn["role"] == "assistant" else fold(turn["content"]))]
+        assert found.tokens == "\x1f".join(tokens)
+        assert found.words == " ".join(t for t in tokens if re.fullmatch(r"\w+", t))
+
+
+def test_polars_tokens_are_those_of_re_on_every_code_point():
+    """Each code point between two letters: one word with them, a space, or a token of its own,
+    as Python's `re` decides (the turn markers, always tokens, aside)."""
+    every = "".join(f"a{chr(c)}b" for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF and chr(c) not in "\x1d\x1e")
+    found = _tokens_and_words([every]).row(0, named=True)
+    assert found["tokens"] == "\x1f".join(_TOKEN.findall(every))
+    assert found["words"] == " ".join(re.findall(r"\w+", every))
