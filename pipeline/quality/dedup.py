@@ -44,8 +44,6 @@ from trajforge.pipeline.registry import Registry
 # form, so either kind of signature goes into the same LSH index.
 SCHEME = "affine32"
 
-_TOKEN = re.compile(r"\w+|[^\w\s]")
-_WORD = re.compile(r"\w+")
 _LITERAL_ESCAPE = re.compile(r"\\[ntr]")
 
 
@@ -75,7 +73,7 @@ class DedupConfig:
 
 
 def _folded(text: str) -> str:
-    """The text whose tokens (`_TOKEN`) dedup compares. Of `clean_text` only the escape codes matter here:
+    """The text whose tokens dedup compares. Of `clean_text` only the escape codes matter here:
     the rest of it changes whitespace, which no token holds, so it runs only on text with an
     escape code (ESC or BEL) in it."""
     if "\x1b" in text or "\x07" in text:
@@ -134,26 +132,27 @@ def _character_class(pattern: str) -> str:
 
 @functools.cache
 def _polars_patterns() -> tuple[str, str]:
-    """(tokens, runs of non-word characters) for polars, matching on any text what `re` matches
-    with `_TOKEN` and between `\\w+` runs. Polars' (Rust) \\w and \\s differ from `re`'s outside
-    ASCII (marks, some numerals, the separators \\x1c-\\x1f), so the classes are `re`'s own,
-    spelled out; the turn markers are tokens."""
+    """(tokens, runs of non-word characters) for polars. The tokens are what `re` matches with
+    \\w+|[^\\w\\s] (word runs, single other non-space characters) on any text, and the turn
+    markers: polars' (Rust) \\w and \\s differ from `re`'s outside ASCII (marks, some numerals,
+    the separators \\x1c-\\x1f), so the classes are `re`'s own, spelled out."""
     word, space = _character_class(r"\w"), _character_class(r"\s")
     return f"[{word}]+|[^{word}{space}]|[{_TURN}{_THOUGHT_END}]", f"[^{word}]+"
 
 
-def _tokens_and_words(folded: Sequence[str]) -> pl.DataFrame:
-    """`tokens` (joined by \\x1f) and `words` (the \\w+ runs, joined by spaces) of each text, by
-    polars' regex at once: several times faster than `re` on their many small matches."""
-    tokens, gaps = _polars_patterns()
+def _tokenized(folded: Sequence[str], tokens: bool = True) -> pl.DataFrame:
+    """`words` (the \\w+ runs, joined by spaces) and, with `tokens`, `tokens` (joined by \\x1f) of
+    each text, by polars' regex at once: several times faster than `re` on their many small matches."""
+    token, gaps = _polars_patterns()
+    text = pl.col("text")
     return pl.DataFrame({"text": folded}, schema={"text": pl.String}).select(
-        pl.col("text").str.extract_all(tokens).list.join("\x1f").alias("tokens"),
-        pl.col("text").str.replace_all(gaps, " ").str.strip_chars(" ").alias("words"))
+        text.str.replace_all(gaps, " ").str.strip_chars(" ").alias("words"),
+        *([text.str.extract_all(token).list.join("\x1f").alias("tokens")] if tokens else []))
 
 
 def dedup_texts(records: Sequence[dict]) -> list[DedupText]:
     """The `DedupText` of each record, the texts of all of them tokenized at once."""
-    found = _tokens_and_words([_record_text(record) for record in records])
+    found = _tokenized([_record_text(record) for record in records])
     return list(map(DedupText, found["tokens"].to_list(), found["words"].to_list()))
 
 
@@ -295,8 +294,7 @@ class Contamination:
         self.n = n
         self.grams: dict[tuple[str, ...], int] = {}
         self.short: dict[int, dict[tuple[str, ...], int]] = {}
-        for index, task in enumerate(tasks):
-            words = _task_words(task)
+        for index, words in enumerate(_split(joined) for joined in _task_words(list(tasks)).to_list()):
             if not words:
                 continue
             if len(words) < n:
@@ -306,10 +304,29 @@ class Contamination:
         # The words that start an entry of each table: a window starting with another word is no hit.
         self.tables = [(size, table, {gram[0] for gram in table})
                        for size, table in [(n, self.grams), *sorted(self.short.items())]]
+        # Every entry as " w1 ... wk ": a text's words, joined by spaces and padded with one, hold
+        # it exactly when the text has that window of words (words hold no space).
+        self.entries = [f" {' '.join(gram)} " for _, table, _ in self.tables for gram in table]
+
+    def matches(self, texts: Sequence[str]) -> list[tuple[int, str] | None]:
+        """Per text: (index of an overlapping evaluation task, the shared words) or None. Polars
+        finds the texts holding any entry at once (Aho-Corasick); `_match` says which, first."""
+        words = _task_words(texts)
+        if not self.entries:
+            return [None] * len(words)
+        found = (" " + words + " ").str.contains_any(self.entries)
+        return [self._match(_split(joined)) if hit else None for joined, hit in zip(words.to_list(), found.to_list())]
 
     def match(self, text: str) -> tuple[int, str] | None:
-        """(index of an overlapping evaluation task, the shared words) or None."""
-        words = _task_words(text)
+        return self.matches([text])[0]
+
+    def details(self, texts: Sequence[str]) -> list[str | None]:
+        """Per text: the quarantine detail of its overlap with an evaluation task, or None."""
+        return [None if hit is None else
+                f"task shares {len(hit[1].split())} words with evaluation task #{hit[0]}: {hit[1]!r}"[:500]
+                for hit in self.matches(texts)]
+
+    def _match(self, words: tuple[str, ...]) -> tuple[int, str] | None:
         for size, table, firsts in self.tables:
             for k in range(len(words) - size + 1):
                 if words[k] in firsts:
@@ -319,19 +336,21 @@ class Contamination:
         return None
 
 
-def _task_words(text: str) -> tuple[str, ...]:
-    """The word tokens of the folded text: its maximal \\w+ runs, which `_WORD` finds directly."""
-    return tuple(_WORD.findall(_folded(text)))
+def _task_words(texts: Sequence[str]) -> pl.Series:
+    """The word tokens (maximal \\w+ runs) of each folded text, joined by spaces."""
+    return _tokenized([_folded(text) for text in texts], tokens=False)["words"]
+
+
+def _split(words: str) -> tuple[str, ...]:
+    return tuple(words.split(" ")) if words else ()
 
 
 def decontaminate(records: list[dict], index: Contamination) -> tuple[list[dict], list[tuple[dict, str]]]:
     """Split records into (clean, [(record, detail)]) by n-gram overlap of their task."""
     clean, removed = [], []
-    for record in records:
-        hit = index.match(record["task"])
-        if hit is None:
+    for record, detail in zip(records, index.details([record["task"] for record in records])):
+        if detail is None:
             clean.append(record)
         else:
-            removed.append((record, f"task shares {len(hit[1].split())} words with evaluation task #{hit[0]}: "
-                                    f"{hit[1]!r}"[:500]))
+            removed.append((record, detail))
     return clean, removed
