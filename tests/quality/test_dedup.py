@@ -193,7 +193,7 @@ def test_dedup_texts_tokenize_as_fold_does_on_every_kind_of_text():
     """Polars tokenizes every text as `fold` (Python's `re`) does, whatever the code points (marks,
     numerals, separators, the turn markers' own characters inside a text), turn by turn."""
     rng = random.Random(0)
-    alphabet = ([chr(c) for c in range(128)] + list("éİ²–ﬁ\u0301\u00a0\u2028\u0660\u203f\u180e\u3000")
+    alphabet = ([chr(c) for c in range(128)] + list("éİ²–ﬁΣ\u0301\u00a0\u2028\u0660\u203f\u180e\u3000") + ["\\n", "\\", "\x1b[1m"]
                 + [chr(rng.choice([rng.randrange(0x80, 0x3000), rng.randrange(0xE000, 0x110000)])) for _ in range(300)])
 
     def text():
