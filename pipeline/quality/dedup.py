@@ -310,15 +310,13 @@ class Contamination:
 
     def matches(self, texts: Sequence[str]) -> list[tuple[int, str] | None]:
         """Per text: (index of an overlapping evaluation task, the shared words) or None. Polars
-        finds the texts holding any entry at once (Aho-Corasick); `_match` says which, first."""
+        finds the texts holding any entry at once (Aho-Corasick; building its automaton takes a
+        few ms, so pass many texts at once); `_match` says which, first."""
         words = _task_words(texts)
         if not self.entries:
             return [None] * len(words)
         found = (" " + words + " ").str.contains_any(self.entries)
         return [self._match(_split(joined)) if hit else None for joined, hit in zip(words.to_list(), found.to_list())]
-
-    def match(self, text: str) -> tuple[int, str] | None:
-        return self.matches([text])[0]
 
     def details(self, texts: Sequence[str]) -> list[str | None]:
         """Per text: the quarantine detail of its overlap with an evaluation task, or None."""
