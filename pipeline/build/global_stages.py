@@ -78,13 +78,6 @@ def _eval_tasks(config: BuildConfig) -> tuple[Contamination | None, HeldOut | No
     return (Contamination(texts, config.decontaminate_ngram) if texts else None), held
 
 
-def _contamination_detail(task: str, index: Contamination) -> str | None:
-    hit = index.match(task)
-    if hit is None:
-        return None
-    return f"task shares {len(hit[1].split())} words with evaluation task #{hit[0]}: {hit[1]!r}"[:500]
-
-
 def contamination(units: list[UnitResult], config: BuildConfig) -> pl.Series:
     """Per record in build order: why its task overlaps an evaluation task, or null. Reads the
     `task`, `env` and `source_id` columns only; done here, not per unit, because the evaluation
@@ -98,9 +91,10 @@ def contamination(units: list[UnitResult], config: BuildConfig) -> pl.Series:
             details.extend([None] * staged.metadata.num_rows)
             continue
         for batch in staged.iter_batches(batch_size=BATCH_ROWS, columns=["task", "env", "source_id"]):
-            for task, env, source_id in zip(*(batch.column(c).to_pylist() for c in ("task", "env", "source_id"))):
-                details.append((held and held.item_match(env, source_id))
-                               or (index and _contamination_detail(task, index)) or None)
+            tasks, envs, source_ids = (batch.column(c).to_pylist() for c in ("task", "env", "source_id"))
+            overlaps = index.details(tasks) if index else [None] * len(tasks)
+            details += [(held and held.item_match(env, source_id)) or overlap or None
+                        for env, source_id, overlap in zip(envs, source_ids, overlaps)]
     return pl.Series("detail", details, dtype=pl.String)
 
 

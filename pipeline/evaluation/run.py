@@ -95,7 +95,7 @@ def split_of(env: str, config: EvalConfig) -> tuple[str, str, list[Task]]:
         from trajforge.pipeline.quality.dedup import Contamination
 
         index = Contamination(config.exclude)
-        tasks = [t for t in tasks if index.match(t.description) is None]
+        tasks = [t for t, hit in zip(tasks, index.matches([t.description for t in tasks])) if hit is None]
     if not tasks:
         raise ValueError(f"eval {env}: no task left in {name}")
     return name, fingerprint, tasks

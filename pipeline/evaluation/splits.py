@@ -140,8 +140,8 @@ def _records_of(split: EvalSplit | None, tasks: list[Task], files: list[Path]) -
     count = 0
     for path in files:
         table = pq.read_table(path, columns=["task", "env", "source_id"]).to_pylist()
-        count += sum(1 for r in table if (item_key(r["env"], r["source_id"]) in items if by_item
-                                          else index.match(r["task"] or "") is not None))
+        count += (sum(item_key(r["env"], r["source_id"]) in items for r in table) if by_item
+                  else sum(hit is not None for hit in index.matches([r["task"] or "" for r in table])))
     return count
 
 

@@ -24,6 +24,7 @@ depends only on the records, so reruns keep the same representatives.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -42,8 +43,6 @@ from trajforge.pipeline.registry import Registry
 # form, so either kind of signature goes into the same LSH index.
 SCHEME = "affine32"
 
-_TOKEN = re.compile(r"\w+|[^\w\s]")
-_WORD = re.compile(r"\w+")
 _LITERAL_ESCAPE = re.compile(r"\\[ntr]")
 
 
@@ -73,7 +72,7 @@ class DedupConfig:
 
 
 def _folded(text: str) -> str:
-    """The text whose tokens (`_TOKEN`) dedup compares. Of `clean_text` only the escape codes matter here:
+    """The text whose tokens dedup compares. Of `clean_text` only the escape codes matter here:
     the rest of it changes whitespace, which no token holds, so it runs only on text with an
     escape code (ESC or BEL) in it."""
     if "\x1b" in text or "\x07" in text:
@@ -93,58 +92,67 @@ class DedupText(NamedTuple):
     words: str  # the word tokens, joined by spaces: what shingles are made of
 
 
-# Python's `re` takes these four ASCII characters for whitespace, polars' (Rust) regex does not;
-# elsewhere on ASCII text the two agree on \w and \s.
-_PYTHON_ONLY_SPACE = "\x1c\x1d\x1e\x1f"
+# Between the folded texts of a record: a turn boundary, so "a b" + "c" differs from "a" + "b c",
+# and the boundary between an assistant turn's thought and action. Each is a token of its own;
+# in a text, where `re` takes them for whitespace, they become spaces.
+_TURN, _THOUGHT_END = "\x1e", "\x1d"
 
 
-def _tokenized(texts: list[str]) -> tuple[list[str], list[str]]:
-    """(tokens joined by \x1f, words joined by spaces) of each folded text. ASCII text goes
-    through polars' regex at once, several times faster than `re` on its many small matches;
-    any other text through `re` with the same patterns. In polars the words are the tokens that
-    start with a word character (the others are single punctuation characters): one scan of the
-    text, not two."""
-    tokens, words = [""] * len(texts), [""] * len(texts)
-    fast = [i for i, t in enumerate(texts) if t.isascii() and not any(c in t for c in _PYTHON_ONLY_SPACE)]
-    if fast:
-        found = pl.DataFrame({"text": [texts[i] for i in fast]}, schema={"text": pl.String}).select(
-            pl.col("text").str.extract_all(_TOKEN.pattern).alias("found")).select(
-            pl.col("found").list.join("\x1f").alias("tokens"),
-            pl.col("found").list.eval(pl.element().filter(pl.element().str.contains(r"^\w"))).list.join(" ").alias("words"))
-        for i, t, w in zip(fast, found["tokens"].to_list(), found["words"].to_list()):
-            tokens[i], words[i] = t or "", w or ""
-    for i in sorted(set(range(len(texts))) - set(fast)):
-        tokens[i], words[i] = "\x1f".join(_TOKEN.findall(texts[i])), " ".join(_WORD.findall(texts[i]))
-    return tokens, words
+def _part(text: str) -> str:
+    text = _folded(text)
+    if _TURN in text or _THOUGHT_END in text:
+        text = text.replace(_TURN, " ").replace(_THOUGHT_END, " ")
+    return text
 
 
-def _layout(record: dict, texts: list[str]) -> list[str | int]:
-    """Appends the record's folded texts to `texts`; returns their indices there, with the markers
-    that go between them."""
-    layout: list[str | int] = [len(texts)]
-    texts.append(_folded(record["task"]))
+def _record_text(record: dict) -> str:
+    """The record's folded texts (`DedupText`'s), joined by the turn markers."""
+    parts = [_part(record["task"])]
     turns = record["conversations"]
     start = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), len(turns))
     for turn in turns[start:]:
-        layout.append("\x1e")  # a turn boundary, so "a b" + "c" differs from "a" + "b c"
         if turn["role"] == "assistant":
-            layout += [len(texts), "\x1d", len(texts) + 1]
-            texts += [_folded(turn["thought"] or ""), _folded(turn["action"] or "")]
+            parts += [_TURN, _part(turn["thought"] or ""), _THOUGHT_END, _part(turn["action"] or "")]
         else:
-            layout.append(len(texts))
-            texts.append(_folded(turn["content"]))
-    return layout
+            parts += [_TURN, _part(turn["content"])]
+    return "".join(parts)
+
+
+def _character_class(pattern: str) -> str:
+    """The code points `re` matches with the one-character `pattern`, as a Rust regex (polars)
+    character class body."""
+    every = np.arange(0x110000, dtype=np.uint32)
+    every = every[(every < 0xD800) | (every > 0xDFFF)]  # surrogates: no string holds them alone
+    found = np.array([ord(c) for c in re.findall(pattern, every.tobytes().decode("utf-32-le"))])
+    breaks = np.flatnonzero(np.diff(found) != 1)
+    starts, ends = np.append(found[:1], found[breaks + 1]), np.append(found[breaks], found[-1:])
+    return "".join(f"\\x{{{a:X}}}" + (f"-\\x{{{b:X}}}" if b > a else "") for a, b in zip(starts.tolist(), ends.tolist()))
+
+
+@functools.cache
+def _polars_patterns() -> tuple[str, str]:
+    """(tokens, runs of non-word characters) for polars. The tokens are what `re` matches with
+    \\w+|[^\\w\\s] (word runs, single other non-space characters) on any text, and the turn
+    markers: polars' (Rust) \\w and \\s differ from `re`'s outside ASCII (marks, some numerals,
+    the separators \\x1c-\\x1f), so the classes are `re`'s own, spelled out."""
+    word, space = _character_class(r"\w"), _character_class(r"\s")
+    return f"[{word}]+|[^{word}{space}]|[{_TURN}{_THOUGHT_END}]", f"[^{word}]+"
+
+
+def _tokenized(folded: Sequence[str], tokens: bool = True) -> pl.DataFrame:
+    """`words` (the \\w+ runs, joined by spaces) and, with `tokens`, `tokens` (joined by \\x1f) of
+    each text, by polars' regex at once: several times faster than `re` on their many small matches."""
+    token, gaps = _polars_patterns()
+    text = pl.col("text")
+    return pl.DataFrame({"text": folded}, schema={"text": pl.String}).select(
+        text.str.replace_all(gaps, " ").str.strip_chars(" ").alias("words"),
+        *([text.str.extract_all(token).list.join("\x1f").alias("tokens")] if tokens else []))
 
 
 def dedup_texts(records: Sequence[dict]) -> list[DedupText]:
     """The `DedupText` of each record, the texts of all of them tokenized at once."""
-    texts: list[str] = []
-    layouts = [_layout(record, texts) for record in records]  # per record: indices into texts, and markers
-    tokens, words = _tokenized(texts)
-    return [DedupText("\x1f".join(part if isinstance(part, str) else tokens[part] for part in layout
-                                   if isinstance(part, str) or tokens[part]),
-                      " ".join(words[part] for part in layout if isinstance(part, int) and words[part]))
-            for layout in layouts]
+    found = _tokenized([_record_text(record) for record in records])
+    return list(map(DedupText, found["tokens"].to_list(), found["words"].to_list()))
 
 
 def dedup_group(record: dict) -> str:
@@ -287,8 +295,7 @@ class Contamination:
         self.n = n
         self.grams: dict[tuple[str, ...], int] = {}
         self.short: dict[int, dict[tuple[str, ...], int]] = {}
-        for index, task in enumerate(tasks):
-            words = _task_words(task)
+        for index, words in enumerate(_split(joined) for joined in _task_words(list(tasks)).to_list()):
             if not words:
                 continue
             if len(words) < n:
@@ -298,10 +305,27 @@ class Contamination:
         # The words that start an entry of each table: a window starting with another word is no hit.
         self.tables = [(size, table, {gram[0] for gram in table})
                        for size, table in [(n, self.grams), *sorted(self.short.items())]]
+        # Every entry as " w1 ... wk ": a text's words, joined by spaces and padded with one, hold
+        # it exactly when the text has that window of words (words hold no space).
+        self.entries = [f" {' '.join(gram)} " for _, table, _ in self.tables for gram in table]
 
-    def match(self, text: str) -> tuple[int, str] | None:
-        """(index of an overlapping evaluation task, the shared words) or None."""
-        words = _task_words(text)
+    def matches(self, texts: Sequence[str]) -> list[tuple[int, str] | None]:
+        """Per text: (index of an overlapping evaluation task, the shared words) or None. Polars
+        finds the texts holding any entry at once (Aho-Corasick; building its automaton takes a
+        few ms, so pass many texts at once); `_match` says which, first."""
+        words = _task_words(texts)
+        if not self.entries:
+            return [None] * len(words)
+        found = (" " + words + " ").str.contains_any(self.entries)
+        return [self._match(_split(joined)) if hit else None for joined, hit in zip(words.to_list(), found.to_list())]
+
+    def details(self, texts: Sequence[str]) -> list[str | None]:
+        """Per text: the quarantine detail of its overlap with an evaluation task, or None."""
+        return [None if hit is None else
+                f"task shares {len(hit[1].split())} words with evaluation task #{hit[0]}: {hit[1]!r}"[:500]
+                for hit in self.matches(texts)]
+
+    def _match(self, words: tuple[str, ...]) -> tuple[int, str] | None:
         for size, table, firsts in self.tables:
             for k in range(len(words) - size + 1):
                 if words[k] in firsts:
@@ -311,19 +335,21 @@ class Contamination:
         return None
 
 
-def _task_words(text: str) -> tuple[str, ...]:
-    """The word tokens of the folded text: its maximal \\w+ runs, which `_WORD` finds directly."""
-    return tuple(_WORD.findall(_folded(text)))
+def _task_words(texts: Sequence[str]) -> pl.Series:
+    """The word tokens (maximal \\w+ runs) of each folded text, joined by spaces."""
+    return _tokenized([_folded(text) for text in texts], tokens=False)["words"]
+
+
+def _split(words: str) -> tuple[str, ...]:
+    return tuple(words.split(" ")) if words else ()
 
 
 def decontaminate(records: list[dict], index: Contamination) -> tuple[list[dict], list[tuple[dict, str]]]:
     """Split records into (clean, [(record, detail)]) by n-gram overlap of their task."""
     clean, removed = [], []
-    for record in records:
-        hit = index.match(record["task"])
-        if hit is None:
+    for record, detail in zip(records, index.details([record["task"] for record in records])):
+        if detail is None:
             clean.append(record)
         else:
-            removed.append((record, f"task shares {len(hit[1].split())} words with evaluation task #{hit[0]}: "
-                                    f"{hit[1]!r}"[:500]))
+            removed.append((record, detail))
     return clean, removed

@@ -11,12 +11,13 @@ from dataclasses import replace
 import pyarrow.parquet as pq
 import pytest
 
-from tests.support.oracles import deduplicate, fold, jaccard
+from tests.support.oracles import TOKEN, deduplicate, fold, jaccard
 from tests.support.paths import FIXTURE_SOURCES
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 from trajforge.pipeline.quality.dedup import (
     Contamination,
     DedupConfig,
+    _tokenized,
     decontaminate,
     dedup_group,
     dedup_texts,
@@ -189,11 +190,72 @@ def test_keep_rank_is_stated_by_every_source():
 
 
 def test_dedup_texts_tokenize_as_fold_does_on_every_kind_of_text():
-    """ASCII text is tokenized by polars' regex, other text by `fold`'s: the same tokens either way."""
+    """Polars tokenizes every text as `fold` (Python's `re`) does, whatever the code points (marks,
+    numerals, separators, the turn markers' own characters inside a text), turn by turn."""
     rng = random.Random(0)
-    alphabet = [chr(c) for c in range(128)] + list("éİ²–ﬁ\u0301\u00a0\u2028")
-    tasks = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(3000)]
-    records = [{"task": task, "conversations": []} for task in tasks]
-    for task, text in zip(tasks, dedup_texts(records)):
-        assert text.tokens == "\x1f".join(fold(task))
-        assert text.words.split() == [t for t in fold(task) if re.fullmatch(r"\w+", t)]
+    alphabet = ([chr(c) for c in range(128)] + list("éİ²–ﬁΣ\u0301\u00a0\u2028\u0660\u203f\u180e\u3000") + ["\\n", "\\", "\x1b[1m"]
+                + [chr(rng.choice([rng.randrange(0x80, 0x3000), rng.randrange(0xE000, 0x110000)])) for _ in range(300)])
+
+    def text():
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+
+    records = []
+    for _ in range(1500):
+        turns = [{"role": "user", "content": text(), "loss": False}]
+        for _ in range(rng.randint(0, 3)):
+            turns += [{"role": "assistant", "content": "", "thought": rng.choice([None, text()]), "action": text(),
+                       "loss": True}, {"role": "user", "content": text(), "loss": False}]
+        records.append({"task": text(), "conversations": turns})
+    for record, found in zip(records, dedup_texts(records)):
+        tokens = fold(record["task"])
+        for turn in record["conversations"][1:]:
+            tokens += ["\x1e", *(fold(turn["thought"] or "") + ["\x1d"] + fold(turn["action"])
+                                  if turn["role"] == "assistant" else fold(turn["content"]))]
+        assert found.tokens == "\x1f".join(tokens)
+        assert found.words == " ".join(t for t in tokens if re.fullmatch(r"\w+", t))
+
+
+def test_polars_tokens_are_those_of_re_on_every_code_point():
+    """Each code point between two letters: one word with them, a space, or a token of its own,
+    as Python's `re` decides (the turn markers, always tokens, aside)."""
+    every = "".join(f"a{chr(c)}b" for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF and chr(c) not in "\x1d\x1e")
+    found = _tokenized([every]).row(0, named=True)
+    assert found["tokens"] == "\x1f".join(TOKEN.findall(every))
+    assert found["words"] == " ".join(re.findall(r"\w+", every))
+
+
+def test_contamination_reports_the_first_overlap_a_scan_of_re_words_finds():
+    """Each text's first n-gram hit (then the whole short tasks, shortest first), as a plain scan
+    of Python's `re` words over the folded texts finds it, with misses and non-ASCII words."""
+    rng = random.Random(1)
+    vocab = ["alpha", "Beta", "gamma", "δέλτα", "x_1", "2", "e\u0301", "²"]
+
+    def text(words: int) -> str:
+        return "".join(rng.choice(vocab) + rng.choice([" ", ", ", "\u3000", "-", "\x1e"]) for _ in range(words))
+
+    evals = [text(rng.randint(0, 9)) for _ in range(40)]
+    texts = [text(rng.randint(0, 30)) for _ in range(400)]
+
+    def words(t: str) -> tuple[str, ...]:
+        return tuple(re.findall(r"\w+", t.lower()))
+
+    grams: dict = {}
+    short: dict = {}
+    for i, task in enumerate(evals):
+        w = words(task)
+        if 0 < len(w) < 4:
+            short.setdefault(len(w), {}).setdefault(w, i)
+        for k in range(len(w) - 3):
+            grams.setdefault(w[k:k + 4], i)
+
+    def first_hit(t: str):
+        w = words(t)
+        for size, table in [(4, grams), *sorted(short.items())]:
+            for k in range(len(w) - size + 1):
+                if w[k:k + size] in table:
+                    return table[w[k:k + size]], " ".join(w[k:k + size])
+        return None
+
+    expected = [first_hit(t) for t in texts]
+    assert 0 < sum(hit is not None for hit in expected) < len(texts)
+    assert Contamination(evals, n=4).matches(texts) == expected

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,7 +31,6 @@ from trajforge.pipeline.envs.tasks import Task
 from trajforge.pipeline.publish.manifest import file_sha256
 from trajforge.pipeline.publish.shards import SHARD_RE, ShardConfig, plan_shards, shard_name
 from trajforge.pipeline.quality.dedup import (
-    _TOKEN,
     SCHEME,
     DedupConfig,
     _folded,
@@ -49,9 +49,12 @@ from trajforge.sources import keep_rank as source_keep_rank
 # --- dedup (pipeline/quality/dedup.py, dedup_table.py) -------------------------------------------
 
 
+TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
 def fold(text: str) -> list[str]:
-    """Tokens of a text with everything that differs between mirrors folded away."""
-    return _TOKEN.findall(_folded(text))
+    """Tokens of a text with everything that differs between mirrors folded away, by Python's `re`."""
+    return TOKEN.findall(_folded(text))
 
 
 def jaccard(a: set, b: set) -> float:
