@@ -313,9 +313,9 @@ class Contamination:
         """Per text: (index of an overlapping evaluation task, the shared words) or None. Polars
         finds the texts holding any entry at once (Aho-Corasick; building its automaton takes a
         few ms, so pass many texts at once); `_match` says which, first."""
-        words = _task_words(texts)
         if not self.entries:
-            return [None] * len(words)
+            return [None] * len(texts)
+        words = _task_words(texts)
         found = (" " + words + " ").str.contains_any(self.entries)
         return [self._match(_split(joined)) if hit else None for joined, hit in zip(words.to_list(), found.to_list())]
 
