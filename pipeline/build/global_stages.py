@@ -78,24 +78,32 @@ def _eval_tasks(config: BuildConfig) -> tuple[Contamination | None, HeldOut | No
     return (Contamination(texts, config.decontaminate_ngram) if texts else None), held
 
 
-def contamination(units: list[UnitResult], config: BuildConfig) -> pl.Series:
-    """Per record in build order: why its task overlaps an evaluation task, or null. Reads the
-    `task`, `env` and `source_id` columns only; done here, not per unit, because the evaluation
-    tasks are a setting of this step: the `--decontaminate` file and, unless switched off, the
-    declared eval splits (pipeline/evaluation/splits.py: task text n-grams, AgentGym items)."""
-    index, held = _eval_tasks(config)
+def unit_contamination(records_path: str, index: Contamination | None, held: HeldOut | None) -> list[str | None]:
+    """Per record of one unit's staged records, in order: why its task overlaps an evaluation task
+    (the n-gram `index`, the `held` out items), or null. Reads the `task`, `env` and `source_id`
+    columns only."""
     details: list[str | None] = []
-    for unit in units:
-        staged = pq.ParquetFile(unit.records_path)
-        if index is None and held is None:
-            details.extend([None] * staged.metadata.num_rows)
-            continue
-        for batch in staged.iter_batches(batch_size=BATCH_ROWS, columns=["task", "env", "source_id"]):
-            tasks, envs, source_ids = (batch.column(c).to_pylist() for c in ("task", "env", "source_id"))
-            overlaps = index.details(tasks) if index else [None] * len(tasks)
-            details += [(held and held.item_match(env, source_id)) or overlap or None
-                        for env, source_id, overlap in zip(envs, source_ids, overlaps)]
-    return pl.Series("detail", details, dtype=pl.String)
+    for batch in pq.ParquetFile(records_path).iter_batches(batch_size=BATCH_ROWS, columns=["task", "env", "source_id"]):
+        tasks, envs, source_ids = (batch.column(c).to_pylist() for c in ("task", "env", "source_id"))
+        overlaps = index.details(tasks) if index else [None] * len(tasks)
+        details += [(held and held.item_match(env, source_id)) or overlap or None
+                    for env, source_id, overlap in zip(envs, source_ids, overlaps)]
+    return details
+
+
+def contamination(units: list[UnitResult], config: BuildConfig, map_units=in_order) -> pl.Series:
+    """Per record in build order: why its task overlaps an evaluation task, or null. Decided here,
+    not per unit in the map, because the evaluation tasks are a setting of this step: the
+    `--decontaminate` file and, unless switched off, the declared eval splits
+    (pipeline/evaluation/splits.py: task text n-grams, AgentGym items). The index is built once and
+    each unit checked on `map_units` (the check is ~0.04 ms a record: on the task runner's workers
+    rather than alone in the flow's process)."""
+    index, held = _eval_tasks(config)
+    if index is None and held is None:
+        return pl.Series("detail", [None] * sum(pq.ParquetFile(u.records_path).metadata.num_rows for u in units),
+                         dtype=pl.String)
+    per_unit = map_units(unit_contamination, [(unit.records_path, index, held) for unit in units])
+    return pl.Series("detail", [detail for details in per_unit for detail in details], dtype=pl.String)
 
 
 @dataclass(frozen=True)
@@ -105,7 +113,7 @@ class Decontaminate:
     outcome: str = QUARANTINE
 
     def run(self, keys: pl.DataFrame, build: StagedBuild) -> tuple[StageTally, pl.DataFrame]:
-        details = contamination(build.units, build.config)
+        details = contamination(build.units, build.config, build.map_units)
         dropped = (keys.select("order").with_columns(details.gather(keys["order"]), reason=pl.lit("contaminated"))
                    .filter(pl.col("detail").is_not_null()).select(*QUARANTINE_COLUMNS))
         return tally_of(self.name, keys, dropped), dropped

@@ -67,7 +67,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     duplicates = write_duplicates(out, runs, keys)
     write_quarantine(out, units, outputs)
     report = build_report(units, runs, kept_keys, outputs, duplicates, config)
-    html_files = write_html(out, report, duplicates, kept_keys["turns"].to_list(), kept_keys["chars"].to_list())
+    html_files = write_html(out, report, duplicates, kept_keys["turns"].to_numpy(), kept_keys["chars"].to_numpy())
     write_json(out / "report.json", report)
     owned = [path for paths in report["outputs"].values() for path in paths]
     owned += [p.relative_to(out).as_posix() for p in html_files] + ["report.json"]
@@ -157,7 +157,7 @@ def build_report(units: list[UnitResult], runs: list[StageRun], kept_keys: pl.Da
     report = {**source_counts(units, runs), "generator": GENERATOR, "config": asdict(config),
               "outputs": {**outputs.files, "quarantine": [QUARANTINE_FILE], "duplicates": [DUPLICATES_FILE]}}
     for column, name in [("rendering", "renderings"), ("domain", "domains"), ("env", "envs"), ("kind", "kinds")]:
-        report[name] = dict(sorted(Counter(kept_keys[column].to_list()).items()))
+        report[name] = dict(sorted(kept_keys[column].value_counts().iter_rows()))
     report["validation_by_env"] = merge_env_figures([u.envs for u in units])
     for run in runs:
         report.update(run.stage.report(run.tally, config))
