@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from trajforge.pipeline.ingest.dialects import clean_text
 from trajforge.pipeline.registry import Registry
@@ -204,23 +205,46 @@ def shingle_hashes(sets: Sequence[set[str]], seed: int) -> tuple[np.ndarray, np.
     return sizes, flat.hash(seed=seed).to_numpy()
 
 
-def word_shingle_hashes(words: Sequence[str], size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """`shingle_hashes` of the `shingles` of `DedupText.words`, the shingles made and hashed by
-    polars at once. A shingle that repeats in a text is hashed each time: MinHash and the
-    sketches keep minima, which a repeat does not change (`np.unique` of a text's hashes is
-    its set's)."""
-    joined = pl.Series(words, dtype=pl.String)
-    split = joined.str.split(" ")
-    lengths = np.where(joined.str.len_bytes().to_numpy() == 0, 0, split.list.len().to_numpy()).astype(np.int64)
-    flat = split.filter(pl.Series(lengths > 0)).explode()
-    long = lengths > size
-    # Shingle k of a long text starts at its k-th word; a short one is all its words.
-    windows = pl.select(pl.concat_str([flat.shift(-k) for k in range(size)], separator=" ")).to_series()
-    hashed = pl.concat([windows, joined.filter(pl.Series(~long))]).hash(seed=seed).to_numpy()
-    sizes = np.where(long, lengths - size + 1, 1)
-    first = np.where(long, np.cumsum(lengths) - lengths, len(flat) + np.cumsum(~long) - 1)
+def word_shingle_hashes(words: Sequence[str] | pl.Series, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """`shingle_hashes` of the `shingles` of `DedupText.words`, hashed by polars at once. Each
+    shingle is a view into the joined words' bytes (an Arrow string view array), never a string
+    of its own. A shingle that repeats in a text is hashed each time: MinHash and the sketches
+    keep minima, which a repeat does not change (`np.unique` of a text's hashes is its set's)."""
+    joined = pl.Series(words, dtype=pl.String).to_arrow().cast(pa.large_string())  # fresh buffers, from 0
+    _, offsets, data = joined.buffers()
+    offsets = np.frombuffer(offsets, dtype=np.int64, count=len(joined) + 1)
+    # The words of a text are separated by one space each; it starts and ends with one unless it is empty.
+    space = np.frombuffer(data, dtype=np.uint8, count=int(offsets[-1])) == 32
+    text_start = np.zeros(len(space) + 1, dtype=bool)
+    text_start[offsets] = True
+    starts = np.flatnonzero(~space & (np.concatenate([[True], space[:-1]]) | text_start[:-1]))
+    ends = np.flatnonzero(~space & (np.append(space[1:], True) | text_start[1:])) + 1
+    counts = np.diff(np.searchsorted(starts, offsets))
+    long = counts > size
+    sizes = np.where(long, counts - size + 1, 1)
     within = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    return sizes, hashed[np.repeat(first, sizes) + within]
+    # Shingle k of a long text runs from its k-th word to its (k + size - 1)-th; a short one is all its words.
+    first = np.repeat(np.cumsum(counts) - counts, sizes) + within
+    last = np.where(np.repeat(long, sizes), first + size - 1, first + np.repeat(counts, sizes) - 1)
+    empty = last < first
+    begin = np.where(empty, 0, np.append(starts, 0)[np.minimum(first, len(starts))])
+    length = np.where(empty, 0, np.append(ends, 0)[last] - begin)
+    return sizes, pl.Series(_string_views(data, begin, length)).hash(seed=seed).to_numpy()
+
+
+def _string_views(data: pa.Buffer, starts: np.ndarray, lengths: np.ndarray) -> pa.Array:
+    """The strings data[starts[i]:starts[i] + lengths[i]] as an Arrow string view array over
+    `data`: 16 bytes each, its length, then the string itself when it fits in 12 bytes, else its
+    first 4 bytes, buffer 0 and its offset."""
+    views = np.zeros((len(starts), 4), dtype="<u4")
+    views[:, 0], views[:, 3] = lengths, starts
+    # Every 12 bytes of `data` from each offset (zeros past its end), without copies.
+    padded = np.concatenate([np.frombuffer(data, dtype=np.uint8), np.zeros(12, dtype=np.uint8)])
+    windows = np.lib.stride_tricks.as_strided(padded, shape=(len(padded) - 11, 12), strides=(1, 1))
+    views[:, 1] = windows[starts, :4].copy().view("<u4")[:, 0]
+    inline = np.flatnonzero(lengths <= 12)
+    views[inline, 1:] = np.where(np.arange(12) < lengths[inline, None], windows[starts[inline]], 0).view("<u4")
+    return pa.Array.from_buffers(pa.string_view(), len(starts), [None, pa.py_buffer(views), data])
 
 
 def _numpy_signatures(sets: Sequence[set[str]], num_perm: int, seed: int,

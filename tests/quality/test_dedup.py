@@ -8,6 +8,7 @@ import re
 from collections import Counter
 from dataclasses import replace
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -23,8 +24,10 @@ from trajforge.pipeline.quality.dedup import (
     dedup_texts,
     exact_key,
     read_eval_tasks,
+    shingle_hashes,
     shingles,
     signatures,
+    word_shingle_hashes,
 )
 from trajforge.schemas import validator
 from trajforge.sources import get_source
@@ -136,6 +139,19 @@ def test_signature_estimates_jaccard(backend):
     estimate = (sig[0] == sig[1]).mean()
     assert abs(estimate - jaccard(sets[0], sets[1])) < 0.15
     assert (sig[0] == sig[2]).mean() < 0.1
+
+
+def test_word_shingle_hashes_are_those_of_the_shingle_strings():
+    """Per text, the hashes of its `shingles` (as `shingle_hashes` makes them of the strings): no
+    words, fewer than a shingle, exactly one, many; shingles within 12 bytes and longer, multi-byte words."""
+    rng = random.Random(2)
+    vocab = ["a", "bb", "δέλτα", "x_1", "2", "е\u0301", "longerword", "日本語"]
+    words = [" ".join(rng.choice(vocab) for _ in range(n)) for n in [0, 1, 2, 4, 5, 6, 0, 30, *range(12)] * 5]
+    sets = [shingles(w.split(), 5) for w in words]
+    sizes, hashed = word_shingle_hashes(words, 5, seed=3)
+    expected_sizes, expected = shingle_hashes(sets, seed=3)
+    assert [set(part.tolist()) for part in np.split(hashed, np.cumsum(sizes)[:-1])] == \
+        [set(part.tolist()) for part in np.split(expected, np.cumsum(expected_sizes)[:-1])]
 
 
 def test_config_rejects_bad_values():
