@@ -108,15 +108,20 @@ def _part(text: str) -> str:
 
 def _record_text(record: dict) -> str:
     """The record's folded texts (`DedupText`'s), joined by the turn markers."""
-    parts = [_part(record["task"])]
+    parts = [record["task"]]  # texts and markers in turn
     turns = record["conversations"]
     start = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), len(turns))
     for turn in turns[start:]:
         if turn["role"] == "assistant":
-            parts += [_TURN, _part(turn["thought"] or ""), _THOUGHT_END, _part(turn["action"] or "")]
+            parts += [_TURN, turn["thought"] or "", _THOUGHT_END, turn["action"] or ""]
         else:
-            parts += [_TURN, _part(turn["content"])]
-    return "".join(parts)
+            parts += [_TURN, turn["content"]]
+    joined = "".join(parts)
+    # Folded at once unless a text holds an escape code or a marker of its own: the markers keep
+    # the literal escapes and the lowercasing (its final sigma) from reaching across texts.
+    if "\x1b" in joined or "\x07" in joined or joined.count(_TURN) + joined.count(_THOUGHT_END) > len(parts) // 2:
+        return "".join(part if i % 2 else _part(part) for i, part in enumerate(parts))
+    return _LITERAL_ESCAPE.sub(" ", joined).lower()
 
 
 def _character_class(pattern: str) -> str:
