@@ -227,8 +227,19 @@ def test_dedup_texts_tokenize_as_fold_does_on_every_kind_of_text():
         for turn in record["conversations"][1:]:
             tokens += ["\x1e", *(fold(turn["thought"] or "") + ["\x1d"] + fold(turn["action"])
                                   if turn["role"] == "assistant" else fold(turn["content"]))]
-        assert found.tokens == "\x1f".join(tokens)
+        assert found.bare == "".join(tokens)
         assert found.words == " ".join(t for t in tokens if re.fullmatch(r"\w+", t))
+
+
+def test_exact_key_is_equal_exactly_when_the_tokens_are():
+    """The key is taken of the words and the text without whitespace: equal for the same tokens
+    however spaced, different where only the split of a word run or the punctuation differs."""
+    tasks = ["Go to (a b) , now", "go to(a   b),now", "go to (ab), now", "go to a b now", "go\nto ( a b ) ,now"]
+    texts = dedup_texts([{"task": task, "conversations": []} for task in tasks])
+    keys = [exact_key("positive:", text) for text in texts]
+    assert [[re.findall(r"\w+|[^\w\s]", t.lower()) == re.findall(r"\w+|[^\w\s]", u.lower()) for u in tasks]
+            for t in tasks] == [[a == b for b in keys] for a in keys]
+    assert len(set(keys)) == 3
 
 
 def test_polars_tokens_are_those_of_re_on_every_code_point():
@@ -236,7 +247,7 @@ def test_polars_tokens_are_those_of_re_on_every_code_point():
     as Python's `re` decides (the turn markers, always tokens, aside)."""
     every = "".join(f"a{chr(c)}b" for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF and chr(c) not in "\x1d\x1e")
     found = _tokenized([every]).row(0, named=True)
-    assert found["tokens"] == "\x1f".join(TOKEN.findall(every))
+    assert found["bare"] == "".join(TOKEN.findall(every))
     assert found["words"] == " ".join(re.findall(r"\w+", every))
 
 
