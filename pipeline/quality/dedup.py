@@ -6,8 +6,8 @@ re-releases (OpenManus-RL of AgentTraj-L, Agent-FLAN of AgentInstruct) rewrite t
 whitespace while the task and the trajectory stay.
 
 - Exact: a hash over that text as tokens (case, whitespace, terminal escape codes and literal
-  `\\n` escapes folded), taken of its words and of the text without whitespace: the two hold the
-  same as the tokens, and cost one regex pass less.
+  `\\n` escapes folded), taken of its words and of the text without whitespace: the two hold what
+  the tokens hold, and a regex that removes whitespace costs half one that extracts the tokens.
 - Near: MinHash over word shingles of the same text (rewordings of thoughts, small edits),
   candidates from LSH band keys, confirmed by the true Jaccard similarity of the shingle sets, so
   LSH false positives never merge; a dropped record always points at a kept record it is similar
@@ -140,11 +140,11 @@ def _character_class(pattern: str) -> str:
 
 @functools.cache
 def _polars_patterns() -> tuple[str, str]:
-    """(runs of whitespace other than the turn markers, runs of non-word characters) for polars: the
-    text without the first is its tokens run together, where the tokens are what `re` matches with \\w+|[^\\w\\s] (word runs,
-    single other non-space characters) on any text, and the turn markers. Polars' (Rust) \\w and
-    \\s differ from `re`'s outside ASCII (marks, some numerals, the separators \\x1c-\\x1f), so
-    the classes are `re`'s own, spelled out."""
+    """(runs of whitespace other than the turn markers, runs of non-word characters) for polars.
+    A text without the first is its tokens run together, the tokens being what `re` matches with
+    \\w+|[^\\w\\s] (word runs, single other non-space characters), and the turn markers. Polars'
+    (Rust) \\w and \\s differ from `re`'s outside ASCII (marks, some numerals, the separators
+    \\x1c-\\x1f), so the classes are `re`'s own, spelled out."""
     whitespace, word = _character_class(f"[^\\S{_TURN}{_THOUGHT_END}]"), _character_class(r"\w")
     return f"[{whitespace}]+", f"[^{word}]+"
 
@@ -214,15 +214,15 @@ def shingle_hashes(sets: Sequence[set[str]], seed: int) -> tuple[np.ndarray, np.
     return sizes, flat.hash(seed=seed).to_numpy()
 
 
-def word_shingle_hashes(words: Sequence[str] | pl.Series, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def word_shingle_hashes(words: Sequence[str], size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """`shingle_hashes` of the `shingles` of `DedupText.words`, hashed by polars at once. Each
     shingle is a view into the joined words' bytes (an Arrow string view array), never a string
     of its own. A shingle that repeats in a text is hashed each time: MinHash and the sketches
     keep minima, which a repeat does not change (`np.unique` of a text's hashes is its set's)."""
-    joined = pl.Series(words, dtype=pl.String).to_arrow().cast(pa.large_string())  # fresh buffers, from 0
+    joined = pl.Series(words, dtype=pl.String).to_arrow().cast(pa.large_string())  # a new array: offsets from 0
     _, offsets, data = joined.buffers()
     offsets = np.frombuffer(offsets, dtype=np.int64, count=len(joined) + 1)
-    # The words of a text are separated by one space each; it starts and ends with one unless it is empty.
+    # The words of a text are separated by one space each; it starts and ends with a word unless it is empty.
     space = np.frombuffer(data, dtype=np.uint8, count=int(offsets[-1])) == 32
     text_start = np.zeros(len(space) + 1, dtype=bool)
     text_start[offsets] = True
@@ -243,11 +243,11 @@ def word_shingle_hashes(words: Sequence[str] | pl.Series, size: int, seed: int) 
 
 def _string_views(data: pa.Buffer, starts: np.ndarray, lengths: np.ndarray) -> pa.Array:
     """The strings data[starts[i]:starts[i] + lengths[i]] as an Arrow string view array over
-    `data`: 16 bytes each, its length, then the string itself when it fits in 12 bytes, else its
-    first 4 bytes, buffer 0 and its offset."""
+    `data` (under 2 GiB: a batch's words): 16 bytes each, its length, then the string itself when
+    it fits in 12 bytes, else its first 4 bytes, buffer 0 and its offset."""
     views = np.zeros((len(starts), 4), dtype="<u4")
     views[:, 0], views[:, 3] = lengths, starts
-    # Every 12 bytes of `data` from each offset (zeros past its end), without copies.
+    # The 12 bytes of `data` from each offset (zeros past its end): a strided view, no copy of them.
     padded = np.concatenate([np.frombuffer(data, dtype=np.uint8), np.zeros(12, dtype=np.uint8)])
     windows = np.lib.stride_tricks.as_strided(padded, shape=(len(padded) - 11, 12), strides=(1, 1))
     views[:, 1] = windows[starts, :4].copy().view("<u4")[:, 0]
