@@ -92,8 +92,9 @@ def band_params(config: DedupConfig) -> tuple[int, int]:
 def sketches(sizes: np.ndarray, hashed: np.ndarray) -> np.ndarray:
     """(n, SKETCH_BINS) uint8 one-permutation sketches of the sets whose `shingle_hashes` these are."""
     n = len(sizes)
-    cells = np.repeat(np.arange(n, dtype=np.int64), sizes) * SKETCH_BINS + (
-        hashed % np.uint64(SKETCH_BINS)).astype(np.int64)
+    # SKETCH_BINS is a power of two: the low bits by a mask, not a (slower) 64-bit modulo.
+    cells = np.repeat(np.arange(0, n * SKETCH_BINS, SKETCH_BINS, dtype=np.int64), sizes) + (
+        hashed & np.uint64(SKETCH_BINS - 1)).astype(np.int64)
     smallest = np.full(n * SKETCH_BINS, np.iinfo(np.uint32).max, dtype=np.uint32)
     np.minimum.at(smallest, cells, (hashed >> np.uint64(32)).astype(np.uint32))
     out = (smallest % np.uint32(255) + 1).astype(np.uint8)

@@ -8,6 +8,7 @@ import re
 from collections import Counter
 from dataclasses import replace
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -23,8 +24,10 @@ from trajforge.pipeline.quality.dedup import (
     dedup_texts,
     exact_key,
     read_eval_tasks,
+    shingle_hashes,
     shingles,
     signatures,
+    word_shingle_hashes,
 )
 from trajforge.schemas import validator
 from trajforge.sources import get_source
@@ -138,6 +141,19 @@ def test_signature_estimates_jaccard(backend):
     assert (sig[0] == sig[2]).mean() < 0.1
 
 
+def test_word_shingle_hashes_are_those_of_the_shingle_strings():
+    """Per text, the hashes of its `shingles` (as `shingle_hashes` makes them of the strings): no
+    words, fewer than a shingle, exactly one, many; shingles within 12 bytes and longer, multi-byte words."""
+    rng = random.Random(2)
+    vocab = ["a", "bb", "δέλτα", "x_1", "2", "е\u0301", "longerword", "日本語"]
+    words = [" ".join(rng.choice(vocab) for _ in range(n)) for n in [0, 1, 2, 4, 5, 6, 0, 30, *range(12)] * 5]
+    sets = [shingles(w.split(), 5) for w in words]
+    sizes, hashed = word_shingle_hashes(words, 5, seed=3)
+    expected_sizes, expected = shingle_hashes(sets, seed=3)
+    assert [set(part.tolist()) for part in np.split(hashed, np.cumsum(sizes)[:-1])] == \
+        [set(part.tolist()) for part in np.split(expected, np.cumsum(expected_sizes)[:-1])]
+
+
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError):
         DedupConfig(threshold=0)
@@ -211,8 +227,19 @@ def test_dedup_texts_tokenize_as_fold_does_on_every_kind_of_text():
         for turn in record["conversations"][1:]:
             tokens += ["\x1e", *(fold(turn["thought"] or "") + ["\x1d"] + fold(turn["action"])
                                   if turn["role"] == "assistant" else fold(turn["content"]))]
-        assert found.tokens == "\x1f".join(tokens)
+        assert found.bare == "".join(tokens)
         assert found.words == " ".join(t for t in tokens if re.fullmatch(r"\w+", t))
+
+
+def test_exact_key_is_equal_exactly_when_the_tokens_are():
+    """The key is taken of the words and the text without whitespace: equal for the same tokens
+    however spaced, different where only the split of a word run or the punctuation differs."""
+    tasks = ["Go to (a b) , now", "go to(a   b),now", "go to (ab), now", "go to a b now", "go\nto ( a b ) ,now"]
+    texts = dedup_texts([{"task": task, "conversations": []} for task in tasks])
+    keys = [exact_key("positive:", text) for text in texts]
+    assert [[re.findall(r"\w+|[^\w\s]", t.lower()) == re.findall(r"\w+|[^\w\s]", u.lower()) for u in tasks]
+            for t in tasks] == [[a == b for b in keys] for a in keys]
+    assert len(set(keys)) == 3
 
 
 def test_polars_tokens_are_those_of_re_on_every_code_point():
@@ -220,7 +247,7 @@ def test_polars_tokens_are_those_of_re_on_every_code_point():
     as Python's `re` decides (the turn markers, always tokens, aside)."""
     every = "".join(f"a{chr(c)}b" for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF and chr(c) not in "\x1d\x1e")
     found = _tokenized([every]).row(0, named=True)
-    assert found["tokens"] == "\x1f".join(TOKEN.findall(every))
+    assert found["bare"] == "".join(TOKEN.findall(every))
     assert found["words"] == " ".join(re.findall(r"\w+", every))
 
 
