@@ -48,7 +48,7 @@ def clean_text(text: str) -> str:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     if text.isascii() and not _may_have_trailing_space(text):
         return text.strip()
-    return "\n".join(line.rstrip() for line in text.split("\n")).strip()
+    return "\n".join(map(str.rstrip, text.split("\n"))).strip()
 
 
 @dataclass(frozen=True)
