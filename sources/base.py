@@ -222,14 +222,14 @@ class _JsonText:
         self.decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="surrogateescape")
         self.buf = ""
         self.eof = False
-        self.offset = len(UTF8_BOM) if fh.read(3) == UTF8_BOM else 0  # byte offset of buf[0]
-        fh.seek(0)
+        self.read_bytes = 0  # bytes of the file fed to the decoder
 
     def more(self) -> bool:
         """Read one more chunk; False at the end of the file."""
         if self.eof:
             return False
         chunk = self.fh.read(CHUNK_BYTES)
+        self.read_bytes += len(chunk)
         self.buf += self.decoder.decode(chunk, final=not chunk)
         self.eof = not chunk
         return True
@@ -243,11 +243,14 @@ class _JsonText:
 
     def drop(self, pos: int) -> None:
         """Forget the text before `pos` (positions shift by `pos`)."""
-        self.offset += len(self.buf[:pos].encode("utf-8", "surrogateescape"))
         self.buf = self.buf[pos:]
 
     def byte_at(self, pos: int) -> int:
-        return self.offset + len(self.buf[:pos].encode("utf-8", "surrogateescape"))
+        """The file offset of `buf[pos]`, counted back from the last byte decoded (the BOM and bytes
+        held for an incomplete character lie outside the text): only a malformed element needs it,
+        so forgetting text costs no encoding of it."""
+        held = len(self.decoder.getstate()[0])
+        return self.read_bytes - held - len(self.buf[pos:].encode("utf-8", "surrogateescape"))
 
     def value_at(self, pos: int, decoder=json.JSONDecoder()):
         """(value, end) of the JSON value at `pos`, reading on while the value may continue."""

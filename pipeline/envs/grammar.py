@@ -34,7 +34,9 @@ from trajforge.pipeline.ingest.dialects import parse_literal
 INVENTED_VERBS = ("teleport", "levitate", "summon", "conjure")
 
 
-@dataclass(frozen=True)
+# Not frozen: validation builds one for every action, and a frozen dataclass's generated __init__
+# (object.__setattr__ per field) costs several times a plain one's. Nothing changes one once built.
+@dataclass
 class Context:
     """What an action is checked against: the turns the agent saw before it."""
     seen: tuple[str, ...]    # every system/user turn before the action, from the first non-empty one

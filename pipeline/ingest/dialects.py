@@ -48,7 +48,7 @@ def clean_text(text: str) -> str:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     if text.isascii() and not _may_have_trailing_space(text):
         return text.strip()
-    return "\n".join(line.rstrip() for line in text.split("\n")).strip()
+    return "\n".join(map(str.rstrip, text.split("\n"))).strip()
 
 
 @dataclass(frozen=True)
@@ -220,12 +220,17 @@ DIALECTS: Registry[Dialect] = Registry("dialect", {d.name: d for d in [
 FREE_TEXT = "free_text"
 
 
-# A build parses each assistant turn when it normalizes the row and again when it validates the
-# record, right after: the second parse is a lookup. Bounded, so memory stays a few turns deep.
-@functools.lru_cache(maxsize=256)
 def parse_turn(text: str) -> ParsedTurn:
-    """Parse one cleaned assistant turn. Never raises on prose: returns dialect `free_text`."""
-    text = clean_text(text)
+    """Parse one assistant turn, cleaned first (`clean_text`). Never raises on prose: returns dialect
+    `free_text`."""
+    return parse_cleaned_turn(clean_text(text))
+
+
+# A turn read again soon after (an acknowledgement, a validated record's turn) is a lookup. Bounded,
+# so memory stays a few turns deep.
+@functools.lru_cache(maxsize=256)
+def parse_cleaned_turn(text: str) -> ParsedTurn:
+    """`parse_turn` of a text `clean_text` already cleaned (normalize cleans each turn once)."""
     if not text:
         raise ParseError("empty assistant turn")
     for dialect in DIALECTS.values():

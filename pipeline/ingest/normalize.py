@@ -23,7 +23,7 @@ from trajforge.pipeline.ingest.dialects import (
     ParseError,
     clean_text,
     extract_answer,
-    parse_turn,
+    parse_cleaned_turn,
     render_react,
 )
 from trajforge.schemas.record import READABLE_VERSIONS, TrajectoryRecord, Turn, new_record
@@ -132,7 +132,7 @@ def _after_acknowledgement(turns: list[dict], first_user: int) -> int:
     acknowledgement ("Ok.", an assistant turn with no action) and then the task."""
     ack, task = first_user + 1, first_user + 2
     if (task < len(turns) and turns[ack]["role"] == "assistant" and turns[task]["role"] == "user"
-            and parse_turn(turns[ack]["content"]).dialect == FREE_TEXT):
+            and parse_cleaned_turn(turns[ack]["content"]).dialect == FREE_TEXT):
         return task
     return first_user
 
@@ -193,7 +193,7 @@ def _parsed(turns: list[dict], task_at: int, demo_turns: int, upstream_loss: boo
                                   "thought": None, "action": None, "reasoning": None, "dialect": None})
             continue
         try:
-            parsed = parse_turn(turn["content"])
+            parsed = parse_cleaned_turn(turn["content"])
         except ParseError as exc:
             raise NormalizeError("unparsed_assistant_turn", f"turn {i}: {exc}") from None
         if task_at - demo_turns <= i < task_at:

@@ -94,13 +94,19 @@ def masked_turns(record: dict) -> set[int]:
 def _assistant_turns_parse(record: dict, config: ValidateConfig) -> Violation | None:
     turns = record["conversations"]
     last_assistant = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
+    # A normalized record's native turns are their content's parse (`_parsed` wrote them): only a
+    # record rendered or edited since is parsed again.
+    known = isinstance(record, NormalizedRecord) and record["rendering"] == "native"
     for i, turn in enumerate(turns):
         if turn["role"] != "assistant":
             continue
-        parsed = parse_turn(turn["content"])
-        if (parsed.thought, parsed.action) != (turn["thought"], turn["action"]):
-            return Violation("parse_mismatch", f"turn {i}: content does not parse to its thought/action")
-        if parsed.dialect == FREE_TEXT and turn["loss"]:
+        dialect = turn["dialect"]
+        if not known:
+            parsed = parse_turn(turn["content"])
+            if (parsed.thought, parsed.action) != (turn["thought"], turn["action"]):
+                return Violation("parse_mismatch", f"turn {i}: content does not parse to its thought/action")
+            dialect = parsed.dialect
+        if dialect == FREE_TEXT and turn["loss"]:
             # Prose is only a valid trained turn as a tool-use agent's final reply.
             if not (i == last_assistant and record["domain"] == "tool"):
                 return Violation("unparsed_assistant_turn", f"turn {i} has no action in any known dialect")
@@ -310,8 +316,10 @@ def _outcome_consistent(record: dict, config: ValidateConfig) -> Violation | Non
         return Violation("outcome_mismatch", "a positive whose upstream outcome is failure")
     if success is True and reward is not None and reward <= 0:
         return Violation("outcome_mismatch", f"success with reward {reward}")
+    if reward is None:
+        return None
     meta_reward = json.loads(record["meta"]).get("reward")
-    if reward is not None and isinstance(meta_reward, (int, float)) and meta_reward != reward:
+    if isinstance(meta_reward, (int, float)) and meta_reward != reward:
         return Violation("outcome_mismatch", f"reward {reward}, meta says {meta_reward}")
     return None
 
