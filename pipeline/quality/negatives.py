@@ -18,6 +18,7 @@ as positives.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -64,9 +65,17 @@ class NegativesConfig:
             raise ValueError(f"rates must be in [0, 1]: {bad}")
 
 
+@functools.lru_cache(maxsize=64)
+def _hashed_prefix(seed: int, kind: str):
+    return hashlib.sha256(f"{seed}\x1f{kind}\x1f".encode())
+
+
 def _chosen(seed: int, kind: str, key: str, rate: float) -> bool:
-    digest = hashlib.sha256(f"{seed}\x1f{kind}\x1f{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < rate
+    """Whether the hash of (seed, kind, key) falls under `rate`; the hash of the (seed, kind)
+    prefix is taken once and copied (8 types a record: a third of this check's time)."""
+    digest = _hashed_prefix(seed, kind).copy()
+    digest.update(key.encode())
+    return int.from_bytes(digest.digest()[:8], "big") / 2**64 < rate
 
 
 def _pick(seed: int, key: str, n: int) -> int:
@@ -254,11 +263,15 @@ def _breaks_grammar(record: dict, conversations: list[dict]) -> bool:
     that breaks our grammar but that the env accepted (grammar-only) is kept and trained, and is no
     fault of the negative."""
     turns = record["conversations"]
-    # The turns both share from the start have the same verdicts: only the rest is checked.
-    same = next((i for i, (a, b) in enumerate(zip(turns, conversations)) if a != b), min(len(turns), len(conversations)))
+    # The turns both share from the start (the same dicts) have the same verdicts: only the rest is
+    # checked, the parent's only when the negative breaks a rule there.
+    same = next((i for i, (a, b) in enumerate(zip(turns, conversations)) if a is not b and a != b),
+                min(len(turns), len(conversations)))
+    breaches = grammar_breaches({**record, "conversations": conversations}, same)[1]
+    if not breaches:
+        return False
     parent = {(i, action) for i, action, _ in grammar_breaches(record, same)[1]}
-    return any((i, action) not in parent
-               for i, action, _ in grammar_breaches({**record, "conversations": conversations}, same)[1])
+    return any((i, action) not in parent for i, action, _ in breaches)
 
 
 def make_wrong_answer(record: dict, pool: EnvPools, seed: int) -> dict | None:
