@@ -21,6 +21,7 @@ of a trajectory labelled good or bad, with where the label comes from (`step_lab
 """
 from __future__ import annotations
 
+import functools
 import json
 
 from trajforge.pipeline.envs import recorded_in, spec
@@ -33,15 +34,26 @@ def _messages(turns: list[dict]) -> list[dict]:
 
 def _divergence(parent: list[dict], negative: list[dict]) -> int | None:
     for k, turn in enumerate(negative):
-        if k >= len(parent) or (turn["role"], turn["content"]) != (parent[k]["role"], parent[k]["content"]):
+        if k >= len(parent):
+            return k
+        # A negative shares its parent's turns up to its change (the same dicts): no comparison there.
+        other = parent[k]
+        if turn is not other and (turn["role"] != other["role"] or turn["content"] != other["content"]):
             return k
     return None
+
+
+@functools.lru_cache(maxsize=16)
+def _chosen_reply(meta: str) -> str | None:
+    """The right reply a negative's meta carries (`chosen`), if any: its preference pair and its
+    step labels both ask, the one parse serves both."""
+    return json.loads(meta).get("chosen")
 
 
 def preference_pair(negative: dict, parent: dict) -> dict | None:
     """The DPO pair of a negative and its parent, or None when they never differ on a reply."""
     neg, par = negative["conversations"], parent["conversations"]
-    chosen = json.loads(negative["meta"]).get("chosen")
+    chosen = _chosen_reply(negative["meta"])
     if chosen is not None:
         k = len(neg) - 1
         prompt, chosen_turn, rejected_turn = neg[:k], {"role": "assistant", "content": chosen}, neg[k]
@@ -173,7 +185,7 @@ def negative_step_labels(negative: dict, parent: dict, parent_labels: list[tuple
     steps themselves."""
     neg, par = negative["conversations"], parent["conversations"]
     diverged = _divergence(par, neg)
-    bad = len(neg) - 1 if json.loads(negative["meta"]).get("chosen") is not None else diverged
+    bad = len(neg) - 1 if _chosen_reply(negative["meta"]) is not None else diverged
     if bad is None or neg[bad]["role"] != "assistant":
         return None
     same = bad if diverged is None else min(diverged, bad)
