@@ -72,7 +72,7 @@ def _hashed_prefix(seed: int, kind: str):
 
 def _chosen(seed: int, kind: str, key: str, rate: float) -> bool:
     """Whether the hash of (seed, kind, key) falls under `rate`; the hash of the (seed, kind)
-    prefix is taken once and copied (8 types a record: a third of this check's time)."""
+    prefix is taken once and copied (8 checks a positive; ~1 of ~4.6 us a check less)."""
     digest = _hashed_prefix(seed, kind).copy()
     digest.update(key.encode())
     return int.from_bytes(digest.digest()[:8], "big") / 2**64 < rate
