@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -146,8 +147,10 @@ def process_unit_task(name: str, file: SourceFile, staging: str, config: BuildCo
 @task(name="unit-step", cache_policy=NO_CACHE, persist_result=False)
 def unit_step(function, calls: list[tuple]) -> list:
     """Per-unit steps of the second half of a build (units' pools, units' outputs, band screens,
-    shards), one call after the other."""
-    return [function(*args) for args in calls]
+    shards), one call after the other. Returns the results and when the task ran (start and end,
+    wall clock), which the flow logs per step."""
+    start = time.time()
+    return [function(*args) for args in calls], (start, time.time())
 
 
 def on_task_runner(function, calls: list[tuple], tasks: int | None = None) -> list:
@@ -157,11 +160,24 @@ def on_task_runner(function, calls: list[tuple], tasks: int | None = None) -> li
     context, the context sent along), as much as a small unit's step."""
     step = unit_step.with_options(name=function.__name__.replace("_", "-"))
     groups = len(calls) if tasks is None else max(1, min(tasks, len(calls)))
+    start = time.time()
     futures = [step.submit(function, calls[g::groups]) for g in range(groups)]
     results: list = [None] * len(calls)
+    spans = []
     for g, future in enumerate(futures):
-        results[g::groups] = future.result()
+        results[g::groups], span = future.result()
+        spans.append(span)
+    _log_step(step.name, len(calls), spans, time.time() - start)
     return results
+
+
+def _log_step(name: str, calls: int, spans: list[tuple[float, float]], wall: float) -> None:
+    """A step's wall time, its tasks' summed wall time, and how long its last task ran alone (its
+    tail: the time another worker waited)."""
+    ends = sorted(end for _, end in spans)
+    alone = ends[-1] - ends[-2] if len(ends) > 1 else 0.0
+    get_run_logger().info("step %s: %d calls in %d tasks, %.2f s, tasks %.2f s, last alone %.2f s",
+                          name, calls, len(spans), wall, sum(end - start for start, end in spans), alone)
 
 
 @flow(name="build-units")
