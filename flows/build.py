@@ -16,6 +16,7 @@ Only composition lives here; the stages are plain functions in pipeline/.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import time
@@ -153,19 +154,39 @@ def unit_step(function, calls: list[tuple]) -> list:
     return [function(*args) for args in calls], (start, time.time())
 
 
-def on_task_runner(function, calls: list[tuple], tasks: int | None = None) -> list:
-    """`finalize`'s `map_units` on the flow's task runner, results in call order. The calls go in at
-    most `tasks` tasks (None: one each), dealt out in turn so that large and small units mix: each
-    task costs Prefect ~0.1-0.3 s of CPU in the worker and in the flow (its client, settings and TLS
-    context, the context sent along), as much as a small unit's step."""
+def deal(sizes: list[int], tasks: int) -> list[list[int]]:
+    """The calls (by index) of each of `tasks` tasks: the largest call first, each into the task
+    with the least work so far (ties: the first), so that the tasks end close together and no
+    large call starts last (deterministic; equal sizes are dealt out in turn)."""
+    loads = [(0, t) for t in range(tasks)]
+    members: list[list[int]] = [[] for _ in range(tasks)]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        load, t = heapq.heappop(loads)
+        members[t].append(i)
+        heapq.heappush(loads, (load + sizes[i], t))
+    return members
+
+
+def on_task_runner(function, calls: list[tuple], sizes: list[int] | None = None, meanwhile=None,
+                   tasks: int | None = None) -> list:
+    """`finalize`'s `map_units` on the flow's task runner, results in call order; `meanwhile()` runs
+    here once the calls are submitted. The calls go in at most `tasks` tasks (None: one each), dealt
+    by their `sizes` (`deal`; none: all alike): each task costs Prefect ~0.1-0.3 s of CPU in the
+    worker and in the flow (its client, settings and TLS context, the context sent along), as much
+    as a small unit's step."""
     step = unit_step.with_options(name=function.__name__.replace("_", "-"))
     groups = len(calls) if tasks is None else max(1, min(tasks, len(calls)))
+    members = deal(sizes or [1] * len(calls), groups)
     start = time.time()
-    futures = [step.submit(function, calls[g::groups]) for g in range(groups)]
+    futures = [step.submit(function, [calls[i] for i in indices]) for indices in members]
+    if meanwhile is not None:
+        meanwhile()
     results: list = [None] * len(calls)
     spans = []
-    for g, future in enumerate(futures):
-        results[g::groups], span = future.result()
+    for indices, future in zip(members, futures):
+        done, span = future.result()
+        for i, result in zip(indices, done):
+            results[i] = result
         spans.append(span)
     _log_step(step.name, len(calls), spans, time.time() - start)
     return results
