@@ -24,6 +24,7 @@ from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
+import pyarrow.parquet as pq
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
@@ -212,11 +213,22 @@ def build_units(files: list[tuple[str, SourceFile]], staging: str, out: str, con
     return finalize(units, Path(out), config, map_units=partial(on_task_runner, tasks=step_tasks))
 
 
+def _expected_bytes(file: SourceFile) -> int:
+    """A unit's expected work: the uncompressed size of a Parquet file, the size of any other."""
+    if file.path.suffix == ".parquet":
+        meta = pq.read_metadata(file.path)
+        return sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
+    return file.path.stat().st_size
+
+
 def process_units(files: list[tuple[str, SourceFile]], staging: str, config: BuildConfig) -> list[UnitResult]:
-    """Run every unit on the flow's task runner; results come back in input order (deterministic)."""
+    """Run every unit on the flow's task runner, the largest first (so that no large unit starts
+    last and runs alone); results come back in input order (deterministic)."""
     logger = get_run_logger()
     unit = process_unit_task.with_options(result_storage=Path(staging) / "results")
-    futures = [unit.submit(name, file, staging, config) for name, file in files]
+    futures: list = [None] * len(files)
+    for i in sorted(range(len(files)), key=lambda i: -_expected_bytes(files[i][1])):
+        futures[i] = unit.submit(files[i][0], files[i][1], staging, config)
     progress = Progress("build-progress", f"Source files normalized and validated (of {len(files)})")
     units = []
     with unit_bar(len(files)) as bar:

@@ -124,12 +124,6 @@ def _quarantined(runs: list[StageRun], units: int) -> list[dict[int, tuple[str, 
     return [{row: tuple(pair) for row, pair in unit.items()} for unit in found]
 
 
-def _kept_bytes(unit: UnitResult, kept: int) -> int:
-    """A unit's expected work in the per-unit steps: the Arrow bytes of its `kept` records."""
-    meta = pq.read_metadata(unit.records_path)
-    return sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)) * kept // max(1, meta.num_rows)
-
-
 def _quarantine_bytes(units: list[UnitResult]) -> int:
     """The Arrow bytes of the units' quarantine rows (what `write_quarantine` copies, a row at a time)."""
     metas = [pq.read_metadata(unit.quarantine_path) for unit in units]
@@ -142,7 +136,8 @@ def write_outputs(out: Path, units: list[UnitResult], keys: pl.DataFrame, kept_k
     (`write_unit`, per unit on `map_units`), then each output's staged parts planned as shards
     (written by `finalize`, all outputs in one step)."""
     kept_rows = [kept_keys.filter(pl.col("unit") == u)["row"].to_numpy() for u in range(len(units))]
-    sizes = [_kept_bytes(unit, len(rows)) for unit, rows in zip(units, kept_rows)]
+    # A unit step's work goes with its kept records (at 20k: 0.26-0.62 ms a record, 0.03-0.20 s a MB).
+    sizes = [len(rows) for rows in kept_rows]
     pools = EnvPools()
     for unit_pool in map_units(unit_pools, [(unit.records_path, rows) for unit, rows in zip(units, kept_rows)], sizes):
         pools.merge(unit_pool)
