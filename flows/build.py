@@ -149,7 +149,7 @@ def process_unit_task(name: str, file: SourceFile, staging: str, config: BuildCo
 @task(name="unit-step", cache_policy=NO_CACHE, persist_result=False)
 def unit_step(function, calls: list[tuple]) -> list:
     """Per-unit steps of the second half of a build (units' pools, units' outputs, band screens,
-    shards), one call after the other. Returns the results and when the task ran (start and end,
+    the shards and the quarantine), one call after the other. Returns the results and when the task ran (start and end,
     wall clock), which the flow logs per step."""
     start = time.time()
     return [function(*args) for args in calls], (start, time.time())
