@@ -114,7 +114,7 @@ def instrument(clock: StageClock) -> None:
         (global_stages, "duplicates_table", clock.wrap("dedup", global_stages.duplicates_table)),
         (second_half, "unit_pools", clock.wrap("pools", second_half.unit_pools)),
         (second_half, "write_unit", clock.wrap("unit writers", second_half.write_unit)),
-        (second_half, "write_config_from_file", clock.wrap("shards", second_half.write_config_from_file)),
+        (second_half, "write_shard_from_files", clock.wrap("shards", second_half.write_shard_from_files)),
         (second_half, "finalize", clock.wrap("quarantine + report", second_half.finalize)),
     ]
     for owner, name, timed in patches:

@@ -16,12 +16,15 @@ Only composition lives here; the stages are plain functions in pipeline/.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
+import time
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
+import pyarrow.parquet as pq
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
@@ -146,22 +149,57 @@ def process_unit_task(name: str, file: SourceFile, staging: str, config: BuildCo
 @task(name="unit-step", cache_policy=NO_CACHE, persist_result=False)
 def unit_step(function, calls: list[tuple]) -> list:
     """Per-unit steps of the second half of a build (units' pools, units' outputs, band screens,
-    shards), one call after the other."""
-    return [function(*args) for args in calls]
+    the shards and the quarantine), one call after the other. Returns the results and when the task ran (start and end,
+    wall clock), which the flow logs per step."""
+    start = time.time()
+    return [function(*args) for args in calls], (start, time.time())
 
 
-def on_task_runner(function, calls: list[tuple], tasks: int | None = None) -> list:
-    """`finalize`'s `map_units` on the flow's task runner, results in call order. The calls go in at
-    most `tasks` tasks (None: one each), dealt out in turn so that large and small units mix: each
-    task costs Prefect ~0.1-0.3 s of CPU in the worker and in the flow (its client, settings and TLS
-    context, the context sent along), as much as a small unit's step."""
+def deal(sizes: list[int], tasks: int) -> list[list[int]]:
+    """The calls (by index) of each of `tasks` tasks: the largest call first, each into the task
+    with the least work so far (ties: the first), so that the tasks end close together and no
+    large call starts last (deterministic; equal sizes are dealt out in turn)."""
+    loads = [(0, t) for t in range(tasks)]
+    members: list[list[int]] = [[] for _ in range(tasks)]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        load, t = heapq.heappop(loads)
+        members[t].append(i)
+        heapq.heappush(loads, (load + sizes[i], t))
+    return members
+
+
+def on_task_runner(function, calls: list[tuple], sizes: list[int] | None = None, meanwhile=None,
+                   tasks: int | None = None) -> list:
+    """`finalize`'s `map_units` on the flow's task runner, results in call order; `meanwhile()` runs
+    here once the calls are submitted. The calls go in at most `tasks` tasks (None: one each), dealt
+    by their `sizes` (`deal`; none: all alike): each task costs Prefect ~0.1-0.3 s of CPU in the
+    worker and in the flow (its client, settings and TLS context, the context sent along), as much
+    as a small unit's step."""
     step = unit_step.with_options(name=function.__name__.replace("_", "-"))
     groups = len(calls) if tasks is None else max(1, min(tasks, len(calls)))
-    futures = [step.submit(function, calls[g::groups]) for g in range(groups)]
+    members = deal(sizes or [1] * len(calls), groups)
+    start = time.time()
+    futures = [step.submit(function, [calls[i] for i in indices]) for indices in members]
+    if meanwhile is not None:
+        meanwhile()
     results: list = [None] * len(calls)
-    for g, future in enumerate(futures):
-        results[g::groups] = future.result()
+    spans = []
+    for indices, future in zip(members, futures):
+        done, span = future.result()
+        for i, result in zip(indices, done):
+            results[i] = result
+        spans.append(span)
+    _log_step(step.name, len(calls), spans, time.time() - start)
     return results
+
+
+def _log_step(name: str, calls: int, spans: list[tuple[float, float]], wall: float) -> None:
+    """A step's wall time, its tasks' summed wall time, and how long its last task ran alone (its
+    tail: the time another worker waited)."""
+    ends = sorted(end for _, end in spans)
+    alone = ends[-1] - ends[-2] if len(ends) > 1 else 0.0
+    get_run_logger().info("step %s: %d calls in %d tasks, %.2f s, tasks %.2f s, last alone %.2f s",
+                          name, calls, len(spans), wall, sum(end - start for start, end in spans), alone)
 
 
 @flow(name="build-units")
@@ -175,11 +213,22 @@ def build_units(files: list[tuple[str, SourceFile]], staging: str, out: str, con
     return finalize(units, Path(out), config, map_units=partial(on_task_runner, tasks=step_tasks))
 
 
+def _expected_bytes(file: SourceFile) -> int:
+    """A unit's expected work: the uncompressed size of a Parquet file, the size of any other."""
+    if file.path.suffix == ".parquet":
+        meta = pq.read_metadata(file.path)
+        return sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
+    return file.path.stat().st_size
+
+
 def process_units(files: list[tuple[str, SourceFile]], staging: str, config: BuildConfig) -> list[UnitResult]:
-    """Run every unit on the flow's task runner; results come back in input order (deterministic)."""
+    """Run every unit on the flow's task runner, the largest first (so that no large unit starts
+    last and runs alone); results come back in input order (deterministic)."""
     logger = get_run_logger()
     unit = process_unit_task.with_options(result_storage=Path(staging) / "results")
-    futures = [unit.submit(name, file, staging, config) for name, file in files]
+    futures: list = [None] * len(files)
+    for i in sorted(range(len(files)), key=lambda i: -_expected_bytes(files[i][1])):
+        futures[i] = unit.submit(files[i][0], files[i][1], staging, config)
     progress = Progress("build-progress", f"Source files normalized and validated (of {len(files)})")
     units = []
     with unit_bar(len(files)) as bar:

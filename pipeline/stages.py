@@ -65,7 +65,12 @@ def merge_tallies(tallies: list[list[StageTally]]) -> list[StageTally]:
     return list(merged.values())
 
 
-def in_order(function, calls: list[tuple]) -> list:
-    """A build's `map_units` in this process: each call in turn, results in call order. A flow
-    passes its task runner's instead (flows/build.py), which returns the same results."""
-    return [function(*args) for args in calls]
+def in_order(function, calls: list[tuple], sizes: list[int] | None = None, meanwhile=None) -> list:
+    """A build's `map_units` in this process: each call in turn, then `meanwhile()`; results in call
+    order. A flow passes its task runner's instead (flows/build.py), which returns the same results:
+    `sizes` (each call's expected work, in any one unit) lets it balance its tasks, and it runs
+    `meanwhile` in the flow while its workers make the calls."""
+    results = [function(*args) for args in calls]
+    if meanwhile is not None:
+        meanwhile()
+    return results

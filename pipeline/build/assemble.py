@@ -13,7 +13,7 @@ per record the dedup keys (dedup_table.record_keys), and the fields the report c
 4. streams each unit's staged records once more (`write_unit`), skipping the dropped ones: each
    kept record goes through the row makers of the outputs (pipeline/build/outputs.py: `sft`, its
    negatives, their preference pairs, its GRPO prompt, its grpo_env row, step labels) into the
-   unit's file of each. Shards are cut from those files in unit order (shards.write_config_from_file);
+   unit's file of each. Shards are cut from those files in unit order (shards.plan_split);
    the report, the card and the manifest come from the key table and the tallies already in memory.
 
 Steps 2-4 are per band, per chunk or per unit: `finalize` hands them to its `map_units`, so a

@@ -20,7 +20,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import atomic_path
-from trajforge.pipeline.stages import in_order
 
 SHARD_RE = re.compile(r"^(?P<split>[A-Za-z0-9_]+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.parquet$")
 
@@ -116,24 +115,40 @@ def write_shard_from_files(path: str, staged: list[str], offset: int, length: in
             left -= take
 
 
-def write_config_from_file(out: Path, config_name: str, split: str, staged: list[Path], schema: pa.Schema,
-                           nbytes: int, config: ShardConfig = ShardConfig(), map_units=in_order) -> dict[str, list[str]]:
-    """Write one split of one config, staged as Parquet files (their rows in order), as shards, one
-    row group of a shard in memory at a time; returns split -> shard paths relative to `out`. Each
-    shard is a step of `map_units` (shards are independent, so a flow writes them on its task
-    runner). `nbytes` is the split's Arrow size (what `plan_shards` divides by). `schema` is the
-    split's Arrow schema (a Parquet round trip renames list items, which would change the bytes).
-    Shards of an earlier build that this one does not produce are removed, so the folder holds one
-    build."""
+@dataclass(frozen=True)
+class SplitShards:
+    """One split of one config planned as shards: each shard's `write_shard_from_files` arguments
+    and its share of the split's Arrow bytes (what a task runner balances its tasks by)."""
+    folder: Path
+    split: str
+    names: list[str]
+    calls: list[tuple]
+    sizes: list[int]
+
+    def paths(self, out: Path) -> dict[str, list[str]]:
+        """split -> shard paths relative to `out`."""
+        return {self.split: [(self.folder / name).relative_to(out).as_posix() for name in self.names]}
+
+    def remove_stale(self) -> None:
+        """Shards of an earlier build that this one does not produce, so the folder holds one build."""
+        if self.folder.exists():
+            for stale in self.folder.iterdir():
+                if SHARD_RE.match(stale.name) and stale.name not in self.names:
+                    stale.unlink()
+
+
+def plan_split(out: Path, config_name: str, split: str, staged: list[Path], schema: pa.Schema, nbytes: int,
+               config: ShardConfig = ShardConfig()) -> SplitShards:
+    """The shards of one split of one config, staged as Parquet files (their rows in order): each
+    shard is one `write_shard_from_files` call (shards are independent, so a flow writes them, of
+    every config at once, on its task runner), one row group of it in memory at a time. `nbytes` is
+    the split's Arrow size (what `plan_shards` divides by). `schema` is the split's Arrow schema (a
+    Parquet round trip renames list items, which would change the bytes)."""
     folder = out / "data" / config_name
     n = sum(pq.ParquetFile(path).metadata.num_rows for path in staged)
     # An empty split is one shard without rows: every config loads.
     plan = plan_shards(n, nbytes, config) or [(0, 0)]
     names = [shard_name(split, index, len(plan)) for index in range(len(plan))]
-    map_units(write_shard_from_files, [(str(folder / name), [str(p) for p in staged], offset, length, schema, config)
-                                       for name, (offset, length) in zip(names, plan)])
-    if folder.exists():
-        for stale in folder.iterdir():
-            if SHARD_RE.match(stale.name) and stale.name not in names:
-                stale.unlink()
-    return {split: [(folder / name).relative_to(out).as_posix() for name in names]} if names else {}
+    calls = [(str(folder / name), [str(p) for p in staged], offset, length, schema, config)
+             for name, (offset, length) in zip(names, plan)]
+    return SplitShards(folder, split, names, calls, [length * nbytes // max(1, n) for _, length in plan])

@@ -9,7 +9,7 @@ production path it mirrors.
   build makes them record by record (`pipeline.quality.derived`'s row makers).
 - `make_negatives`: the negatives of a list of records; the build runs `negatives_of` per record.
 - `write_config`: the shards of in-memory tables, with a completion marker per shard; the build
-  writes shards from staged files (`pipeline.publish.shards.write_config_from_file`).
+  writes shards from staged files (`pipeline.publish.shards.plan_split`).
 """
 from __future__ import annotations
 
