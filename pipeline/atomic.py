@@ -98,12 +98,14 @@ class StreamingTable:
     written row by row: each row it still refuses goes to `on_refused(row, exc)` (a build unit
     quarantines it), and the rest of the batch is kept; `on_written(rows)` sees the rows of every
     batch written. As a context manager, it is renamed into place on a clean exit and its temp
-    file removed on an error.
+    file removed on an error. `durable` False skips the fsyncs, for a file that only the run writing
+    it reads back (after a crash the rerun writes it again): the writer does not wait for the disk.
     """
 
-    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000, on_refused=None, on_written=None):
+    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000, on_refused=None, on_written=None,
+                 durable: bool = True):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path, self.schema, self.batch_rows = path, schema, batch_rows
+        self.path, self.schema, self.batch_rows, self.durable = path, schema, batch_rows, durable
         self.on_refused = on_refused
         self.on_written = on_written
         self.nbytes = 0  # Arrow size of what was written (shards are planned by it)
@@ -161,9 +163,11 @@ class StreamingTable:
         self._flush()
         self.writer.close()
         self.sink.close()
-        _fsync(self.tmp)
+        if self.durable:
+            _fsync(self.tmp)
         os.replace(self.tmp, self.path)
-        _fsync(self.path.parent)
+        if self.durable:
+            _fsync(self.path.parent)
 
     def abort(self) -> None:
         """Drop what was written: close the writer and remove the temp file."""

@@ -226,8 +226,9 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
     the unit's file of that output; the records a global stage quarantined (`quarantined`: row ->
     reason, detail) become quarantine rows."""
     makers = [output for output in OUTPUTS.values() if output.rows is not None]
-    # Read once, into the shards (which compress), and deleted: Arrow IPC files (atomic.StreamingTable).
-    writers = {o.name: StreamingTable(Path(staged) / f"{o.name}.arrow", arrow_schema(o.schema)) for o in makers}
+    # Read once by this run, into the shards (which compress), and deleted: Arrow IPC files, not fsynced.
+    writers = {o.name: StreamingTable(Path(staged) / f"{o.name}.arrow", arrow_schema(o.schema), durable=False)
+               for o in makers}
     counts: dict[str, Counter] = {o.name: Counter() for o in makers if o.count is not None}
     unit = UnitContext(pools, negatives)
     kept = set(kept_rows.tolist())

@@ -161,7 +161,7 @@ def _step_labels(record: dict, made: dict, unit: UnitContext) -> list[dict]:
 def first_task_rows(parts: list[str], path: Path, seen: set[str]) -> Part:
     """The units' grpo_env rows (`parts`, in unit order) without the tasks in `seen` or an earlier
     row already gave, staged at `path`."""
-    with StreamingTable(path, arrow_schema("grpo_env")) as writer:
+    with StreamingTable(path, arrow_schema("grpo_env"), durable=False) as writer:
         for part in parts:
             for batch in read_batches(part):
                 for row in batch.to_pylist():
@@ -178,7 +178,7 @@ def _grpo_env_parts(build: BuildOutputs) -> list[Part]:
     for part in build.written:
         for task_id, answer in part.synthetic_answers.items():
             answers.setdefault(task_id, answer)
-    with StreamingTable(build.staged / "grpo_env.arrow", arrow_schema("grpo_env")) as task_rows:
+    with StreamingTable(build.staged / "grpo_env.arrow", arrow_schema("grpo_env"), durable=False) as task_rows:
         for task in build.runnable_tasks:
             task_rows.append(grpo_env_row(task, "tasks", answer=reference_answer(task) or answers.get(task.id)))
     records = first_task_rows([w.paths["grpo_env"] for w in build.written], build.staged / "grpo_env_records.arrow",

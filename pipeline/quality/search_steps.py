@@ -84,7 +84,7 @@ def stage_step_rows(units, kept_rows: list[np.ndarray], contaminated: list[dict[
     if not found:
         return {}, {}
     counts = {name: {"read": 0, "written": 0, "dropped": Counter()} for name in STEP_CONFIGS}
-    writers = {name: StreamingTable(staged / f"{name}.arrow", arrow_schema(name)) for name in STEP_CONFIGS}
+    writers = {name: StreamingTable(staged / f"{name}.arrow", arrow_schema(name), durable=False) for name in STEP_CONFIGS}
     for u, unit, files in found:
         fates = trajectory_fates(unit, kept_rows[u], contaminated[u])
         for name, path in files.items():
