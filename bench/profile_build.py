@@ -11,7 +11,7 @@ system of this process) is counted per stage, each stage's own time without the 
 
 - map, per unit: `read` (decoding the upstream rows), `normalize`, `validate` (JSON Schema, the
   dialects and the env grammars), `keys` (dedup tokens, shingles, MinHash, band keys, sketches,
-  exact key: the key table), `stage write` (records to the unit's staged Parquet);
+  exact key: the key table), `stage write` (records to the unit's staged Arrow file);
 - global: `key table` (concatenation, contamination, unique ids), `dedup` (exact group-by, band
   screens, Jaccard checks), `pools`, `unit writers` (sft, negatives, pairs, prompts), `shards`,
   `quarantine + report` (the rest of `finalize`: the quarantine merge, report, card, manifest).
@@ -107,8 +107,7 @@ def instrument(clock: StageClock) -> None:
         (unit_map, "normalize_stage", clock.wrap("normalize", unit_map.normalize_stage)),
         (unit_map, "validate_stage", clock.wrap("validate", unit_map.validate_stage)),
         (assemble, "stage_keys", clock.wrap("keys", assemble.stage_keys)),
-        (atomic.StreamingParquet, "_flush", clock.wrap("stage write", atomic.StreamingParquet._flush,
-                                                                 outermost=True)),
+        (atomic.StreamingTable, "_flush", clock.wrap("stage write", atomic.StreamingTable._flush, outermost=True)),
         (second_half, "key_table", clock.wrap("key table", second_half.key_table)),
         (global_stages, "contamination", clock.wrap("decontaminate", global_stages.contamination)),
         (global_stages, "duplicates_table", clock.wrap("dedup", global_stages.duplicates_table)),

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -81,30 +81,42 @@ def write_parquet(rows: list[dict], schema: pa.Schema, path: Path | str) -> None
     write_table(pa.Table.from_pylist(rows, schema=schema), path)
 
 
-class StreamingParquet:
-    """Append rows in batches to a Parquet file written under a temp name, renamed on close.
+# A file of this suffix is written (`StreamingTable`) and read (`read_batches`) as an Arrow IPC
+# file; any other as Parquet.
+ARROW_SUFFIX = ".arrow"
+
+
+class StreamingTable:
+    """Append rows in batches to a table file written under a temp name, renamed on close.
+
+    The file's suffix says its format: `.arrow` an Arrow IPC file, one record batch per batch of
+    rows, without a codec (a build's staged files, written once, read back and deleted: writing and
+    reading them costs a fraction of Parquet's encoding and zstd, for several times the zstd size
+    on disk while the build runs); anything else Parquet with zstd, one row group per batch.
 
     Memory stays one batch deep however many rows go through. A batch that Arrow refuses is
     written row by row: each row it still refuses goes to `on_refused(row, exc)` (a build unit
     quarantines it), and the rest of the batch is kept; `on_written(rows)` sees the rows of every
     batch written. As a context manager, it is renamed into place on a clean exit and its temp
-    file removed on an error. `compression`: Parquet's codec (a file read once and deleted, like a
-    unit's staged outputs, is cheaper written without one).
+    file removed on an error. `durable` False skips the fsyncs, for a file that only the run writing
+    it reads back (after a crash the rerun writes it again): the writer does not wait for the disk.
     """
 
     def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000, on_refused=None, on_written=None,
-                 compression: str = "zstd"):
+                 durable: bool = True):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path, self.schema, self.batch_rows = path, schema, batch_rows
+        self.path, self.schema, self.batch_rows, self.durable = path, schema, batch_rows, durable
         self.on_refused = on_refused
         self.on_written = on_written
         self.nbytes = 0  # Arrow size of what was written (shards are planned by it)
         self.tmp = temp_name(path)
-        self.writer = pq.ParquetWriter(self.tmp, schema, compression=compression)
+        self.sink = pa.OSFile(str(self.tmp), "wb")
+        self.writer = (pa.ipc.new_file(self.sink, schema) if path.suffix == ARROW_SUFFIX
+                       else pq.ParquetWriter(self.sink, schema, compression="zstd"))
         self.pending: list[dict] = []
         self.count = 0
 
-    def __enter__(self) -> StreamingParquet:
+    def __enter__(self) -> StreamingTable:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -150,14 +162,42 @@ class StreamingParquet:
     def close(self) -> None:
         self._flush()
         self.writer.close()
-        _fsync(self.tmp)
+        self.sink.close()
+        if self.durable:
+            _fsync(self.tmp)
         os.replace(self.tmp, self.path)
-        _fsync(self.path.parent)
+        if self.durable:
+            _fsync(self.path.parent)
 
     def abort(self) -> None:
         """Drop what was written: close the writer and remove the temp file."""
         self.writer.close()
+        self.sink.close()
         self.tmp.unlink(missing_ok=True)
+
+
+def batch_sizes(path: Path | str) -> list[int]:
+    """The rows of each record batch of an Arrow IPC file (`StreamingTable`), from the batches'
+    metadata: the file is memory-mapped, so none of its data is read."""
+    with pa.memory_map(str(path)) as source:
+        reader = pa.ipc.open_file(source)
+        return [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)]
+
+
+def read_batches(path: Path | str, columns: list[str] | None = None,
+                 batches: Iterable[int] | None = None) -> Iterator[pa.RecordBatch]:
+    """The record batches of an Arrow IPC file (`StreamingTable`) as written, or those at the
+    indices `batches`; with only `columns` (in that order), of which alone the bytes are read.
+    Read into memory a batch at a time, not memory-mapped: the pages of a mapped file count in the
+    process's memory until the file is closed, a whole file for a whole pass."""
+    with pa.OSFile(str(path)) as source:
+        reader = pa.ipc.open_file(source)
+        if columns is not None:
+            fields = [reader.schema.get_field_index(name) for name in columns]
+            reader = pa.ipc.open_file(source, options=pa.ipc.IpcReadOptions(included_fields=fields))
+        for i in range(reader.num_record_batches) if batches is None else batches:
+            batch = reader.get_batch(i)
+            yield batch if columns is None else batch.select(columns)
 
 
 def remove_stale_temp_files(out: Path) -> list[Path]:

@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.atomic import StreamingParquet, atomic_path
+from trajforge.pipeline.atomic import StreamingTable, atomic_path, batch_sizes, read_batches
 from trajforge.pipeline.build.config import BATCH_ROWS, BuildConfig
 from trajforge.pipeline.build.outputs import OUTPUTS, Output, UnitContext, UnitOutputs
 from trajforge.pipeline.quality.dedup import DedupConfig
@@ -49,12 +49,6 @@ from trajforge.schemas import arrow_schema
 
 if TYPE_CHECKING:
     from trajforge.pipeline.build.units import UnitResult
-
-# A unit's staged outputs are read once (into the shards, which compress) and deleted: written
-# without a codec they cost ~0.06 ms of CPU a record less to write and read than with zstd, for
-# ~3x their zstd size on disk while the build runs (~10 GB instead of ~3 at 1M records).
-STAGED_OUTPUT_COMPRESSION = "none"
-
 
 def stage_keys(records: list[dict], start: int, config: BuildConfig) -> pl.DataFrame:
     """The key table rows of a batch of one unit's records (`start`: the batch's row in the unit)."""
@@ -82,7 +76,7 @@ class KeysWriter:
                                         compression="zstd")
 
     def extend(self, records: list[dict]) -> None:
-        """Records as their unit writes them (StreamingParquet's `on_written`): the key table
+        """Records as their unit writes them (StreamingTable's `on_written`): the key table
         stays row for row in step with the staged records."""
         self.pending.extend(records)
         if len(self.pending) >= self.batch_rows:
@@ -143,19 +137,18 @@ def with_unique_ids(duplicates: list[dict], keys: pl.DataFrame) -> list[dict]:
 def read_rows(paths: Sequence[str], wanted: dict[int, list[int]], columns: list[str] | None = None,
               convert: Callable[[list[dict]], list] = lambda records: records) -> dict[tuple[int, int], object]:
     """What `convert` makes of the staged records at {unit: [rows]} of the units' record files
-    `paths` (one result per record), by (unit, row); reads only the row groups that hold them, one
-    at a time (a group's records are converted together before the next group is read, so only
+    `paths` (one result per record), by (unit, row); reads only the record batches that hold them,
+    one at a time (a batch's records are converted together before the next batch is read, so only
     what `convert` keeps stays in memory)."""
     out = {}
     for u, rows in wanted.items():
-        staged = pq.ParquetFile(paths[u])
-        sizes = [staged.metadata.row_group(g).num_rows for g in range(staged.num_row_groups)]
-        starts = np.concatenate([[0], np.cumsum(sizes)])
+        starts = np.concatenate([[0], np.cumsum(batch_sizes(paths[u]))])
         rows = np.unique(np.asarray(rows, dtype=np.int64))
-        groups = np.searchsorted(starts, rows, side="right") - 1
-        for g in np.unique(groups).tolist():
-            inside = rows[groups == g]
-            taken = staged.read_row_group(g, columns=columns).take(pa.array(inside - starts[g]))
+        at = np.searchsorted(starts, rows, side="right") - 1
+        held = np.unique(at).tolist()
+        for b, batch in zip(held, read_batches(paths[u], columns, held)):
+            inside = rows[at == b]
+            taken = batch.take(pa.array(inside - starts[b]))
             out.update({(u, int(r)): value for r, value in zip(inside.tolist(), convert(taken.to_pylist()))})
     return out
 
@@ -190,12 +183,9 @@ def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:
     pools = EnvPools()
     kept = set(kept_rows.tolist())
     row = 0
-    for batch in pq.ParquetFile(records_path).iter_batches(
-            batch_size=BATCH_ROWS, columns=["kind", "env", "domain", "answer", "conversations"]):
+    for batch in read_batches(records_path, ["kind", "env", "domain", "answer", "conversations"]):
         first = pc.list_slice(batch.column("conversations"), 0, 1)
-        small = pa.RecordBatch.from_arrays([batch.column("kind"), batch.column("env"), batch.column("domain"),
-                                            batch.column("answer"), first],
-                                           names=["kind", "env", "domain", "answer", "conversations"])
+        small = batch.set_column(4, "conversations", first)
         for i, record in enumerate(small.to_pylist()):
             if row + i in kept:
                 pools.add(record)
@@ -204,7 +194,7 @@ def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:
 
 
 def _staged_records(records_path: str) -> Iterator[dict]:
-    for batch in pq.ParquetFile(records_path).iter_batches(batch_size=BATCH_ROWS):
+    for batch in read_batches(records_path):
         yield from batch.to_pylist()
 
 
@@ -222,7 +212,7 @@ def _quarantine_row(record: dict, reason: str, detail: str) -> dict:
                             record["source_id"], reason, detail, shown(record))
 
 
-def _write_rows(output: Output, rows: list[dict], writer: StreamingParquet, counts: dict[str, Counter]) -> None:
+def _write_rows(output: Output, rows: list[dict], writer: StreamingTable, counts: dict[str, Counter]) -> None:
     for row in rows:
         writer.append(row)
     if output.count is not None:
@@ -236,8 +226,9 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
     the unit's file of that output; the records a global stage quarantined (`quarantined`: row ->
     reason, detail) become quarantine rows."""
     makers = [output for output in OUTPUTS.values() if output.rows is not None]
-    writers = {o.name: StreamingParquet(Path(staged) / f"{o.name}.parquet", arrow_schema(o.schema),
-                                        compression=STAGED_OUTPUT_COMPRESSION) for o in makers}
+    # Read once by this run, into the shards (which compress), and deleted: Arrow IPC files, not fsynced.
+    writers = {o.name: StreamingTable(Path(staged) / f"{o.name}.arrow", arrow_schema(o.schema), durable=False)
+               for o in makers}
     counts: dict[str, Counter] = {o.name: Counter() for o in makers if o.count is not None}
     unit = UnitContext(pools, negatives)
     kept = set(kept_rows.tolist())

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import polars as pl
-import pyarrow.parquet as pq
 
+from trajforge.pipeline.atomic import batch_sizes, read_batches
 from trajforge.pipeline.build.assemble import StagedRecords
-from trajforge.pipeline.build.config import BATCH_ROWS, BuildConfig
+from trajforge.pipeline.build.config import BuildConfig
 from trajforge.pipeline.evaluation.splits import HeldOut, declared_held_out
 from trajforge.pipeline.quality.dedup import Contamination, read_eval_tasks
 from trajforge.pipeline.quality.dedup_table import RANK_COLUMNS, duplicates_table
@@ -83,7 +83,7 @@ def unit_contamination(records_path: str, index: Contamination | None, held: Hel
     (the n-gram `index`, the `held` out items), or null. Reads the `task`, `env` and `source_id`
     columns only."""
     details: list[str | None] = []
-    for batch in pq.ParquetFile(records_path).iter_batches(batch_size=BATCH_ROWS, columns=["task", "env", "source_id"]):
+    for batch in read_batches(records_path, ["task", "env", "source_id"]):
         tasks, envs, source_ids = (batch.column(c).to_pylist() for c in ("task", "env", "source_id"))
         overlaps = index.details(tasks) if index else [None] * len(tasks)
         details += [(held and held.item_match(env, source_id)) or overlap or None
@@ -100,8 +100,7 @@ def contamination(units: list[UnitResult], config: BuildConfig, map_units=in_ord
     rather than alone in the flow's process)."""
     index, held = _eval_tasks(config)
     if index is None and held is None:
-        return pl.Series("detail", [None] * sum(pq.ParquetFile(u.records_path).metadata.num_rows for u in units),
-                         dtype=pl.String)
+        return pl.Series("detail", [None] * sum(sum(batch_sizes(u.records_path)) for u in units), dtype=pl.String)
     per_unit = map_units(unit_contamination, [(unit.records_path, index, held) for unit in units])
     return pl.Series("detail", [detail for details in per_unit for detail in details], dtype=pl.String)
 

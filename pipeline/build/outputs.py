@@ -25,10 +25,9 @@ from functools import cached_property
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
-from trajforge.pipeline.atomic import StreamingParquet
-from trajforge.pipeline.build.config import BATCH_ROWS, BuildConfig
+from trajforge.pipeline.atomic import StreamingTable, read_batches
+from trajforge.pipeline.build.config import BuildConfig
 from trajforge.pipeline.envs.tasks import Task, load_tasks
 from trajforge.pipeline.quality.derived import (
     grpo_env_row,
@@ -162,9 +161,9 @@ def _step_labels(record: dict, made: dict, unit: UnitContext) -> list[dict]:
 def first_task_rows(parts: list[str], path: Path, seen: set[str]) -> Part:
     """The units' grpo_env rows (`parts`, in unit order) without the tasks in `seen` or an earlier
     row already gave, staged at `path`."""
-    with StreamingParquet(path, arrow_schema("grpo_env")) as writer:
+    with StreamingTable(path, arrow_schema("grpo_env"), durable=False) as writer:
         for part in parts:
-            for batch in pq.ParquetFile(part).iter_batches(batch_size=BATCH_ROWS):
+            for batch in read_batches(part):
                 for row in batch.to_pylist():
                     if row["id"] not in seen:
                         seen.add(row["id"])
@@ -179,10 +178,10 @@ def _grpo_env_parts(build: BuildOutputs) -> list[Part]:
     for part in build.written:
         for task_id, answer in part.synthetic_answers.items():
             answers.setdefault(task_id, answer)
-    with StreamingParquet(build.staged / "grpo_env.parquet", arrow_schema("grpo_env")) as task_rows:
+    with StreamingTable(build.staged / "grpo_env.arrow", arrow_schema("grpo_env"), durable=False) as task_rows:
         for task in build.runnable_tasks:
             task_rows.append(grpo_env_row(task, "tasks", answer=reference_answer(task) or answers.get(task.id)))
-    records = first_task_rows([w.paths["grpo_env"] for w in build.written], build.staged / "grpo_env_records.parquet",
+    records = first_task_rows([w.paths["grpo_env"] for w in build.written], build.staged / "grpo_env_records.arrow",
                               {t.id for t in build.runnable_tasks})
     return [(str(task_rows.path), task_rows.nbytes, task_rows.count), records]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trajforge.pipeline.atomic import remove_stale_temp_files, write_json
 from trajforge.pipeline.build.config import BuildConfig
-from trajforge.pipeline.build.units import UnitResult, process_unit, unit_key
+from trajforge.pipeline.build.units import UnitResult, process_unit, unit_files, unit_key
 from trajforge.pipeline.publish.manifest import code_version, file_sha256
 from trajforge.sources import SourceFile
 
@@ -53,11 +53,13 @@ def unit_marker(staging: Path, key: str) -> Path:
 def resume_unit(source_name: str, file: SourceFile, staging: Path,
                 config: BuildConfig = BuildConfig()) -> tuple[UnitResult, bool]:
     """`process_unit`, unless an earlier run finished the unit on the same input and config (its
-    marker, written after its staged files, says so): (the result, whether it was finished earlier)."""
+    marker, written after its staged files, says so, and names the files this code stages, in
+    their format, which are there): (the result, whether it was finished earlier)."""
     fingerprint = unit_fingerprint(source_name, file.path, file.split, asdict(config))
-    marker = unit_marker(staging, unit_key(source_name, file))
+    key = unit_key(source_name, file)
+    marker = unit_marker(staging, key)
     done = read_marker(marker, fingerprint)
-    if done and all(Path(done.get(k) or "/nonexistent").exists() for k in ("records_path", "quarantine_path", "keys_path")):
+    if done and all(done.get(field) == str(path) and path.exists() for field, path in unit_files(staging, key).items()):
         return UnitResult(**done), True
     result = process_unit(source_name, file, staging, config)
     write_marker(marker, fingerprint, asdict(result))

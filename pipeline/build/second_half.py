@@ -17,7 +17,7 @@ from pathlib import Path
 import polars as pl
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.atomic import StreamingParquet, remove_stale_temp_files, write_json, write_parquet
+from trajforge.pipeline.atomic import StreamingTable, remove_stale_temp_files, write_json, write_parquet
 from trajforge.pipeline.build.assemble import key_table, unique_ids, unit_pools, with_unique_ids, write_unit
 from trajforge.pipeline.build.config import BuildConfig
 from trajforge.pipeline.build.global_stages import DUPLICATES, QUARANTINE, StagedBuild, StageRun, run_global_stages
@@ -172,7 +172,7 @@ def write_duplicates(out: Path, runs: list[StageRun], keys: pl.DataFrame) -> lis
 
 def write_quarantine(out: Path, unit_quarantine: list[str], global_quarantine: list[list[dict]]) -> None:
     """The units' quarantine rows (their files, in unit order), then those of the global stages."""
-    with StreamingParquet(out / QUARANTINE_FILE, arrow_schema("quarantine")) as quarantine:
+    with StreamingTable(out / QUARANTINE_FILE, arrow_schema("quarantine")) as quarantine:
         for path in unit_quarantine:
             for batch in pq.ParquetFile(path).iter_batches(batch_size=1000):
                 for entry in batch.to_pylist():

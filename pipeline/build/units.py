@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
-from trajforge.pipeline.atomic import StreamingParquet
+from trajforge.pipeline.atomic import StreamingTable
 from trajforge.pipeline.build.assemble import KeysWriter
 from trajforge.pipeline.build.config import BuildConfig
 from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError, normalize_row
@@ -78,6 +78,14 @@ class UnitResult:
 def unit_key(source: str, file: SourceFile) -> str:
     digest = hashlib.sha1(str(file.path.resolve()).encode()).hexdigest()[:8]
     return f"{source}__{file.path.stem}__{digest}"
+
+
+def unit_files(staging: Path, key: str) -> dict[str, Path]:
+    """Where the unit `key` stages its records (an Arrow IPC file: the second half reads it in
+    several passes, so it is cheap to read), its quarantine entries and its key table, by their
+    `UnitResult` field."""
+    return {"records_path": staging / f"{key}.records.arrow", "quarantine_path": staging / f"{key}.quarantine.parquet",
+            "keys_path": staging / f"{key}.keys.parquet"}
 
 
 # -- the map stages: one record at a time, each returns it (in its next form) or why it dropped it
@@ -158,7 +166,8 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     stages = map_stages(source, file, config, envs)
     tallies = [StageTally(stage) for stage, _ in stages]
     writing = StageTally(WRITE_STAGE)
-    quarantine = StreamingParquet(staging / f"{key}.quarantine.parquet", arrow_schema("quarantine"))
+    files = unit_files(staging, key)
+    quarantine = StreamingTable(files["quarantine_path"], arrow_schema("quarantine"))
 
     def reject(index: int, dropped: Dropped, raw: str | None) -> None:
         quarantine.append(quarantine_entry(source_name, name, index, dropped.source_id, dropped.reason,
@@ -174,9 +183,8 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
         writing.keep(len(rows))
         keys.extend(rows)
 
-    keys = KeysWriter(staging / f"{key}.keys.parquet", config)
-    records = StreamingParquet(staging / f"{key}.records.parquet", arrow_schema("trajectory"), on_refused=refused,
-                               on_written=written)
+    keys = KeysWriter(files["keys_path"], config)
+    records = StreamingTable(files["records_path"], arrow_schema("trajectory"), on_refused=refused, on_written=written)
     rows = iter_rows(file.path, name)
     next_index = 0
     while True:

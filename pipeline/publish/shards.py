@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.atomic import atomic_path
+from trajforge.pipeline.atomic import atomic_path, batch_sizes, read_batches
 
 SHARD_RE = re.compile(r"^(?P<split>[A-Za-z0-9_]+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.parquet$")
 
@@ -70,18 +70,20 @@ def layout(out: Path) -> dict[str, dict[str, list[str]]]:
 # -- shards from a stream ----------------------------------------------------------------------
 
 def _rows_of(staged: list[str], offset: int, length: int, batch_rows: int):
-    """Record batches of rows [offset, offset + length) of the staged files read as one table,
-    reading only the row groups that hold them."""
+    """Record batches of rows [offset, offset + length) of the staged Arrow files read as one table,
+    reading only the record batches that hold them, each cut in pieces of `batch_rows` rows from
+    its start (a shard's bytes depend on where its rows' pieces begin and end)."""
     for path in staged:
-        source = pq.ParquetFile(path)
-        for g in range(source.num_row_groups):
-            rows = source.metadata.row_group(g).num_rows
-            if length <= 0:
-                return
-            if offset >= rows:
-                offset -= rows
-                continue
-            for batch in source.iter_batches(batch_size=batch_rows, row_groups=[g]):
+        if length <= 0:
+            return
+        sizes = batch_sizes(path)
+        first = 0
+        while first < len(sizes) and offset >= sizes[first]:
+            offset -= sizes[first]
+            first += 1
+        for written in read_batches(path, batches=range(first, len(sizes))):
+            for start in range(0, written.num_rows, batch_rows):
+                batch = written.slice(start, batch_rows)
                 if offset >= batch.num_rows:
                     offset -= batch.num_rows
                     continue
@@ -139,13 +141,13 @@ class SplitShards:
 
 def plan_split(out: Path, config_name: str, split: str, staged: list[Path], schema: pa.Schema, nbytes: int,
                config: ShardConfig = ShardConfig()) -> SplitShards:
-    """The shards of one split of one config, staged as Parquet files (their rows in order): each
+    """The shards of one split of one config, staged as Arrow IPC files (their rows in order): each
     shard is one `write_shard_from_files` call (shards are independent, so a flow writes them, of
     every config at once, on its task runner), one row group of it in memory at a time. `nbytes` is
     the split's Arrow size (what `plan_shards` divides by). `schema` is the split's Arrow schema (a
     Parquet round trip renames list items, which would change the bytes)."""
     folder = out / "data" / config_name
-    n = sum(pq.ParquetFile(path).metadata.num_rows for path in staged)
+    n = sum(sum(batch_sizes(path)) for path in staged)
     # An empty split is one shard without rows: every config loads.
     plan = plan_shards(n, nbytes, config) or [(0, 0)]
     names = [shard_name(split, index, len(plan)) for index in range(len(plan))]

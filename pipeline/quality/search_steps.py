@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.atomic import StreamingParquet
+from trajforge.pipeline.atomic import StreamingTable, read_batches
 from trajforge.schemas import arrow_schema, first_error
 from trajforge.sources.synthetic import Synthetic, search_file
 
@@ -36,7 +36,7 @@ def trajectory_fates(unit, kept_rows: np.ndarray, contaminated: dict[int, str]) 
     """Task id -> None when a trajectory of the task from `unit` is in `sft`, else the reason none is."""
     fates: dict[str, str | None] = {}
     kept = set(kept_rows.tolist())
-    staged = pq.read_table(unit.records_path, columns=["meta"])["meta"].to_pylist()
+    staged = (meta for batch in read_batches(unit.records_path, ["meta"]) for meta in batch.column("meta").to_pylist())
     for row, meta in enumerate(staged):
         task = json.loads(meta).get("task_id")
         fate = None if row in kept else "contaminated" if row in contaminated else "duplicate"
@@ -62,7 +62,7 @@ def _search_units(units) -> list[tuple[int, object, dict[str, Path]]]:
             for u, unit, files in found if any(files.values())]
 
 
-def _stage_file(name: str, path: Path, fates: dict[str, str | None], writer: StreamingParquet, counts: dict) -> None:
+def _stage_file(name: str, path: Path, fates: dict[str, str | None], writer: StreamingTable, counts: dict) -> None:
     """The rows of one search file of config `name`: those of a kept trajectory to `writer`, counted."""
     for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
         for row in batch.to_pylist():
@@ -84,7 +84,7 @@ def stage_step_rows(units, kept_rows: list[np.ndarray], contaminated: list[dict[
     if not found:
         return {}, {}
     counts = {name: {"read": 0, "written": 0, "dropped": Counter()} for name in STEP_CONFIGS}
-    writers = {name: StreamingParquet(staged / f"{name}.parquet", arrow_schema(name)) for name in STEP_CONFIGS}
+    writers = {name: StreamingTable(staged / f"{name}.arrow", arrow_schema(name), durable=False) for name in STEP_CONFIGS}
     for u, unit, files in found:
         fates = trajectory_fates(unit, kept_rows[u], contaminated[u])
         for name, path in files.items():

@@ -15,8 +15,10 @@ import pytest
 
 from trajforge.pipeline.atomic import (
     TEMP_GLOB,
-    StreamingParquet,
+    StreamingTable,
     atomic_path,
+    batch_sizes,
+    read_batches,
     remove_stale_temp_files,
     write_json,
     write_parquet,
@@ -108,22 +110,40 @@ def test_failed_write_removes_its_temp_file_and_keeps_the_target(tmp_path):
     with pytest.raises(TypeError):
         write_json(path, {"v": object()})
     assert json.loads(path.read_text()) == {"v": 1}
-    with pytest.raises(RuntimeError), StreamingParquet(tmp_path / "s.parquet", SCHEMA) as stream:
+    with pytest.raises(RuntimeError), StreamingTable(tmp_path / "s.arrow", SCHEMA) as stream:
         stream.append({"writer": 1, "payload": "p"})
         raise RuntimeError("stage failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
 
 
-def test_streaming_parquet_writes_the_codec_it_is_given(tmp_path):
+def test_a_streamed_table_is_parquet_or_arrow_by_its_suffix(tmp_path):
     rows = [{"writer": i, "payload": "same text " * 20} for i in range(2500)]
-    sizes = {}
-    for codec in ("zstd", "none"):
-        with StreamingParquet(tmp_path / f"{codec}.parquet", SCHEMA, compression=codec) as stream:
+    written = {}
+    for suffix in ("parquet", "arrow"):
+        with StreamingTable(tmp_path / f"t.{suffix}", SCHEMA) as stream:
             for row in rows:
                 stream.append(row)
-        written = pq.ParquetFile(tmp_path / f"{codec}.parquet")
-        assert {written.metadata.row_group(g).column(c).compression
-                for g in range(written.num_row_groups) for c in range(2)} == {"ZSTD" if codec == "zstd" else "UNCOMPRESSED"}
-        assert written.read().to_pylist() == rows
-        sizes[codec] = (tmp_path / f"{codec}.parquet").stat().st_size
-    assert sizes["none"] > sizes["zstd"]
+        written[suffix] = stream
+    parquet = pq.ParquetFile(tmp_path / "t.parquet")
+    assert [parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)] == [1000, 1000, 500]
+    assert {parquet.metadata.row_group(g).column(c).compression for g in range(3) for c in range(2)} == {"ZSTD"}
+    assert parquet.read().to_pylist() == rows
+    arrow = pa.ipc.open_file(tmp_path / "t.arrow")
+    assert arrow.schema == SCHEMA and arrow.read_all().to_pylist() == rows
+    assert batch_sizes(tmp_path / "t.arrow") == [1000, 1000, 500]
+    # Shards are planned by the Arrow size of what was written, whatever the file's format.
+    assert written["parquet"].nbytes == written["arrow"].nbytes == pa.Table.from_pylist(rows, schema=SCHEMA).nbytes
+    assert (tmp_path / "t.arrow").stat().st_size > 2 * (tmp_path / "t.parquet").stat().st_size  # no codec
+
+
+def test_staged_batches_read_back_as_written_with_only_the_columns_asked(tmp_path):
+    rows = [{"writer": i, "payload": f"row {i}"} for i in range(25)]
+    # Not fsynced (a file only the run writing it reads), it is just as whole once renamed into place.
+    with StreamingTable(tmp_path / "t.arrow", SCHEMA, batch_rows=10, durable=False) as stream:
+        for row in rows:
+            stream.append(row)
+    assert [b.num_rows for b in read_batches(tmp_path / "t.arrow")] == batch_sizes(tmp_path / "t.arrow") == [10, 10, 5]
+    assert pa.ipc.open_file(tmp_path / "t.arrow").read_all().to_pylist() == rows
+    (second,) = read_batches(tmp_path / "t.arrow", ["payload", "writer"], [1])
+    assert second.schema.names == ["payload", "writer"] and second.to_pylist() == [
+        {"payload": f"row {i}", "writer": i} for i in range(10, 20)]

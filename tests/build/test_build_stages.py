@@ -10,6 +10,7 @@ import json
 import re
 from collections import Counter
 from dataclasses import asdict
+from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
@@ -21,7 +22,7 @@ from trajforge.pipeline.build import BuildConfig, UnitResult, process_unit, unit
 from trajforge.pipeline.build.assemble import key_table
 from trajforge.pipeline.build.global_stages import GLOBAL_STAGES, QUARANTINE, StagedBuild, run_global_stages, tally_of
 from trajforge.pipeline.build.report import source_counts
-from trajforge.pipeline.build.resume import read_marker, unit_marker, write_marker
+from trajforge.pipeline.build.resume import read_marker, resume_unit, unit_marker, write_marker
 from trajforge.pipeline.stages import StageTally, merge_tallies
 from trajforge.sources import get_source
 from trajforge.sources.base import SourceFile
@@ -47,7 +48,7 @@ def assert_tallies_add_up(unit: UnitResult) -> None:
     for before, after in zip(unit.stages, unit.stages[1:]):
         assert after["in"] == before["kept"], (before, after)
     assert unit.read == unit.written + unit.quarantined
-    assert unit.written == pq.read_metadata(unit.records_path).num_rows
+    assert unit.written == pa.ipc.open_file(unit.records_path).read_all().num_rows
     assert unit.reasons == quarantine_reasons(unit)
 
 
@@ -76,7 +77,7 @@ def test_each_stage_counts_the_real_rows_and_the_bad_rows_it_dropped(tmp_path):
         {"stage": "validate", "in": 5, "kept": 4, "dropped": {"final_turn_not_assistant": 1}},
         {"stage": "stage", "in": 4, "kept": 4, "dropped": {}},
     ]
-    written = [r["source_id"] for r in pq.read_table(unit.records_path).to_pylist()]
+    written = [r["source_id"] for r in pa.ipc.open_file(unit.records_path).read_all().to_pylist()]
     assert written == ["textcraft_205", "textcraft_132", "textcraft_251", "textcraft_320"]
 
 
@@ -108,13 +109,28 @@ def test_the_tallies_survive_the_unit_marker(tmp_path):
     assert (again.read, again.written, again.quarantined, again.envs["textcraft"]["steps_masked"]) == (4, 4, 0, 9)
 
 
+def test_a_marker_naming_files_of_another_staging_format_is_not_trusted(tmp_path):
+    """A unit is skipped on its marker only when the marker names the files this code stages (in
+    their format): one written by a build that staged Parquet records is redone, not read."""
+    file = SourceFile(RAW / "agenttraj_l" / "textcraft_train.json", "textcraft")
+    unit, earlier = resume_unit("agenttraj_l", file, tmp_path)
+    assert not earlier and resume_unit("agenttraj_l", file, tmp_path) == (unit, True)
+    marker = unit_marker(tmp_path, unit_key("agenttraj_l", file))
+    done = json.loads(marker.read_text())
+    older = str(tmp_path / Path(unit.records_path).name.replace(".records.arrow", ".records.parquet"))
+    pq.write_table(pa.ipc.open_file(unit.records_path).read_all(), older)
+    write_marker(marker, done["fingerprint"], {**done["payload"], "records_path": older})
+    again, earlier = resume_unit("agenttraj_l", file, tmp_path)
+    assert not earlier and again == unit and json.loads(marker.read_text())["payload"]["records_path"] == unit.records_path
+
+
 def test_a_record_arrow_refuses_to_stage_is_a_drop_of_the_stage_stage(tmp_path):
     """Negatives pass validation unchecked: a synthetic negative whose reward is text reaches the
     writer, which refuses it; it is quarantined as that stage's internal_error, the rest staged."""
     file = SourceFile(RAW / "agenttraj_l" / "textcraft_train.json", "textcraft")
     records = [dict(r, source="synthetic", reward=None)
-               for r in pq.read_table(process_unit("agenttraj_l", file, tmp_path / "a", BuildConfig()).records_path)
-               .to_pylist()]
+               for r in pa.ipc.open_file(process_unit("agenttraj_l", file, tmp_path / "a", BuildConfig()).records_path)
+               .read_all().to_pylist()]
     negative = dict(records[0], id="textcraft_132-negative", kind="negative", negative_type="wrong_answer",
                     parent_id=records[0]["id"], reward="high")
     path = tmp_path / "synth" / "data" / "synthetic" / "textcraft-00000-of-00001.parquet"
@@ -155,7 +171,7 @@ def test_global_stages_report_their_own_tallies_and_the_counts_come_from_them(tm
     config = BuildConfig()
     units = [process_unit("agentinstruct", f, tmp_path / "staging", config)
              for f in get_source("agentinstruct").files(FIXTURE_SOURCES["agentinstruct"])]
-    task = pq.read_table(units[0].records_path, columns=["task"])["task"][0].as_py()
+    task = pa.ipc.open_file(units[0].records_path).read_all()["task"][0].as_py()
     (tmp_path / "eval.txt").write_text(task + "\n")
     config = BuildConfig(decontaminate=str(tmp_path / "eval.txt"), decontaminate_splits=False)
 

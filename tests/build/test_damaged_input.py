@@ -20,7 +20,7 @@ import pytest
 import trajforge.pipeline.build.second_half as second_half
 import trajforge.pipeline.build.units as units
 from tests.support.paths import RAW
-from trajforge.pipeline.atomic import StreamingParquet
+from trajforge.pipeline.atomic import StreamingTable
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 from trajforge.pipeline.publish.manifest import EARLIER_MANIFEST, GENERATOR, MANIFEST, read_manifest
 from trajforge.sources import get_source, iter_rows
@@ -186,12 +186,12 @@ def test_a_crash_no_rule_foresaw_is_one_quarantine_entry(tmp_path, monkeypatch, 
 def test_a_row_arrow_refuses_to_write_is_quarantined_and_the_rest_kept(tmp_path):
     refused = []
     schema = pa.schema([("text", pa.string())])
-    path = tmp_path / "refuse.parquet"
-    writer = StreamingParquet(path, schema, batch_rows=2, on_refused=lambda row, exc: refused.append(row))
+    path = tmp_path / "refuse.arrow"
+    writer = StreamingTable(path, schema, batch_rows=2, on_refused=lambda row, exc: refused.append(row))
     for text in ["a", "b \ud800", "c"]:
         writer.append({"text": text})
     writer.close()
-    assert pq.read_table(path)["text"].to_pylist() == ["a", "c"] and refused == [{"text": "b \ud800"}]
+    assert pa.ipc.open_file(path).read_all()["text"].to_pylist() == ["a", "c"] and refused == [{"text": "b \ud800"}]
 
 
 def test_files_are_named_by_their_path_under_the_source_root(tmp_path):
@@ -255,7 +255,7 @@ def test_rebuild_removes_leftovers_keeps_user_files_and_never_shows_a_mixed_mani
     assert json.loads((out / MANIFEST).read_text())["generator"] == GENERATOR
     assert json.loads((out / "report.json").read_text())["generator"] == GENERATOR
     (out / "notes.txt").write_text("mine")  # a user's file in the build folder
-    stale = [out / ".staging" / ".x.records.parquet.tmp-999999", out / "data" / "preference" / ".train.tmp-999999"]
+    stale = [out / ".staging" / ".x.records.arrow.tmp-999999", out / "data" / "preference" / ".train.tmp-999999"]
     for path in stale:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"half")

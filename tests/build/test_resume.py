@@ -14,6 +14,7 @@ import pytest
 
 from tests.support.paths import RAW, REPO
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
+from trajforge.pipeline.build.units import unit_files
 from trajforge.pipeline.publish.manifest import read_manifest
 from trajforge.sources import get_source
 
@@ -31,7 +32,7 @@ def make_source(folder: Path) -> Path:
 
 
 def staged(out: Path) -> dict[str, tuple[int, int]]:
-    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / ".staging").glob("*.parquet")}
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / ".staging").iterdir() if p.is_file()}
 
 
 def markers(out: Path) -> set[str]:
@@ -66,10 +67,8 @@ def test_sigkill_then_rerun_skips_done_units_and_matches_a_clean_build(tmp_path)
     assert done_before <= markers(out) and len(markers(out)) == n_units
     after = staged(out)
     for marker in done_before:
-        key = marker.removesuffix(".done")
-        for kind in ("records", "quarantine"):
-            name = f"{key}.{kind}.parquet"
-            assert after[name] == staged_before[name], f"{name} was redone"
+        for path in unit_files(Path(), marker.removesuffix(".done")).values():
+            assert after[path.name] == staged_before[path.name], f"{path.name} was redone"
 
     clean = tmp_path / "clean"
     config = BuildConfig()

@@ -9,6 +9,7 @@ import copy
 import json
 import re
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -40,7 +41,7 @@ def build_rows(tmp_path, env: str, rows: list[dict], config: BuildConfig = Build
     path = tmp_path / f"{env}_train.json"
     path.write_text(json.dumps(rows))
     unit = process_unit("agenttraj_l", SourceFile(path, env), tmp_path / "staging", config)
-    return pq.read_table(unit.records_path).to_pylist(), pq.read_table(unit.quarantine_path).to_pylist()
+    return pa.ipc.open_file(unit.records_path).read_all().to_pylist(), pq.read_table(unit.quarantine_path).to_pylist()
 
 
 def gpt(thought: str, action: str) -> dict:
@@ -136,7 +137,7 @@ def test_a_json_literal_answer_is_written(tmp_path, answer):
     folder.mkdir()
     (folder / "db.jsonl").write_text(json.dumps(row) + "\n")
     unit = process_unit("agentinstruct", SourceFile(folder / "db.jsonl", "db"), tmp_path / "staging")
-    (record,) = pq.read_table(unit.records_path).to_pylist()
+    (record,) = pa.ipc.open_file(unit.records_path).read_all().to_pylist()
     assert record["answer"] == answer and record["conversations"][-1]["loss"]
     assert parse_answer_list(answer) is not None and parse_answer(answer) == parse_answer_list(answer)
     assert answers_match(answer, answer.replace("(", "[").replace(",)", "]"))

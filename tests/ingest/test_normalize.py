@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -118,7 +119,7 @@ def test_react_rendering_follows_its_own_prompt():
 def test_json_tool_records_stay_native_in_react_mode(tmp_path):
     f = next(f for f in get_source("agent_flan").files(str(AGENT_FLAN)) if f.split == "toolbench_instruct_j1s1_3k")
     unit = process_unit("agent_flan", f, tmp_path, BuildConfig(rendering="react"))
-    [record] = pq.read_table(unit.records_path).to_pylist()
+    [record] = pa.ipc.open_file(unit.records_path).read_all().to_pylist()
     assert record["rendering"] == "native"
 
 
@@ -127,7 +128,7 @@ def test_agent_flan_rows_in_documented_layout(tmp_path):
     for f in get_source("agent_flan").files(str(AGENT_FLAN)):
         unit = process_unit("agent_flan", f, tmp_path, BuildConfig())
         assert unit.quarantined == 0, unit.reasons
-        records += pq.read_table(unit.records_path).to_pylist()
+        records += pa.ipc.open_file(unit.records_path).read_all().to_pylist()
     by_id = {r["id"]: r for r in records}
     negative = by_id["agent_flan/toolbench_negative/5"]
     assert (negative["kind"], negative["negative_type"]) == ("negative", "tool_irrelevance")
@@ -161,7 +162,7 @@ def test_react_build_of_every_fixture_validates(tmp_path):
     sources = dict(FIXTURE_SOURCES, agent_flan=str(AGENT_FLAN))
     units = [process_unit(name, f, tmp_path, config) for name, location in sources.items()
              for f in get_source(name).files(location)]
-    records = [r for u in units for r in pq.read_table(u.records_path).to_pylist()]
+    records = [r for u in units for r in pa.ipc.open_file(u.records_path).read_all().to_pylist()]
     quarantine = [q for u in units for q in pq.read_table(u.quarantine_path).to_pylist()]
     assert Counter((q["source_id"], q["reason"]) for q in quarantine) == FIXTURE_QUARANTINE
     for record in records:

@@ -6,8 +6,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.support.oracles import write_config
+from trajforge.pipeline.atomic import StreamingTable
 from trajforge.pipeline.publish.manifest import file_sha256, read_manifest
-from trajforge.pipeline.publish.shards import SHARD_RE, ShardConfig, layout, plan_shards
+from trajforge.pipeline.publish.shards import SHARD_RE, ShardConfig, layout, plan_shards, write_config_from_file
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,25 @@ def test_rows_target_gives_hf_names_zstd_and_small_row_groups(sft_table, tmp_pat
         assert all(meta.row_group(i).num_rows <= 16 for i in range(meta.num_row_groups))
         assert {meta.row_group(0).column(c).compression for c in range(meta.num_columns)} == {"ZSTD"}
     assert layout(tmp_path) == {"sft": written}
+
+
+def test_shards_cut_from_staged_files_are_those_of_the_whole_table(sft_table, tmp_path):
+    """Staged in three Arrow files of 5-row batches, the rows give the same shard files, byte for
+    byte, as the table written whole: shards and row groups begin and end inside batches and files."""
+    rows = sft_table.to_pylist()
+    staged = []
+    for k, (start, stop) in enumerate([(0, 7), (7, 8), (8, len(rows))]):
+        with StreamingTable(tmp_path / "staged" / f"{k}.arrow", sft_table.schema, batch_rows=5) as part:
+            for row in rows[start:stop]:
+                part.append(row)
+        staged.append(part.path)
+    config = ShardConfig(max_rows=9, row_group_rows=4)
+    streamed = write_config_from_file(tmp_path / "streamed", "sft", "train", staged, sft_table.schema,
+                                      sft_table.nbytes, config)
+    whole = write_config(tmp_path / "whole", "sft", {"train": sft_table}, config)
+    assert streamed == whole and len(whole["train"]) == -(-len(rows) // 9) > 2
+    for rel in whole["train"]:
+        assert (tmp_path / "streamed" / rel).read_bytes() == (tmp_path / "whole" / rel).read_bytes(), rel
 
 
 def test_bytes_target_bounds_each_shard(sft_table):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pyarrow.parquet as pq
+import pyarrow as pa
 import pytest
 
 from tests.support.paths import FIXTURE_SOURCES
@@ -20,7 +20,7 @@ def merged(tmp_path_factory):
              for name, location in FIXTURE_SOURCES.items() for f in get_source(name).files(location)]
     seen: Counter[str] = Counter()
     records = []
-    for record in (r for u in units for r in pq.read_table(u.records_path).to_pylist()):
+    for record in (r for u in units for r in pa.ipc.open_file(u.records_path).read_all().to_pylist()):
         seen[record["id"]] += 1
         records.append({**record, "id": f"{record['id']}~{seen[record['id']]}"} if seen[record["id"]] > 1 else record)
     return records

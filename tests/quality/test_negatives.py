@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -126,7 +127,7 @@ def test_agent_flan_rows_keep_their_label_and_their_negatives_fail_validation(tm
     from trajforge.pipeline.build import BuildConfig, process_unit
     from trajforge.sources import get_source
     records = [r for f in get_source("agent_flan").files(str(AGENT_FLAN))
-               for r in pq.read_table(process_unit("agent_flan", f, tmp_path, BuildConfig()).records_path).to_pylist()]
+               for r in pa.ipc.open_file(process_unit("agent_flan", f, tmp_path, BuildConfig()).records_path).read_all().to_pylist()]
     labelled = [r for r in records if r["kind"] == "negative"]
     assert [r["negative_type"] for r in labelled] == ["tool_irrelevance"]
     kept, _ = deduplicate(records)
