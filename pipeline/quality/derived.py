@@ -45,10 +45,16 @@ def _divergence(parent: list[dict], negative: list[dict]) -> int | None:
 
 
 @functools.lru_cache(maxsize=16)
+def record_meta(meta: str) -> dict:
+    """A record's meta (its JSON text) parsed, shared by the row makers that read it (a positive's
+    negatives and step labels, a negative's pair and step labels ask for the same text): never
+    change the dict in place."""
+    return json.loads(meta)
+
+
 def _chosen_reply(meta: str) -> str | None:
-    """The right reply a negative's meta carries (`chosen`), if any: its preference pair and its
-    step labels both ask, the one parse serves both."""
-    return json.loads(meta).get("chosen")
+    """The right reply a negative's meta carries (`chosen`), if any."""
+    return record_meta(meta).get("chosen")
 
 
 def preference_pair(negative: dict, parent: dict) -> dict | None:
@@ -135,7 +141,7 @@ def turn_labels(record: dict) -> list[tuple[int | None, str | None]]:
     behaviour): a trained step is good, named `critical` when select-steps flagged it, `salvage` when
     it came from a failed run's prefix that a salvage continuation completed, else `trajectory`; a
     step validation masked because the env refused it is bad (`refused`); the rest is context."""
-    meta = json.loads(record["meta"])
+    meta = record_meta(record["meta"])
     refused, beneficial = _masked_turns(meta), _beneficial_turns(record["conversations"], meta)
     labels: list[tuple[int | None, str | None]] = []
     for i, turn in enumerate(record["conversations"]):
