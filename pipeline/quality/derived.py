@@ -136,36 +136,33 @@ def _beneficial_turns(conversations: list[dict], meta: dict) -> set[int]:
     return {turn for k, turn in enumerate(actions) if k in steps}
 
 
-def turn_labels(record: dict) -> list[tuple[int | None, str | None]]:
-    """(label, source) per turn of a trajectory the build keeps (it succeeded, or shows the right
-    behaviour): a trained step is good, named `critical` when select-steps flagged it, `salvage` when
-    it came from a failed run's prefix that a salvage continuation completed, else `trajectory`; a
-    step validation masked because the env refused it is bad (`refused`); the rest is context."""
+def labelled_messages(record: dict) -> list[dict]:
+    """The step_labels messages of a trajectory the build keeps (it succeeded, or shows the right
+    behaviour), each turn with its label and its source: a trained step is good, named `critical` when
+    select-steps flagged it, `salvage` when it came from a failed run's prefix that a salvage
+    continuation completed, else `trajectory`; a step validation masked because the env refused it
+    is bad (`refused`); the rest is context (no label)."""
     meta = record_meta(record["meta"])
     refused, beneficial = _masked_turns(meta), _beneficial_turns(record["conversations"], meta)
-    labels: list[tuple[int | None, str | None]] = []
+    messages = []
     for i, turn in enumerate(record["conversations"]):
         if turn["role"] != "assistant":
-            labels.append((None, None))
+            label, source = None, None
         elif i in refused:
-            labels.append((BAD, "refused"))
+            label, source = BAD, "refused"
         elif not turn["loss"]:
-            labels.append((None, None))
+            label, source = None, None
         elif turn.get("critical") is True:
-            labels.append((GOOD, "critical"))
+            label, source = GOOD, "critical"
         else:
-            labels.append((GOOD, "salvage" if i in beneficial else "trajectory"))
-    return labels
+            label, source = GOOD, "salvage" if i in beneficial else "trajectory"
+        messages.append({"role": turn["role"], "content": turn["content"], "label": label, "label_source": source})
+    return messages
 
 
 def _labelled(turns: list[dict], labels) -> list[dict]:
     return [{"role": t["role"], "content": t["content"], "label": label, "label_source": source}
             for t, (label, source) in zip(turns, labels)]
-
-
-def labelled_messages(record: dict) -> list[dict]:
-    """The step_labels messages of a kept trajectory: its turns with their `turn_labels`."""
-    return _labelled(record["conversations"], turn_labels(record))
 
 
 def step_label_rows(record: dict, negatives: list[dict]) -> list[dict]:
