@@ -24,9 +24,11 @@ records, same order, same duplicates map, negatives, pairs and prompts.
 """
 from __future__ import annotations
 
+import gc
 import json
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -219,6 +221,19 @@ def _write_rows(output: Output, rows: list[dict], writer: StreamingTable, counts
         counts[output.name].update(item for row in rows for item in output.count(row))
 
 
+@contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside: the unit's loop makes many short-lived dicts and lists and
+    no cycles, and each collection it would set off walks every tracked object of the process."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: dict[int, int],
                quarantined: dict[int, tuple[str, str]], pools: EnvPools, negatives: NegativesConfig) -> UnitOutputs:
     """Stream one unit's staged records once: each kept record (its id made unique, `repeats`) goes
@@ -233,16 +248,17 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
     unit = UnitContext(pools, negatives)
     kept = set(kept_rows.tolist())
     out = UnitOutputs()
-    for at, record in enumerate(_staged_records(records_path)):
-        record = _with_repeat(record, repeats.get(at))
-        if at in quarantined:
-            out.quarantined.append(_quarantine_row(record, *quarantined[at]))
-        if at not in kept:
-            continue
-        made: dict[str, list[dict]] = {}
-        for output in makers:
-            made[output.name] = output.rows(record, made, unit)
-            _write_rows(output, made[output.name], writers[output.name], counts)
+    with _cyclic_gc_paused():
+        for at, record in enumerate(_staged_records(records_path)):
+            record = _with_repeat(record, repeats.get(at))
+            if at in quarantined:
+                out.quarantined.append(_quarantine_row(record, *quarantined[at]))
+            if at not in kept:
+                continue
+            made: dict[str, list[dict]] = {}
+            for output in makers:
+                made[output.name] = output.rows(record, made, unit)
+                _write_rows(output, made[output.name], writers[output.name], counts)
     for name, writer in writers.items():
         writer.close()
         out.paths[name], out.nbytes[name], out.rows[name] = str(writer.path), writer.nbytes, writer.count

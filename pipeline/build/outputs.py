@@ -17,7 +17,6 @@ takes its notes from it; adding an output is one `Output` here (and its schema).
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from trajforge.pipeline.quality.derived import (
     grpo_env_row,
     grpo_prompt,
     preference_pair,
+    record_meta,
     record_task,
     reference_answer,
     step_label_rows,
@@ -143,7 +143,7 @@ def _grpo_env_task(record: dict, made: dict, unit: UnitContext) -> list[dict]:
     synthetic positive also lends its answer to its task-file task."""
     if record["kind"] != "positive":
         return []
-    task_id = json.loads(record["meta"]).get("task_id") if record["source"] == "synthetic" else None
+    task_id = record_meta(record["meta"]).get("task_id") if record["source"] == "synthetic" else None
     if task_id is not None and record["answer"] is not None:
         unit.synthetic_answers.setdefault(task_id, record["answer"])
     task = record_task(record)

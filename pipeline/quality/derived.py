@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+from itertools import repeat
 
 from trajforge.pipeline.envs import recorded_in, spec
 from trajforge.pipeline.envs.tasks import Task
@@ -44,10 +45,16 @@ def _divergence(parent: list[dict], negative: list[dict]) -> int | None:
 
 
 @functools.lru_cache(maxsize=16)
+def record_meta(meta: str) -> dict:
+    """A record's meta (its JSON text) parsed, shared by the row makers that read it (a positive's
+    negatives and step labels, a negative's pair and step labels ask for the same text): never
+    change the dict in place."""
+    return json.loads(meta)
+
+
 def _chosen_reply(meta: str) -> str | None:
-    """The right reply a negative's meta carries (`chosen`), if any: its preference pair and its
-    step labels both ask, the one parse serves both."""
-    return json.loads(meta).get("chosen")
+    """The right reply a negative's meta carries (`chosen`), if any."""
+    return record_meta(meta).get("chosen")
 
 
 def preference_pair(negative: dict, parent: dict) -> dict | None:
@@ -129,67 +136,70 @@ def _beneficial_turns(conversations: list[dict], meta: dict) -> set[int]:
     return {turn for k, turn in enumerate(actions) if k in steps}
 
 
-def turn_labels(record: dict) -> list[tuple[int | None, str | None]]:
-    """(label, source) per turn of a trajectory the build keeps (it succeeded, or shows the right
-    behaviour): a trained step is good, named `critical` when select-steps flagged it, `salvage` when
-    it came from a failed run's prefix that a salvage continuation completed, else `trajectory`; a
-    step validation masked because the env refused it is bad (`refused`); the rest is context."""
-    meta = json.loads(record["meta"])
+def labelled_messages(record: dict) -> list[dict]:
+    """The step_labels messages of a trajectory the build keeps (it succeeded, or shows the right
+    behaviour), each turn with its label and its source: a trained step is good, named `critical` when
+    select-steps flagged it, `salvage` when it came from a failed run's prefix that a salvage
+    continuation completed, else `trajectory`; a step validation masked because the env refused it
+    is bad (`refused`); the rest is context (no label)."""
+    meta = record_meta(record["meta"])
     refused, beneficial = _masked_turns(meta), _beneficial_turns(record["conversations"], meta)
-    labels: list[tuple[int | None, str | None]] = []
+    messages = []
     for i, turn in enumerate(record["conversations"]):
         if turn["role"] != "assistant":
-            labels.append((None, None))
+            label, source = None, None
         elif i in refused:
-            labels.append((BAD, "refused"))
+            label, source = BAD, "refused"
         elif not turn["loss"]:
-            labels.append((None, None))
+            label, source = None, None
         elif turn.get("critical") is True:
-            labels.append((GOOD, "critical"))
+            label, source = GOOD, "critical"
         else:
-            labels.append((GOOD, "salvage" if i in beneficial else "trajectory"))
-    return labels
+            label, source = GOOD, "salvage" if i in beneficial else "trajectory"
+        messages.append({"role": turn["role"], "content": turn["content"], "label": label, "label_source": source})
+    return messages
 
 
-def _labelled(turns: list[dict], labels: list[tuple[int | None, str | None]]) -> list[dict]:
+def _labelled(turns: list[dict], labels) -> list[dict]:
     return [{"role": t["role"], "content": t["content"], "label": label, "label_source": source}
             for t, (label, source) in zip(turns, labels)]
 
 
 def step_label_rows(record: dict, negatives: list[dict]) -> list[dict]:
     """The step_labels rows of a kept trajectory and of its `negatives`, those with a labelled
-    step; the trajectory's labels are worked out once for all of them."""
-    labels = turn_labels(record)
-    rows = [_labelled_row(record, labels), *(negative_step_labels(negative, record, labels) for negative in negatives)]
+    step; the trajectory's labelled messages are made once for all of them."""
+    messages = labelled_messages(record)
+    rows = [_labelled_row(record, messages), *(negative_step_labels(negative, record, messages) for negative in negatives)]
     return [row for row in rows if row is not None]
 
 
 def step_labels_of(record: dict) -> dict | None:
     """The step_labels row of a kept trajectory, or None when no step of it is labelled."""
-    return _labelled_row(record, turn_labels(record))
+    return _labelled_row(record, labelled_messages(record))
 
 
-def _labelled_row(record: dict, labels: list[tuple[int | None, str | None]]) -> dict | None:
-    if all(label is None for label, _ in labels):
+def _labelled_row(record: dict, messages: list[dict]) -> dict | None:
+    if all(m["label"] is None for m in messages):
         return None
     return {"id": f"{record['id']}#steps", "record_id": record["id"], "kind": "positive",
             "negative_type": record["negative_type"], "source": record["source"], "domain": record["domain"],
-            "env": record["env"], "messages": _labelled(record["conversations"], labels)}
+            "env": record["env"], "messages": messages}
 
 
-def negative_step_labels(negative: dict, parent: dict, parent_labels: list[tuple[int | None, str | None]]) -> dict | None:
+def negative_step_labels(negative: dict, parent: dict, parent_messages: list[dict]) -> dict | None:
     """The step_labels row of a negative: its turns up to the step where it goes wrong (the
     rejected turn of its preference pair), that step bad (`negative`), the steps before it labelled
-    as in the parent (`parent_labels`: its `turn_labels`) where the context is still the parent's.
-    Nothing after the first error is labelled: what follows a wrong step says nothing about the
-    steps themselves."""
+    as in the parent (`parent_messages`: its `labelled_messages`, whose dicts it shares) where the
+    context is still the parent's. Nothing after the first error is labelled: what follows a wrong
+    step says nothing about the steps themselves."""
     neg, par = negative["conversations"], parent["conversations"]
     diverged = _divergence(par, neg)
     bad = len(neg) - 1 if _chosen_reply(negative["meta"]) is not None else diverged
     if bad is None or neg[bad]["role"] != "assistant":
         return None
     same = bad if diverged is None else min(diverged, bad)
-    labels = [parent_labels[k] if k < same else (None, None) for k in range(bad)] + [(BAD, "negative")]
+    messages = (parent_messages[:same] + _labelled(neg[same:bad], repeat((None, None)))
+                + _labelled(neg[bad:bad + 1], [(BAD, "negative")]))
     return {"id": f"{negative['id']}#steps", "record_id": negative["id"], "kind": "negative",
             "negative_type": negative["negative_type"], "source": parent["source"], "domain": parent["domain"],
-            "env": parent["env"], "messages": _labelled(neg[:bad + 1], labels)}
+            "env": parent["env"], "messages": messages}

@@ -29,6 +29,7 @@ from trajforge.pipeline.envs.grammar import action_name, break_action
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn, render_turn
 from trajforge.pipeline.ingest.grammars import grammar_for
 from trajforge.pipeline.ingest.validate import LOOP_REPEATS, action_contexts, grammar_breaches, replies_of, reply_to
+from trajforge.pipeline.quality.derived import record_meta
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.registry import Registry
 
@@ -65,17 +66,13 @@ class NegativesConfig:
             raise ValueError(f"rates must be in [0, 1]: {bad}")
 
 
-@functools.lru_cache(maxsize=64)
-def _hashed_prefix(seed: int, kind: str):
-    return hashlib.sha256(f"{seed}\x1f{kind}\x1f".encode())
-
-
-def _chosen(seed: int, kind: str, key: str, rate: float) -> bool:
-    """Whether the hash of (seed, kind, key) falls under `rate`; the hash of the (seed, kind)
-    prefix is taken once and copied (8 checks a positive; ~1 of ~4.6 us a check less)."""
-    digest = _hashed_prefix(seed, kind).copy()
-    digest.update(key.encode())
-    return int.from_bytes(digest.digest()[:8], "big") / 2**64 < rate
+@functools.lru_cache(maxsize=16)
+def _draws(seed: int, rates: tuple[tuple[str, float], ...]) -> tuple[tuple[Callable, object, float], ...]:
+    """(maker, hash of the (seed, type) prefix, rate) per type in MAKERS' order whose rate can choose
+    a positive: the prefix is hashed once and copied for each positive's draw."""
+    rate_of = dict(rates)
+    return tuple((maker, hashlib.sha256(f"{seed}\x1f{kind}\x1f".encode()), rate_of.get(kind, 0.0))
+                 for kind, maker in MAKERS.items() if rate_of.get(kind, 0.0) > 0)
 
 
 def _pick(seed: int, key: str, n: int) -> int:
@@ -108,14 +105,18 @@ def _is_word_of(text: str, word: str) -> bool:
             and re.search(rf"(?<![\w.\-]){re.escape(word)}(?![\w.\-])", text) is not None)
 
 
+@functools.lru_cache(maxsize=16)
+def _negative_meta(parent_meta: str, extra: tuple[tuple[str, str], ...]) -> str:
+    """A negative's meta: its parent's with `extra`; a positive's negatives without extra share it."""
+    return json.dumps({**record_meta(parent_meta), **dict(extra)}, sort_keys=True)
+
+
 def _negative(parent: dict, kind: str, conversations: list[dict], extra: dict | None = None) -> dict:
     """A negative keeps its parent's task and expected `answer`: what a reward compares against."""
-    meta = json.loads(parent["meta"])
-    meta.update(extra or {})
     return {**parent, "id": f"{parent['id']}#neg-{kind}", "kind": "negative", "negative_type": kind,
             "parent_id": parent["id"], "conversations": conversations,
             "reward": None, "success": False,
-            "meta": json.dumps(meta, sort_keys=True)}
+            "meta": _negative_meta(parent["meta"], tuple((extra or {}).items()))}
 
 
 def _replace_name(turn: dict, old: str, new: str) -> dict | None:
@@ -347,9 +348,14 @@ def negatives_of(record: dict, pools: EnvPools, config: NegativesConfig = Negati
     """The negatives of one record (none unless it is a positive), in type order."""
     if record["kind"] != "positive":
         return []
+    key = record["id"].encode()
     out = []
-    for kind, maker in MAKERS.items():
-        if _chosen(config.seed, kind, record["id"], config.rates.get(kind, 0.0)):
+    # A type is drawn when the hash of (seed, type, id) falls under its rate; one loop over the types
+    # with the id encoded once (~6 us of ~12 a positive less than a call per type).
+    for maker, prefix, rate in _draws(config.seed, tuple(config.rates.items())):
+        digest = prefix.copy()
+        digest.update(key)
+        if int.from_bytes(digest.digest()[:8], "big") / 2**64 < rate:
             negative = maker(record, pools, config.seed)
             if negative is not None:
                 out.append(negative)

@@ -19,6 +19,7 @@ the last one that differs from it).
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 MAX_ANSWERS = 1024
@@ -30,6 +31,9 @@ class EnvPools:
     answers: dict[str, dict[str, None]] = field(default_factory=dict)
     # env -> [last tool prompt, last tool prompt that differs from it]
     tool_prompts: dict[str, list[str | None]] = field(default_factory=dict)
+    # env -> its answers sorted, made when a maker first asks (the pools are complete by then) and
+    # dropped when the env's answers change: not a sort of up to `max_answers` answers per negative.
+    _sorted_answers: dict[str, list[str]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, records, max_answers: int = MAX_ANSWERS) -> EnvPools:
@@ -46,6 +50,7 @@ class EnvPools:
             seen = self.answers.setdefault(env, {})
             if len(seen) < self.max_answers:
                 seen.setdefault(record["answer"], None)
+                self._sorted_answers.pop(env, None)
         first = record["conversations"][0] if record["conversations"] else None
         if record["domain"] == "tool" and first is not None and first["role"] == "user":
             self._add_prompt(env, first["content"])
@@ -53,6 +58,7 @@ class EnvPools:
     def merge(self, later: EnvPools) -> None:
         """Add the pool of records that come after this pool's records (in place)."""
         for env, answers in later.answers.items():
+            self._sorted_answers.pop(env, None)
             seen = self.answers.setdefault(env, {})
             for answer in answers:
                 if len(seen) >= self.max_answers:
@@ -71,7 +77,13 @@ class EnvPools:
 
     def wrong_answers(self, env: str, own: str | None) -> list[str]:
         """Distinct answers of `env` other than `own`, sorted."""
-        return sorted(a for a in self.answers.get(env, ()) if a != own)
+        ordered = self._sorted_answers.get(env)
+        if ordered is None:
+            ordered = self._sorted_answers[env] = sorted(self.answers.get(env, ()))
+        at = bisect.bisect_left(ordered, own) if own is not None else len(ordered)
+        if at < len(ordered) and ordered[at] == own:
+            return ordered[:at] + ordered[at + 1:]
+        return ordered[:]
 
     def tool_prompts_of_other_envs(self, env: str, own_prompt: str) -> list[tuple[str, str]]:
         """(env, first user turn) of every other tool env, sorted by env; never `own_prompt`."""

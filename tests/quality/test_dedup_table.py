@@ -148,6 +148,17 @@ def test_pools_are_bounded_deterministic_and_exclude_the_own_prompt_and_answer()
     assert EnvPools.of([{**r, "kind": "negative"} for r in records]).answers == {}
 
 
+def test_wrong_answers_follow_answers_added_after_a_maker_asked():
+    pools = EnvPools.of([_tool("weather", "w", answer=a) for a in ("b", "d")])
+    assert pools.wrong_answers("weather", "b") == ["d"]
+    pools.add(_tool("weather", "w", answer="a"))
+    assert pools.wrong_answers("weather", "b") == ["a", "d"]
+    later = EnvPools.of([_tool("weather", "w", answer="c")])
+    pools.merge(later)
+    assert pools.wrong_answers("weather", "b") == ["a", "c", "d"]
+    assert pools.wrong_answers("weather", "x") == pools.wrong_answers("weather", None) == ["a", "b", "c", "d"]
+
+
 @pytest.mark.parametrize("parts", [2, 3, 7])
 def test_pools_of_units_merged_in_order_equal_the_pool_of_all_records(merged, parts):
     """A build fills one pool per unit and merges them: the result must be the one-pass pool, also

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.quality.derived import negative_step_labels, step_labels_of, turn_labels
+from trajforge.pipeline.quality.derived import labelled_messages, negative_step_labels, step_labels_of
 
 
 def read(build: Path, config: str) -> list[dict]:
@@ -44,7 +44,7 @@ def test_a_negative_is_labelled_up_to_its_first_wrong_step(fixtures_build):
     pairs = {p["negative_id"]: p for p in read(fixtures_build, "preference")}
     for negative in read(fixtures_build, "negatives"):
         parent = by_id[negative["parent_id"]]
-        row = negative_step_labels(negative, parent, turn_labels(parent))
+        row = negative_step_labels(negative, parent, labelled_messages(parent))
         if row is None:
             assert negative["id"] not in pairs
             continue
