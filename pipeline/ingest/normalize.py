@@ -12,6 +12,7 @@ says (they are the benchmark's example, not the agent's behaviour), and `task` i
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -94,12 +95,17 @@ def _turn(i: int, turn) -> dict:
     return {"role": ROLE_NAMES[role], "content": content, "loss": loss}
 
 
+# A row's first turn is mostly its env's instructions, the same long text row after row: it is cleaned
+# once (a lookup costs a hash of it, cleaning ~10 scans of it and often a split into lines).
+_clean_first_turn = functools.lru_cache(maxsize=64)(clean_text)
+
+
 def _clean(turns: list[dict], max_chars: int) -> None:
     """Clean each turn's content in place (`clean_text`); too long or empty after it is an error."""
     for i, turn in enumerate(turns):
         if len(turn["content"]) > max_chars:
             raise NormalizeError("too_long", f"turn {i} has {len(turn['content'])} chars (max {max_chars})")
-        turn["content"] = clean_text(turn["content"])
+        turn["content"] = _clean_first_turn(turn["content"]) if i == 0 else clean_text(turn["content"])
         if not turn["content"]:
             raise NormalizeError("empty_turn", f"turn {i} ({turn['role']}) is empty after cleaning")
 

@@ -66,16 +66,17 @@ def test_a_marker_dialects_regex_starts_with_its_markers():
             assert pattern.startswith(marker) and re.escape(marker).replace("\\ ", " ") == marker, name
 
 
-def _spaced_thought_parse(text: str) -> tuple[str, str | None, str]:
-    """The oracle for the thought's end: the dialects' regexes with `.*?\\s*\\n` (the spaces before the
-    line break left out of the thought), tried in the registry's order as parse_turn does."""
+def _spaced_thought_parse(text: str, thought_end: str = r"\s*\n") -> tuple[str, str | None, str]:
+    """The oracle for the thought's end: the dialects as one anchored regex each, the thought ending
+    lazily at `thought_end` (by default `.*?\\s*\\n`: the spaces before the line break left out of
+    the thought), tried in the registry's order as parse_turn does."""
     text = clean_text(text)
     for name in DIALECTS:
         spec = next((s for s in _MARKER_DIALECTS if s[0] == name), None)
         if spec is not None:
-            m = re.match(rf"^(?:{spec[1]}(?P<thought>.*?)\s*\n\s*)?{spec[2]}$", text, re.S)
+            m = re.match(rf"^(?:{spec[1]}(?P<thought>.*?){thought_end}\s*)?{spec[2]}$", text, re.S)
         elif name == "prose_action" and not text.startswith("Thought:"):
-            m = re.match(r"^(?P<thought>.*?)\s*\n\s*Action:[ \t]*(?P<action>\S.*)$", text, re.S)
+            m = re.match(rf"^(?P<thought>.*?){thought_end}\s*Action:[ \t]*(?P<action>\S.*)$", text, re.S)
             m = m if m and "Action:" not in m["thought"] else None
         else:
             parsed = DIALECTS[name].parse(text)
@@ -95,6 +96,21 @@ def test_the_thought_ends_where_the_spaced_form_ends_it():
     for text in [*_real_assistant_turns(), *crafted]:
         parsed = parse_turn(text)
         assert (parsed.thought, parsed.action, parsed.dialect) == _spaced_thought_parse(text), text[:200]
+
+
+def test_the_two_step_match_is_the_one_anchored_regex():
+    """Each dialect finds its thought's end by a search for the action after a line break: the same
+    parse as its one anchored regex with a lazy thought (`^(?:head(?P<thought>.*?)\\n\\s*)?action$`) on
+    random turns made of the dialects' markers, line breaks, spaces and words."""
+    pieces = ["Thought:", "THOUGHT:", "Think:", "Action:", "ACTION:", "Act:", "Answer:", "Final Answer:", "Action Input:",
+              " with Action Input:", "Operation", "\n", "\n\n", " ", "\t", "\u3000", "x", "go.to", "{}", "[1]", "a b"]
+    rng = random.Random(3)
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 14))) for _ in range(30000)]
+    checked = [t for t in texts if clean_text(t)]
+    for text in checked:
+        parsed = parse_turn(text)
+        assert (parsed.thought, parsed.action, parsed.dialect) == _spaced_thought_parse(text, r"\n"), repr(text)
+    assert {parse_turn(t).dialect for t in checked} >= set(DIALECTS) - {"json_tool", "dict_tool_call"}
 
 
 def test_no_thought_turns_and_trailing_spaces_and_leading_newline():

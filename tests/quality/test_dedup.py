@@ -251,6 +251,16 @@ def test_polars_tokens_are_those_of_re_on_every_code_point():
     assert found["words"] == " ".join(re.findall(r"\w+", every))
 
 
+def test_ascii_tokens_are_those_of_re_on_every_ascii_code_point():
+    """An ASCII text (read by bytes.translate, not polars): each ASCII code point between two letters
+    is one word with them, a space, or a token of its own, as Python's `re` decides."""
+    every = "".join(f"a{chr(c)}b" for c in range(128) if chr(c) not in "\x1d\x1e")
+    for text in (every, f"  {every} \t"):
+        [found] = dedup_texts([{"task": text, "conversations": []}])
+        assert found.bare == "".join(fold(text))
+        assert found.words == " ".join(t for t in fold(text) if re.fullmatch(r"\w+", t))
+
+
 def test_contamination_reports_the_first_overlap_a_scan_of_re_words_finds():
     """Each text's first n-gram hit (then the whole short tasks, shortest first), as a plain scan
     of Python's `re` words over the folded texts finds it, with misses and non-ASCII words."""
