@@ -8,7 +8,10 @@ it kept, and the dropped ones by reason. The build's counts, its quarantine rows
 """
 from __future__ import annotations
 
+import gc
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
@@ -74,3 +77,17 @@ def in_order(function, calls: list[tuple], sizes: list[int] | None = None, meanw
     if meanwhile is not None:
         meanwhile()
     return results
+
+
+@contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside. A unit's loops (the map's stages, the writers' row makers)
+    make many short-lived dicts and lists and next to no cycles, and each collection they would set
+    off walks every tracked object of the process: ~0.05 ms of CPU a record at 20k."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

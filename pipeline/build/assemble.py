@@ -24,11 +24,9 @@ records, same order, same duplicates map, negatives, pairs and prompts.
 """
 from __future__ import annotations
 
-import gc
 import json
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,6 +45,7 @@ from trajforge.pipeline.quality.dedup_table import band_columns, near_matrices, 
 from trajforge.pipeline.quality.negatives import NegativesConfig
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.quarantine import quarantine_entry, shown
+from trajforge.pipeline.stages import cyclic_gc_paused
 from trajforge.schemas import arrow_schema
 
 if TYPE_CHECKING:
@@ -221,19 +220,6 @@ def _write_rows(output: Output, rows: list[dict], writer: StreamingTable, counts
         counts[output.name].update(item for row in rows for item in output.count(row))
 
 
-@contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside: the unit's loop makes many short-lived dicts and lists and
-    no cycles, and each collection it would set off walks every tracked object of the process."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: dict[int, int],
                quarantined: dict[int, tuple[str, str]], pools: EnvPools, negatives: NegativesConfig) -> UnitOutputs:
     """Stream one unit's staged records once: each kept record (its id made unique, `repeats`) goes
@@ -248,7 +234,7 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
     unit = UnitContext(pools, negatives)
     kept = set(kept_rows.tolist())
     out = UnitOutputs()
-    with _cyclic_gc_paused():
+    with cyclic_gc_paused():
         for at, record in enumerate(_staged_records(records_path)):
             record = _with_repeat(record, repeats.get(at))
             if at in quarantined:

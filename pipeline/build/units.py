@@ -24,7 +24,7 @@ from trajforge.pipeline.ingest.normalize import NormalizeConfig, NormalizeError,
 from trajforge.pipeline.ingest.validate import ValidateConfig, check_record, tally_env
 from trajforge.pipeline.publish.manifest import file_sha256
 from trajforge.pipeline.quarantine import quarantine_entry, shown
-from trajforge.pipeline.stages import Dropped, StageTally
+from trajforge.pipeline.stages import Dropped, StageTally, cyclic_gc_paused
 from trajforge.schemas import arrow_schema
 from trajforge.sources import RawRow, SourceFile, get_source, iter_rows, looks_like
 from trajforge.sources.locate import hub_revision
@@ -186,26 +186,27 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     keys = KeysWriter(files["keys_path"], config)
     records = StreamingTable(files["records_path"], arrow_schema("trajectory"), on_refused=refused, on_written=written)
     rows = iter_rows(file.path, name)
-    next_index = 0
-    while True:
-        try:
-            raw = next(rows)
-        except StopIteration:
-            break
-        except Exception as exc:  # a reader bug: the rest of the file is one drop of the read stage, the build goes on
-            dropped = _internal_error(f"{source_name}/{name} reading from row {next_index}", exc)
-            tallies[0].drop(dropped.reason)
-            reject(next_index, replace(dropped, detail=dropped.detail + f"; rows from {next_index} on were not read"),
-                   None)
-            break
-        next_index = raw.index + raw.rows
-        record = run_stages(raw, stages, tallies, f"{source_name}/{name} row {raw.index}", raw.rows)
-        if isinstance(record, Dropped):
-            reject(raw.index, record, raw.raw_text if raw.raw_text is not None or raw.row is None else shown(raw.row))
-            continue
-        records.append(record)
-        if tallies[-1].kept % config.progress_every == 0:
-            log.info("%s/%s: %d records so far", source_name, name, tallies[-1].kept)
+    with cyclic_gc_paused():
+        next_index = 0
+        while True:
+            try:
+                raw = next(rows)
+            except StopIteration:
+                break
+            except Exception as exc:  # a reader bug: the rest of the file is one drop of the read stage, the build goes on
+                dropped = _internal_error(f"{source_name}/{name} reading from row {next_index}", exc)
+                tallies[0].drop(dropped.reason)
+                reject(next_index, replace(dropped, detail=dropped.detail + f"; rows from {next_index} on were not read"),
+                       None)
+                break
+            next_index = raw.index + raw.rows
+            record = run_stages(raw, stages, tallies, f"{source_name}/{name} row {raw.index}", raw.rows)
+            if isinstance(record, Dropped):
+                reject(raw.index, record, raw.raw_text if raw.raw_text is not None or raw.row is None else shown(raw.row))
+                continue
+            records.append(record)
+            if tallies[-1].kept % config.progress_every == 0:
+                log.info("%s/%s: %d records so far", source_name, name, tallies[-1].kept)
     records.close()
     quarantine.close()
     keys.close()
