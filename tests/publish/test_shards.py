@@ -8,7 +8,14 @@ import pytest
 from tests.support.oracles import write_config
 from trajforge.pipeline.atomic import StreamingTable
 from trajforge.pipeline.publish.manifest import file_sha256, read_manifest
-from trajforge.pipeline.publish.shards import SHARD_RE, ShardConfig, layout, plan_shards, write_config_from_file
+from trajforge.pipeline.publish.shards import (
+    SHARD_RE,
+    ShardConfig,
+    layout,
+    plan_shards,
+    plan_split,
+    write_shard_from_files,
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +54,10 @@ def test_shards_cut_from_staged_files_are_those_of_the_whole_table(sft_table, tm
                 part.append(row)
         staged.append(part.path)
     config = ShardConfig(max_rows=9, row_group_rows=4)
-    streamed = write_config_from_file(tmp_path / "streamed", "sft", "train", staged, sft_table.schema,
-                                      sft_table.nbytes, config)
+    plan = plan_split(tmp_path / "streamed", "sft", "train", staged, sft_table.schema, sft_table.nbytes, config)
+    for call in plan.calls:
+        write_shard_from_files(*call)
+    streamed = plan.paths(tmp_path / "streamed")
     whole = write_config(tmp_path / "whole", "sft", {"train": sft_table}, config)
     assert streamed == whole and len(whole["train"]) == -(-len(rows) // 9) > 2
     for rel in whole["train"]:
