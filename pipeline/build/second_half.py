@@ -18,7 +18,14 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import StreamingParquet, remove_stale_temp_files, write_json, write_parquet
-from trajforge.pipeline.build.assemble import key_table, unique_ids, unit_pools, with_unique_ids, write_unit
+from trajforge.pipeline.build.assemble import (
+    StagedRecords,
+    key_table,
+    unique_ids,
+    unit_pools,
+    with_unique_ids,
+    write_unit,
+)
 from trajforge.pipeline.build.config import BuildConfig
 from trajforge.pipeline.build.global_stages import DUPLICATES, QUARANTINE, StagedBuild, StageRun, run_global_stages
 from trajforge.pipeline.build.outputs import OUTPUTS, BuildOutputs, card_notes
@@ -62,9 +69,10 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     earlier = set_manifest_aside(out)
     keys = key_table(units, config)
     runs, kept_keys = run_global_stages(keys, StagedBuild(units, config, map_units, out / ".staging"))
-    keys = unique_ids(keys, keys["order"].is_in(kept_keys["order"].implode()))
-    outputs = write_outputs(out, units, keys, kept_keys, runs, config, map_units)
-    duplicates = write_duplicates(out, runs, keys)
+    repeats = unique_ids(keys, keys["order"].is_in(kept_keys["order"].implode()), StagedRecords.of(units, config.dedup))
+    del keys  # the whole key table: what follows needs the kept records' rows and the repeated ids only
+    outputs = write_outputs(out, units, repeats, kept_keys, runs, config, map_units)
+    duplicates = write_duplicates(out, runs, repeats)
     write_quarantine(out, units, outputs)
     report = build_report(units, runs, kept_keys, outputs, duplicates, config)
     html_files = write_html(out, report, duplicates, kept_keys["turns"].to_numpy(), kept_keys["chars"].to_numpy())
@@ -100,7 +108,7 @@ def _quarantined(runs: list[StageRun], units: int) -> list[dict[int, tuple[str, 
     return [{row: tuple(pair) for row, pair in unit.items()} for unit in found]
 
 
-def write_outputs(out: Path, units: list[UnitResult], keys: pl.DataFrame, kept_keys: pl.DataFrame,
+def write_outputs(out: Path, units: list[UnitResult], repeats: pl.DataFrame, kept_keys: pl.DataFrame,
                   runs: list[StageRun], config: BuildConfig, map_units) -> WrittenOutputs:
     """Every output of the registry: the kept records of each unit through the row makers
     (`write_unit`, per unit on `map_units`), then each output's staged parts cut into shards."""
@@ -108,10 +116,10 @@ def write_outputs(out: Path, units: list[UnitResult], keys: pl.DataFrame, kept_k
     pools = EnvPools()
     for unit_pool in map_units(unit_pools, [(unit.records_path, rows) for unit, rows in zip(units, kept_rows)]):
         pools.merge(unit_pool)
-    repeats = _by_unit(keys.filter(pl.col("repeat") > 1), len(units), "repeat")
+    unit_repeats = _by_unit(repeats, len(units), "repeat")
     quarantined = _quarantined(runs, len(units))
     staged = out / ".staging" / "outputs"
-    written = map_units(write_unit, [(unit.records_path, str(staged / f"{u:05d}"), kept_rows[u], repeats[u],
+    written = map_units(write_unit, [(unit.records_path, str(staged / f"{u:05d}"), kept_rows[u], unit_repeats[u],
                                       quarantined[u], pools, config.negatives) for u, unit in enumerate(units)])
     build = BuildOutputs(units, written, kept_rows, quarantined, config, staged)
     files = {}
@@ -128,11 +136,12 @@ def write_outputs(out: Path, units: list[UnitResult], keys: pl.DataFrame, kept_k
     return WrittenOutputs(files, build)
 
 
-def write_duplicates(out: Path, runs: list[StageRun], keys: pl.DataFrame) -> list[dict]:
-    """duplicates.parquet: the rows every dedup stage dropped, in build order, with their unique ids.
-    Returns them (with the build `order` of the dropped and the kept record) for the report."""
+def write_duplicates(out: Path, runs: list[StageRun], repeats: pl.DataFrame) -> list[dict]:
+    """duplicates.parquet: the rows every dedup stage dropped, in build order, with their unique ids
+    (`repeats`: `unique_ids`). Returns them (with the build `order` of the dropped and the kept
+    record) for the report."""
     frames = [run.dropped.drop("reason", "unit", "row") for run in runs if run.stage.outcome == DUPLICATES]
-    duplicates = with_unique_ids(pl.concat(frames).sort("order").to_dicts() if frames else [], keys)
+    duplicates = with_unique_ids(pl.concat(frames).sort("order").to_dicts() if frames else [], repeats)
     write_parquet([{k: v for k, v in d.items() if k not in ("order", "kept_order")} for d in duplicates],
                   arrow_schema("duplicates"), out / DUPLICATES_FILE)
     return duplicates

@@ -344,7 +344,8 @@ def duplicates_table(keys: pl.DataFrame, records, config: DedupConfig = DedupCon
     dropped and of the kept record.
 
     `records` gives what the key table leaves out: `near_rows(table)`, the band keys and sketches
-    of a table's rows in parts (see `write_near_table`), and `shingle_sets(refs, size)`. The near
+    of a table's rows in parts (see `write_near_table`), `key_columns(table, columns)`, the `id`
+    and `source_id` of a table's rows, and `shingle_sets(refs, size)`. The near
     stage's arrays go to `workdir` (default: a temporary folder)."""
     ranked = _ranked(keys)
     exact = exact_duplicates(ranked)
@@ -357,9 +358,9 @@ def duplicates_table(keys: pl.DataFrame, records, config: DedupConfig = DedupCon
                           near_duplicates_table(unique, table, records, config, map_units).items()})
     if not found:
         return []
-    involved = ranked.filter(pl.col("pos").is_in(list({p for pos, (k, _, _) in found.items() for p in (pos, k)})))
-    info = involved.select("pos", "order").join(keys.select("order", "id", "source", "source_id", "source_file"),
-                                                on="order")
+    involved = (ranked.filter(pl.col("pos").is_in(list({p for pos, (k, _, _) in found.items() for p in (pos, k)})))
+                .select("pos", "order", "unit", "row").join(keys.select("order", "source", "source_file"), on="order"))
+    info = involved.with_columns(records.key_columns(involved, ["id", "source_id"]))
     by_pos = {row["pos"]: row for row in info.iter_rows(named=True)}
     rows = []
     for pos, (kept, match, sim) in found.items():
