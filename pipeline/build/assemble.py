@@ -109,9 +109,10 @@ def key_table(units: list[UnitResult], config: BuildConfig) -> pl.DataFrame:
     """Every unit's key table in build order, narrowed for the flow, with the global `order`, the
     `unit` and its `row`. The near-dedup columns stay in the key files (`near_rows` loads them for
     the records that need them), and so do `id` and `source_id` (`StagedRecords.key_columns`, for
-    the records of the duplicates map and those whose `id_hash`, a 64-bit hash of the id, repeats):
-    at a million records the strings would be most of the table. `exact` is held as its first 128
-    bits. Ids are as read; `unique_ids` makes them unique after the global stages."""
+    the records of the duplicates map and those that may repeat an id: `repeated_id`, their id's
+    64-bit hash is another record's too): at a million records the strings would be most of the
+    table. `exact` is held as its first 128 bits. Ids are as read; `unique_ids` makes them unique
+    after the global stages."""
     left_out = set(band_columns(config.dedup)) | {"sketch", "source_id"}
     frames, offset = [], 0
     for u, unit in enumerate(units):
@@ -123,23 +124,24 @@ def key_table(units: list[UnitResult], config: BuildConfig) -> pl.DataFrame:
             pl.col("order").alias("row"), (pl.col("order") + offset).alias("order"),
             pl.lit(u, dtype=pl.Int32).alias("unit"), id_hash=pl.col("id").hash()).drop("id"))
         offset += frame.height
-    return pl.concat(frames)
+    return pl.concat(frames).with_columns(repeated_id=pl.col("id_hash").is_duplicated()).drop("id_hash")
 
 
-def unique_ids(keys: pl.DataFrame, published: pl.Series, records: StagedRecords) -> pl.DataFrame:
+def unique_ids(kept: pl.DataFrame, dropped: pl.DataFrame, records: StagedRecords) -> pl.DataFrame:
     """The records whose id repeats an earlier one, with the `~n` suffix each gets (`repeat` n = 2,
-    3, ...; never overwritten): (order, unit, row, repeat). Counted after the global stages: first
-    over the `published` records (kept by dedup and decontamination) in build order, then over the
-    others. A published id so carries `~n` only when n - 1 published records before it have the
-    same upstream id, never because a dropped copy was counted, and a dropped copy's id in the
-    duplicates map is never a published one."""
-    # Only a repeated id needs counting, and few are: the ids of the records whose id hash repeats
-    # are read back (`records`), and the window runs on their rows alone.
-    repeated = (keys.select("order", "unit", "row", "id_hash", later=~published)
-                .filter(pl.col("id_hash").is_duplicated()).drop("id_hash"))
-    if repeated.is_empty():
-        return repeated.select("order", "unit", "row", repeat=pl.lit(0, dtype=pl.UInt32))
-    return (repeated.with_columns(records.key_columns(repeated, ["id"]))
+    3, ...; never overwritten): (order, unit, row, repeat). Counted after the global stages, over
+    the key rows they `kept` (the published records) in build order, then over those they
+    `dropped` (order, unit, row). A published id so carries `~n` only when n - 1 published records
+    before it have the same upstream id, never because a dropped copy was counted, and a dropped
+    copy's id in the duplicates map is never a published one."""
+    # Only a repeated id needs counting, and few are: the ids of the kept records whose id hash
+    # repeats and of the dropped ones (a few percent) are read back (`records`), and the window
+    # runs on their rows alone.
+    rows = pl.concat([kept.filter(pl.col("repeated_id")).select("order", "unit", "row", later=pl.lit(False)),
+                      dropped.select("order", "unit", "row", later=pl.lit(True))])
+    if rows.is_empty():
+        return rows.select("order", "unit", "row", repeat=pl.lit(0, dtype=pl.UInt32))
+    return (rows.with_columns(records.key_columns(rows, ["id"]))
             .select("order", "unit", "row", repeat=pl.col("id").cum_count().over("id", order_by=["later", "order"]))
             .filter(pl.col("repeat") > 1))
 

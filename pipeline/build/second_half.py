@@ -67,10 +67,10 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     """
     remove_stale_temp_files(out)
     earlier = set_manifest_aside(out)
-    keys = key_table(units, config)
-    runs, kept_keys = run_global_stages(keys, StagedBuild(units, config, map_units, out / ".staging"))
-    repeats = unique_ids(keys, keys["order"].is_in(kept_keys["order"].implode()), StagedRecords.of(units, config.dedup))
-    del keys  # the whole key table: what follows needs the kept records' rows and the repeated ids only
+    # The whole key table goes with the first stage that drops records: held here, it would double the flow's memory.
+    runs, kept_keys = run_global_stages(key_table(units, config), StagedBuild(units, config, map_units, out / ".staging"))
+    repeats = unique_ids(kept_keys, pl.concat([run.dropped.select("order", "unit", "row") for run in runs]),
+                         StagedRecords.of(units, config.dedup))
     outputs = write_outputs(out, units, repeats, kept_keys, runs, config, map_units)
     duplicates = write_duplicates(out, runs, repeats)
     write_quarantine(out, units, outputs)

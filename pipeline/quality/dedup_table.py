@@ -326,10 +326,10 @@ def near_duplicates_table(unique: pl.DataFrame, table: NearTable, records, confi
     bands = band_params(config)[0]
     pairs = np.concatenate(map_units(screen_band, [(table, band, config.threshold) for band in range(bands)]))
     pairs = pairs[np.lexsort((pairs[:, 0], pairs[:, 1]))]
-    refs = list(zip(unique["unit"].to_list(), unique["row"].to_list()))
+    units, unit_rows = unique["unit"].to_numpy(), unique["row"].to_numpy()
     chunks = list(verify_chunks(pairs))
-    similarities = map_units(chunk_similarities, [(records, [refs[r] for r in rows.tolist()], local,
-                                                   config.shingle_size) for rows, local in chunks])
+    similarities = map_units(chunk_similarities, [(records, list(zip(units[rows].tolist(), unit_rows[rows].tolist())),
+                                                   local, config.shingle_size) for rows, local in chunks])
     verified = ((int(rows[a]), int(rows[b]), sim) for (rows, local), sims in zip(chunks, similarities)
                 for (a, b), sim in zip(local.tolist(), sims))
     positions = unique["pos"].to_numpy()
