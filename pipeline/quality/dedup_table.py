@@ -351,7 +351,8 @@ def duplicates_table(keys: pl.DataFrame, records, config: DedupConfig = DedupCon
     exact = exact_duplicates(ranked)
     found = {pos: (kept, "exact", 1.0) for pos, kept in exact.iter_rows()}
     if config.near:
-        unique = ranked.filter(~pl.col("pos").is_in(exact["pos"].implode()))
+        # The near stage runs after the exact one, which left no exact pair: no copy of the table then.
+        unique = ranked.filter(~pl.col("pos").is_in(exact["pos"].implode())) if exact.height else ranked
         with _scratch(workdir) as folder:
             table = write_near_table(folder, unique, records.near_rows(unique), config)
             found.update({pos: (kept, "near", sim) for pos, (kept, sim) in
