@@ -4,10 +4,11 @@ Each unit stages, next to its records, a key table (`KeysWriter`, built where th
 per record the dedup keys (dedup_table.record_keys), and the fields the report counts.
 `finalize` (pipeline/build/second_half.py) then
 
-1. concatenates the key tables in build order, without the near-dedup columns (`key_table`);
+1. concatenates the key tables in build order, without the near-dedup columns and the ids, the
+   strings of few values as categories (`key_table`);
 2. runs the global stages on that table (pipeline/build/global_stages.py: decontamination, exact
    and near dedup, `StagedRecords` reading what the table leaves out), then makes ids unique, the
-   published records first (`unique_ids`, a window over `id`);
+   published records first (`unique_ids`, a window over the ids that may repeat, read back);
 3. fills the bounded per-env pools of the negative makers, one pool per unit of its kept positives
    (`unit_pools`, merged in unit order; pools.py);
 4. streams each unit's staged records once more (`write_unit`), skipping the dropped ones: each
@@ -18,7 +19,7 @@ per record the dedup keys (dedup_table.record_keys), and the fields the report c
 
 Steps 2-4 are per band, per chunk or per unit: `finalize` hands them to its `map_units`, so a
 flow runs them on its task runner (other cores, or a cluster's workers). Peak memory of the
-driver is the narrow key table (~300 bytes a record) and the duplicates map; of a worker, one
+driver is the narrow key table (~80 bytes a record) and the duplicates map; of a worker, one
 batch of records or one band's pairs. The outputs are those of the in-memory build: same
 records, same order, same duplicates map, negatives, pairs and prompts.
 """
