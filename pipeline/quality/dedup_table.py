@@ -65,6 +65,8 @@ SKETCH_BINS = 512
 SKETCH_MARGIN = 0.08
 # Candidate pairs screened at once (two int64 indices and 2 x 512 sketch bytes each, in chunks).
 PAIR_BATCH = 1 << 21
+# Rows of the near table written through one mapping of its arrays (each row dirties a page: <= 32 MB).
+NEAR_WRITE_ROWS = 8192
 # Records whose shingle sets are held at once while verifying (a few KB to a few hundred KB each).
 VERIFY_BATCH = 10_000
 
@@ -258,14 +260,18 @@ def write_near_table(folder: Path, table: pl.DataFrame, rows, config: DedupConfi
     `table`, their band keys, their sketches), one part at a time, written into file-backed arrays."""
     folder.mkdir(parents=True, exist_ok=True)
     np.save(folder / "groups.npy", table["group"].rank("dense").cast(pl.Int32).to_numpy())
-    bands = np.lib.format.open_memmap(folder / "bands.npy", mode="w+", dtype=np.uint64,
-                                      shape=(table.height, band_params(config)[0]))
-    sketch = np.lib.format.open_memmap(folder / "sketch.npy", mode="w+", dtype=np.uint8,
-                                       shape=(table.height, SKETCH_BINS))
+    paths = {"bands": folder / "bands.npy", "sketch": folder / "sketch.npy"}
+    for path, dtype, width in [(paths["bands"], np.uint64, band_params(config)[0]),
+                               (paths["sketch"], np.uint8, SKETCH_BINS)]:
+        np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(table.height, width)).flush()
     for at, part_bands, part_sketch in rows:
-        bands[at], sketch[at] = part_bands, part_sketch
-    bands.flush()
-    sketch.flush()
+        for start in range(0, len(at), NEAR_WRITE_ROWS):
+            for path, part in [(paths["bands"], part_bands), (paths["sketch"], part_sketch)]:
+                # Mapped anew for each slice: the pages a mapping dirties count in this process's
+                # memory until it is dropped (the page cache keeps them), the whole arrays at the end.
+                target = np.load(path, mmap_mode="r+")
+                target[at[start:start + NEAR_WRITE_ROWS]] = part[start:start + NEAR_WRITE_ROWS]
+                del target
     return NearTable(str(folder))
 
 
