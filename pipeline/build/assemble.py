@@ -4,10 +4,11 @@ Each unit stages, next to its records, a key table (`KeysWriter`, built where th
 per record the dedup keys (dedup_table.record_keys), and the fields the report counts.
 `finalize` (pipeline/build/second_half.py) then
 
-1. concatenates the key tables in build order, without the near-dedup columns (`key_table`);
+1. concatenates the key tables in build order, without the near-dedup columns and the ids, the
+   strings of few values as categories (`key_table`);
 2. runs the global stages on that table (pipeline/build/global_stages.py: decontamination, exact
    and near dedup, `StagedRecords` reading what the table leaves out), then makes ids unique, the
-   published records first (`unique_ids`, a window over `id`);
+   published records first (`unique_ids`, a window over the ids that may repeat, read back);
 3. fills the bounded per-env pools of the negative makers, one pool per unit of its kept positives
    (`unit_pools`, merged in unit order; pools.py);
 4. streams each unit's staged records once more (`write_unit`), skipping the dropped ones: each
@@ -18,7 +19,7 @@ per record the dedup keys (dedup_table.record_keys), and the fields the report c
 
 Steps 2-4 are per band, per chunk or per unit: `finalize` hands them to its `map_units`, so a
 flow runs them on its task runner (other cores, or a cluster's workers). Peak memory of the
-driver is the narrow key table (~300 bytes a record) and the duplicates map; of a worker, one
+driver is the narrow key table (~80 bytes a record) and the duplicates map; of a worker, one
 batch of records or one band's pairs. The outputs are those of the in-memory build: same
 records, same order, same duplicates map, negatives, pairs and prompts.
 """
@@ -95,44 +96,62 @@ class KeysWriter:
         self._file.__exit__(None, None, None)
 
 
+# Key table columns of few distinct values (the group, a source's and a file's name, the kind, the
+# env...): categorical in the flow, 4 bytes a record each instead of a string of 12 to 40.
+CATEGORICAL = ["group", "source", "source_file", "kind", "rendering", "domain", "env"]
+
+
 def key_table(units: list[UnitResult], config: BuildConfig) -> pl.DataFrame:
-    """Every unit's key table in build order, without the near-dedup columns (`near_rows` loads
-    those for the records that need them), with the global `order`, the `unit` and its `row`. Ids
-    are as read; `unique_ids` makes them unique after the global stages."""
-    near = set(band_columns(config.dedup)) | {"sketch"}
+    """Every unit's key table in build order, narrowed for the flow, with the global `order`, the
+    `unit` and its `row`. The near-dedup columns stay in the key files (`near_rows` loads them for
+    the records that need them), and so do `id` and `source_id` (`StagedRecords.key_columns`, for
+    the records of the duplicates map and those that may repeat an id: `repeated_id`, their id's
+    64-bit hash is another record's too): at a million records the strings would be most of the
+    table. `exact` is held as its first 128 bits. Ids are as read; `unique_ids` makes them unique
+    after the global stages."""
+    left_out = set(band_columns(config.dedup)) | {"sketch", "source_id"}
     frames, offset = [], 0
     for u, unit in enumerate(units):
-        columns = [c for c in pq.read_schema(unit.keys_path).names if c not in near]
+        columns = [c for c in pq.read_schema(unit.keys_path).names if c not in left_out]
         frame = pl.read_parquet(unit.keys_path, columns=columns)
-        frames.append(frame.with_columns(pl.col("order").alias("row"), (pl.col("order") + offset).alias("order"),
-                                         pl.lit(u, dtype=pl.Int32).alias("unit")))
+        frames.append(frame.with_columns(
+            pl.col(CATEGORICAL).cast(pl.Categorical),
+            pl.col("exact").str.slice(0, 32).str.to_integer(base=16, dtype=pl.UInt128),
+            pl.col("order").alias("row"), (pl.col("order") + offset).alias("order"),
+            pl.lit(u, dtype=pl.Int32).alias("unit"), id_hash=pl.col("id").hash()).drop("id"))
         offset += frame.height
-    return pl.concat(frames)
+    return pl.concat(frames).with_columns(repeated_id=pl.col("id_hash").is_duplicated()).drop("id_hash")
 
 
-def unique_ids(keys: pl.DataFrame, published: pl.Series) -> pl.DataFrame:
-    """`keys` with every repeated id given a stable `~n` suffix (`repeat` n = 2, 3, ...; never
-    overwritten), counted after the global stages: first over the `published` records (kept by
-    dedup and decontamination) in build order, then over the others. A published id so carries
-    `~n` only when n - 1 published records before it have the same upstream id, never because a
-    dropped copy was counted, and a dropped copy's id in the duplicates map is never a published one."""
-    # Only a repeated id needs counting, and few are: the window runs on their rows alone (at 1M
-    # records, ~5x less CPU than a window over every id).
-    repeated = (keys.select("id", "order", later=~published).with_row_index("at").filter(pl.col("id").is_duplicated())
-                .select("at", pl.col("id").cum_count().over("id", order_by=["later", "order"])))
-    repeat = np.ones(keys.height, dtype=np.int32)
-    repeat[repeated["at"].to_numpy()] = repeated["id"].to_numpy()
-    return keys.with_columns(pl.Series("repeat", repeat)).with_columns(
-        pl.when(pl.col("repeat") > 1).then(pl.col("id") + "~" + pl.col("repeat").cast(pl.String))
-        .otherwise(pl.col("id")).alias("id"))
+def unique_ids(kept: pl.DataFrame, dropped: pl.DataFrame, records: StagedRecords) -> pl.DataFrame:
+    """The records whose id repeats an earlier one, with the `~n` suffix each gets (`repeat` n = 2,
+    3, ...; never overwritten): (order, unit, row, repeat). Counted after the global stages, over
+    the key rows they `kept` (the published records) in build order, then over those they
+    `dropped` (order, unit, row). A published id so carries `~n` only when n - 1 published records
+    before it have the same upstream id, never because a dropped copy was counted, and a dropped
+    copy's id in the duplicates map is never a published one."""
+    # Only a repeated id needs counting, and few are: the ids of the kept records whose id hash
+    # repeats and of the dropped ones (a few percent) are read back (`records`), and the window
+    # runs on their rows alone.
+    rows = pl.concat([kept.filter(pl.col("repeated_id")).select("order", "unit", "row", later=pl.lit(False)),
+                      dropped.select("order", "unit", "row", later=pl.lit(True))])
+    if rows.is_empty():
+        return rows.select("order", "unit", "row", repeat=pl.lit(0, dtype=pl.UInt32))
+    return (rows.with_columns(records.key_columns(rows, ["id"]))
+            .select("order", "unit", "row", repeat=pl.col("id").cum_count().over("id", order_by=["later", "order"]))
+            .filter(pl.col("repeat") > 1))
 
 
-def with_unique_ids(duplicates: list[dict], keys: pl.DataFrame) -> list[dict]:
+def with_unique_ids(duplicates: list[dict], repeats: pl.DataFrame) -> list[dict]:
     """The duplicates map with the ids `unique_ids` gave the dropped and the kept records (by the
-    build `order` of each)."""
-    involved = {o for d in duplicates for o in (d["order"], d["kept_order"])}
-    ids = dict(keys.filter(pl.col("order").is_in(list(involved))).select("order", "id").iter_rows())
-    return [{**d, "id": ids[d["order"]], "kept_id": ids[d["kept_order"]]} for d in duplicates]
+    build `order` of each; `repeats` as `unique_ids` returns them)."""
+    repeat = dict(repeats.select("order", "repeat").iter_rows())
+
+    def unique(upstream: str, order: int) -> str:
+        return upstream if order not in repeat else f"{upstream}~{repeat[order]}"
+
+    return [{**d, "id": unique(d["id"], d["order"]), "kept_id": unique(d["kept_id"], d["kept_order"])}
+            for d in duplicates]
 
 
 def read_rows(paths: Sequence[str], wanted: dict[int, list[int]], columns: list[str] | None = None,
@@ -162,13 +181,27 @@ class StagedRecords:
     keys_paths: tuple[str, ...]
     config: DedupConfig
 
+    @classmethod
+    def of(cls, units: Sequence[UnitResult], config: DedupConfig) -> StagedRecords:
+        return cls(tuple(u.records_path for u in units), tuple(u.keys_path for u in units), config)
+
     def near_rows(self, table: pl.DataFrame):
         """(row indices of `table`, band keys, sketches), one unit's key file at a time."""
-        columns = band_columns(self.config) + ["sketch"]
+        for at, rows in self._unit_parts(table, band_columns(self.config) + ["sketch"]):
+            yield at, *near_matrices(rows, self.config)
+
+    def key_columns(self, table: pl.DataFrame, columns: list[str]) -> pl.DataFrame:
+        """The key files' `columns` (left out of the key table: ids) at the `unit`, `row` of each
+        row of the non-empty `table`, in its order."""
+        parts = list(self._unit_parts(table, columns))
+        at = np.concatenate([a for a, _ in parts])
+        return pl.concat([rows for _, rows in parts])[np.argsort(at)]
+
+    def _unit_parts(self, table: pl.DataFrame, columns: list[str]) -> Iterator[tuple[np.ndarray, pl.DataFrame]]:
+        """(row indices of `table`, the key files' `columns` at their `unit`, `row`), a unit at a time."""
         index = table.select("unit", "row").with_row_index("at")
         for (u,), part in sorted(index.partition_by("unit", as_dict=True).items()):
-            rows = pl.read_parquet(self.keys_paths[u], columns=columns)[part["row"].to_numpy()]
-            yield part["at"].to_numpy(), *near_matrices(rows, self.config)
+            yield part["at"].to_numpy(), pl.read_parquet(self.keys_paths[u], columns=columns)[part["row"].to_numpy()]
 
     def shingle_sets(self, refs: list[tuple[int, int]], size: int) -> list[np.ndarray]:
         wanted: dict[int, list[int]] = {}

@@ -137,9 +137,7 @@ class Dedup:
 
     def run(self, keys: pl.DataFrame, build: StagedBuild) -> tuple[StageTally, pl.DataFrame]:
         config = replace(build.config.dedup, near=self.near and build.config.dedup.near)
-        records = StagedRecords(tuple(u.records_path for u in build.units), tuple(u.keys_path for u in build.units),
-                                config)
-        rows = duplicates_table(keys.select(*RANK_COLUMNS, "id", "source", "source_id", "source_file"), records,
+        rows = duplicates_table(keys.select(*RANK_COLUMNS, "source", "source_file"), StagedRecords.of(build.units, config),
                                 config, build.map_units, build.workdir)
         dropped = pl.DataFrame(rows, schema=DUPLICATE_COLUMNS).with_columns(reason=pl.col("match"))
         return tally_of(self.name, keys, dropped), dropped

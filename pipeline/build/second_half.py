@@ -18,7 +18,14 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import StreamingTable, remove_stale_temp_files, write_json, write_parquet
-from trajforge.pipeline.build.assemble import key_table, unique_ids, unit_pools, with_unique_ids, write_unit
+from trajforge.pipeline.build.assemble import (
+    StagedRecords,
+    key_table,
+    unique_ids,
+    unit_pools,
+    with_unique_ids,
+    write_unit,
+)
 from trajforge.pipeline.build.config import BuildConfig
 from trajforge.pipeline.build.global_stages import DUPLICATES, QUARANTINE, StagedBuild, StageRun, run_global_stages
 from trajforge.pipeline.build.outputs import OUTPUTS, BuildOutputs, card_notes
@@ -62,17 +69,18 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     """
     remove_stale_temp_files(out)
     earlier = set_manifest_aside(out)
-    keys = key_table(units, config)
-    runs, kept_keys = run_global_stages(keys, StagedBuild(units, config, map_units, out / ".staging"))
-    keys = unique_ids(keys, keys["order"].is_in(kept_keys["order"].implode()))
-    outputs, shards = write_outputs(out, units, keys, kept_keys, runs, config, map_units)
+    # The whole key table goes with the first stage that drops records: held here, it would double the flow's memory.
+    runs, kept_keys = run_global_stages(key_table(units, config), StagedBuild(units, config, map_units, out / ".staging"))
+    repeats = unique_ids(kept_keys, pl.concat([run.dropped.select("order", "unit", "row") for run in runs]),
+                         StagedRecords.of(units, config.dedup))
+    outputs, shards = write_outputs(out, units, repeats, kept_keys, runs, config, map_units)
     quarantine = (write_quarantine, out, [unit.quarantine_path for unit in units],
                   [written.quarantined for written in outputs.build.written])
     # The report needs no shard: it is written here while the task runner writes them.
     reported: list[tuple[dict, list[str]]] = []
     map_units(write_file, [*((write_shard_from_files, *call) for plan in shards for call in plan.calls), quarantine],
               [*(size for plan in shards for size in plan.sizes), _quarantine_bytes(units)],
-              meanwhile=lambda: reported.append(write_report_files(out, units, runs, keys, kept_keys, outputs, config)))
+              meanwhile=lambda: reported.append(write_report_files(out, units, runs, repeats, kept_keys, outputs, config)))
     report, owned = reported[0]
     for plan in shards:
         plan.remove_stale()
@@ -88,11 +96,11 @@ def write_file(writer, *args) -> None:
     writer(*args)
 
 
-def write_report_files(out: Path, units: list[UnitResult], runs: list[StageRun], keys: pl.DataFrame,
+def write_report_files(out: Path, units: list[UnitResult], runs: list[StageRun], repeats: pl.DataFrame,
                        kept_keys: pl.DataFrame, outputs: WrittenOutputs, config: BuildConfig) -> tuple[dict, list[str]]:
     """duplicates.parquet, report.json, report.html and its plots. Returns the report and the files
     the build owns so far (the outputs' shards included), relative to `out`."""
-    duplicates = write_duplicates(out, runs, keys)
+    duplicates = write_duplicates(out, runs, repeats)
     report = build_report(units, runs, kept_keys, outputs, duplicates, config)
     html_files = write_html(out, report, duplicates, kept_keys["turns"].to_numpy(), kept_keys["chars"].to_numpy())
     write_json(out / "report.json", report)
@@ -130,7 +138,7 @@ def _quarantine_bytes(units: list[UnitResult]) -> int:
     return sum(meta.row_group(g).total_byte_size for meta in metas for g in range(meta.num_row_groups))
 
 
-def write_outputs(out: Path, units: list[UnitResult], keys: pl.DataFrame, kept_keys: pl.DataFrame,
+def write_outputs(out: Path, units: list[UnitResult], repeats: pl.DataFrame, kept_keys: pl.DataFrame,
                   runs: list[StageRun], config: BuildConfig, map_units) -> tuple[WrittenOutputs, list[SplitShards]]:
     """Every output of the registry: the kept records of each unit through the row makers
     (`write_unit`, per unit on `map_units`), then each output's staged parts planned as shards
@@ -141,10 +149,10 @@ def write_outputs(out: Path, units: list[UnitResult], keys: pl.DataFrame, kept_k
     pools = EnvPools()
     for unit_pool in map_units(unit_pools, [(unit.records_path, rows) for unit, rows in zip(units, kept_rows)], sizes):
         pools.merge(unit_pool)
-    repeats = _by_unit(keys.filter(pl.col("repeat") > 1), len(units), "repeat")
+    unit_repeats = _by_unit(repeats, len(units), "repeat")
     quarantined = _quarantined(runs, len(units))
     staged = out / ".staging" / "outputs"
-    written = map_units(write_unit, [(unit.records_path, str(staged / f"{u:05d}"), kept_rows[u], repeats[u],
+    written = map_units(write_unit, [(unit.records_path, str(staged / f"{u:05d}"), kept_rows[u], unit_repeats[u],
                                       quarantined[u], pools, config.negatives) for u, unit in enumerate(units)], sizes)
     build = BuildOutputs(units, written, kept_rows, quarantined, config, staged)
     files, shards = {}, []
@@ -160,11 +168,12 @@ def write_outputs(out: Path, units: list[UnitResult], keys: pl.DataFrame, kept_k
     return WrittenOutputs(files, build), shards
 
 
-def write_duplicates(out: Path, runs: list[StageRun], keys: pl.DataFrame) -> list[dict]:
-    """duplicates.parquet: the rows every dedup stage dropped, in build order, with their unique ids.
-    Returns them (with the build `order` of the dropped and the kept record) for the report."""
+def write_duplicates(out: Path, runs: list[StageRun], repeats: pl.DataFrame) -> list[dict]:
+    """duplicates.parquet: the rows every dedup stage dropped, in build order, with their unique ids
+    (`repeats`: `unique_ids`). Returns them (with the build `order` of the dropped and the kept
+    record) for the report."""
     frames = [run.dropped.drop("reason", "unit", "row") for run in runs if run.stage.outcome == DUPLICATES]
-    duplicates = with_unique_ids(pl.concat(frames).sort("order").to_dicts() if frames else [], keys)
+    duplicates = with_unique_ids(pl.concat(frames).sort("order").to_dicts() if frames else [], repeats)
     write_parquet([{k: v for k, v in d.items() if k not in ("order", "kept_order")} for d in duplicates],
                   arrow_schema("duplicates"), out / DUPLICATES_FILE)
     return duplicates

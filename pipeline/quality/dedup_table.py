@@ -65,6 +65,8 @@ SKETCH_BINS = 512
 SKETCH_MARGIN = 0.08
 # Candidate pairs screened at once (two int64 indices and 2 x 512 sketch bytes each, in chunks).
 PAIR_BATCH = 1 << 21
+# Rows of the near table written through one mapping of its arrays (each row dirties a page: <= 32 MB).
+NEAR_WRITE_ROWS = 8192
 # Records whose shingle sets are held at once while verifying (a few KB to a few hundred KB each).
 VERIFY_BATCH = 10_000
 
@@ -163,9 +165,9 @@ def _ranked(keys: pl.DataFrame) -> pl.DataFrame:
 
 def exact_duplicates(ranked: pl.DataFrame) -> pl.DataFrame:
     """(pos, kept_pos) of every record whose (group, hash) a better-ranked record has."""
-    kept = ranked.group_by(["group", "exact"]).agg(pl.col("pos").min().alias("kept_pos"))
-    return (ranked.select("pos", "group", "exact").join(kept, on=["group", "exact"])
-            .filter(pl.col("pos") != pl.col("kept_pos")).select("pos", "kept_pos").sort("pos"))
+    # A window, not a group-by joined back: at 1M records ~2.5x less CPU, and no joined copy.
+    return (ranked.select("pos", kept_pos=pl.col("pos").min().over("group", "exact"))
+            .filter(pl.col("pos") != pl.col("kept_pos")).sort("pos"))
 
 
 def _bucket_pairs(members: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -258,14 +260,18 @@ def write_near_table(folder: Path, table: pl.DataFrame, rows, config: DedupConfi
     `table`, their band keys, their sketches), one part at a time, written into file-backed arrays."""
     folder.mkdir(parents=True, exist_ok=True)
     np.save(folder / "groups.npy", table["group"].rank("dense").cast(pl.Int32).to_numpy())
-    bands = np.lib.format.open_memmap(folder / "bands.npy", mode="w+", dtype=np.uint64,
-                                      shape=(table.height, band_params(config)[0]))
-    sketch = np.lib.format.open_memmap(folder / "sketch.npy", mode="w+", dtype=np.uint8,
-                                       shape=(table.height, SKETCH_BINS))
+    paths = {"bands": folder / "bands.npy", "sketch": folder / "sketch.npy"}
+    for path, dtype, width in [(paths["bands"], np.uint64, band_params(config)[0]),
+                               (paths["sketch"], np.uint8, SKETCH_BINS)]:
+        np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(table.height, width)).flush()
     for at, part_bands, part_sketch in rows:
-        bands[at], sketch[at] = part_bands, part_sketch
-    bands.flush()
-    sketch.flush()
+        for start in range(0, len(at), NEAR_WRITE_ROWS):
+            for path, part in [(paths["bands"], part_bands), (paths["sketch"], part_sketch)]:
+                # Mapped anew for each slice: the pages a mapping dirties count in this process's
+                # memory until it is dropped (the page cache keeps them), the whole arrays at the end.
+                target = np.load(path, mmap_mode="r+")
+                target[at[start:start + NEAR_WRITE_ROWS]] = part[start:start + NEAR_WRITE_ROWS]
+                del target
     return NearTable(str(folder))
 
 
@@ -326,10 +332,10 @@ def near_duplicates_table(unique: pl.DataFrame, table: NearTable, records, confi
     bands = band_params(config)[0]
     pairs = np.concatenate(map_units(screen_band, [(table, band, config.threshold) for band in range(bands)]))
     pairs = pairs[np.lexsort((pairs[:, 0], pairs[:, 1]))]
-    refs = list(zip(unique["unit"].to_list(), unique["row"].to_list()))
+    units, unit_rows = unique["unit"].to_numpy(), unique["row"].to_numpy()
     chunks = list(verify_chunks(pairs))
-    similarities = map_units(chunk_similarities, [(records, [refs[r] for r in rows.tolist()], local,
-                                                   config.shingle_size) for rows, local in chunks])
+    similarities = map_units(chunk_similarities, [(records, list(zip(units[rows].tolist(), unit_rows[rows].tolist())),
+                                                   local, config.shingle_size) for rows, local in chunks])
     verified = ((int(rows[a]), int(rows[b]), sim) for (rows, local), sims in zip(chunks, similarities)
                 for (a, b), sim in zip(local.tolist(), sims))
     positions = unique["pos"].to_numpy()
@@ -344,22 +350,24 @@ def duplicates_table(keys: pl.DataFrame, records, config: DedupConfig = DedupCon
     dropped and of the kept record.
 
     `records` gives what the key table leaves out: `near_rows(table)`, the band keys and sketches
-    of a table's rows in parts (see `write_near_table`), and `shingle_sets(refs, size)`. The near
+    of a table's rows in parts (see `write_near_table`), `key_columns(table, columns)`, the `id`
+    and `source_id` of a table's rows, and `shingle_sets(refs, size)`. The near
     stage's arrays go to `workdir` (default: a temporary folder)."""
     ranked = _ranked(keys)
     exact = exact_duplicates(ranked)
     found = {pos: (kept, "exact", 1.0) for pos, kept in exact.iter_rows()}
     if config.near:
-        unique = ranked.filter(~pl.col("pos").is_in(exact["pos"].implode()))
+        # The near stage runs after the exact one, which left no exact pair: no copy of the table then.
+        unique = ranked.filter(~pl.col("pos").is_in(exact["pos"].implode())) if exact.height else ranked
         with _scratch(workdir) as folder:
             table = write_near_table(folder, unique, records.near_rows(unique), config)
             found.update({pos: (kept, "near", sim) for pos, (kept, sim) in
                           near_duplicates_table(unique, table, records, config, map_units).items()})
     if not found:
         return []
-    involved = ranked.filter(pl.col("pos").is_in(list({p for pos, (k, _, _) in found.items() for p in (pos, k)})))
-    info = involved.select("pos", "order").join(keys.select("order", "id", "source", "source_id", "source_file"),
-                                                on="order")
+    involved = (ranked.filter(pl.col("pos").is_in(list({p for pos, (k, _, _) in found.items() for p in (pos, k)})))
+                .select("pos", "order", "unit", "row").join(keys.select("order", "source", "source_file"), on="order"))
+    info = involved.with_columns(records.key_columns(involved, ["id", "source_id"]))
     by_pos = {row["pos"]: row for row in info.iter_rows(named=True)}
     rows = []
     for pos, (kept, match, sim) in found.items():

@@ -138,6 +138,9 @@ class RecordsInMemory:
     def near_rows(self, table: pl.DataFrame):
         yield np.arange(table.height), *near_matrices(self.keys[table["row"].to_numpy()], self.config)
 
+    def key_columns(self, table: pl.DataFrame, columns: list[str]) -> pl.DataFrame:
+        return self.keys[table["row"].to_numpy()].select(columns)
+
     def shingle_sets(self, refs: list[tuple[int, int]], size: int) -> list[np.ndarray]:
         return shingle_set_hashes([self.records[row] for _, row in refs], size)
 
