@@ -163,7 +163,8 @@ def write_outputs(out: Path, units: list[UnitResult], repeats: pl.DataFrame, kep
         build.rows[output.name] = sum(rows for _, _, rows in parts)
         build.counts[output.name] = sum((Counter(w.counts.get(output.name, {})) for w in written), Counter())
         shards.append(plan_split(out, output.name, "train", [Path(path) for path, _, _ in parts],
-                                 arrow_schema(output.schema), sum(nbytes for _, nbytes, _ in parts), config.shards))
+                                 arrow_schema(output.schema), build.rows[output.name],
+                                 sum(nbytes for _, nbytes, _ in parts), config.shards))
         files[output.name] = shards[-1].paths(out)["train"]
     return WrittenOutputs(files, build), shards
 

@@ -139,18 +139,18 @@ class SplitShards:
                     stale.unlink()
 
 
-def plan_split(out: Path, config_name: str, split: str, staged: list[Path], schema: pa.Schema, nbytes: int,
-               config: ShardConfig = ShardConfig()) -> SplitShards:
+def plan_split(out: Path, config_name: str, split: str, staged: list[Path], schema: pa.Schema, rows: int,
+               nbytes: int, config: ShardConfig = ShardConfig()) -> SplitShards:
     """The shards of one split of one config, staged as Arrow IPC files (their rows in order): each
     shard is one `write_shard_from_files` call (shards are independent, so a flow writes them, of
-    every config at once, on its task runner), one row group of it in memory at a time. `nbytes` is
-    the split's Arrow size (what `plan_shards` divides by). `schema` is the split's Arrow schema (a
-    Parquet round trip renames list items, which would change the bytes)."""
+    every config at once, on its task runner), one row group of it in memory at a time. `rows` and
+    `nbytes` are the split's rows and Arrow size as their writers counted them (what `plan_shards`
+    divides). `schema` is the split's Arrow schema (a Parquet round trip renames list items, which
+    would change the bytes)."""
     folder = out / "data" / config_name
-    n = sum(sum(batch_sizes(path)) for path in staged)
     # An empty split is one shard without rows: every config loads.
-    plan = plan_shards(n, nbytes, config) or [(0, 0)]
+    plan = plan_shards(rows, nbytes, config) or [(0, 0)]
     names = [shard_name(split, index, len(plan)) for index in range(len(plan))]
     calls = [(str(folder / name), [str(p) for p in staged], offset, length, schema, config)
              for name, (offset, length) in zip(names, plan)]
-    return SplitShards(folder, split, names, calls, [length * nbytes // max(1, n) for _, length in plan])
+    return SplitShards(folder, split, names, calls, [length * nbytes // max(1, rows) for _, length in plan])

@@ -54,7 +54,8 @@ def test_shards_cut_from_staged_files_are_those_of_the_whole_table(sft_table, tm
                 part.append(row)
         staged.append(part.path)
     config = ShardConfig(max_rows=9, row_group_rows=4)
-    plan = plan_split(tmp_path / "streamed", "sft", "train", staged, sft_table.schema, sft_table.nbytes, config)
+    plan = plan_split(tmp_path / "streamed", "sft", "train", staged, sft_table.schema, sft_table.num_rows,
+                      sft_table.nbytes, config)
     for call in plan.calls:
         write_shard_from_files(*call)
     streamed = plan.paths(tmp_path / "streamed")
