@@ -72,7 +72,7 @@ class Violation:
 
 # What `new_record` (schemas/record.py) writes alike for every record: the schema's keys and no
 # other, the version, the kind and parent of a positive or negative, `meta` as JSON text.
-CONSTRUCTED = ("schema_version", "kind", "parent_id", "meta")
+_CONSTRUCTED = ("schema_version", "kind", "parent_id", "meta")
 
 
 @functools.cache
@@ -81,7 +81,7 @@ def _row_decided_check():
     checks left on a `NormalizedRecord` are those of the values its row decides (id, domain, ...)."""
     schema = copy.deepcopy(load_schema("trajectory"))
     del schema["required"], schema["additionalProperties"]
-    for key in CONSTRUCTED:
+    for key in _CONSTRUCTED:
         del schema["properties"][key]
     for node in schema["properties"].values():
         node.pop("items", None)
@@ -340,15 +340,14 @@ def _action_loop(record: dict, config: ValidateConfig) -> Violation | None:
     was each time; a repeat the env reports as progress (TextCraft `Crafted ...`) is no loop. A masked
     step still counts as an attempt: the loop is in the episode either way."""
     turns = record["conversations"]
-    replies = replies_of(record["env"])
     run, previous_at = 0, None
     for i, turn in enumerate(turns):
         if turn["role"] != "assistant" or turn["action"] is None:
             continue
-        # The env's reply to the previous attempt (and the meta) are read only where they can matter:
-        # most actions repeat none before them.
+        # The env's reply to the previous attempt (its replies, and the meta) are read only where they
+        # can matter: most actions repeat none before them.
         repeated = previous_at is not None and turn["action"] == turns[previous_at]["action"]
-        run = run + 1 if repeated and _got_nowhere(turns, previous_at, replies) else 1
+        run = run + 1 if repeated and _got_nowhere(turns, previous_at, replies_of(record["env"])) else 1
         if run >= LOOP_REPEATS and (turn["loss"] or i in masked_turns(record)):
             return Violation("action_loop", f"turn {i}: the same action {run} times, the env refusing it, doing "
                                             "nothing or leaving the state unchanged each time")
@@ -402,8 +401,10 @@ def _outcome_consistent(record: dict, config: ValidateConfig) -> Violation | Non
 
 def _answer_consistent(record: dict, config: ValidateConfig) -> Violation | None:
     """The final action must give the record's answer (what a reward compares against)."""
+    if record["answer"] is None:
+        return None
     last = next(t for t in reversed(record["conversations"]) if t["role"] == "assistant")
-    if record["answer"] is None or last["action"] is None:
+    if last["action"] is None:
         return None
     given = extract_answer(last["action"], last["dialect"])
     if given is not None and given != record["answer"]:
