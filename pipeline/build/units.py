@@ -14,7 +14,6 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import partial
 from pathlib import Path
 
 from trajforge.pipeline.atomic import StreamingTable
@@ -125,21 +124,24 @@ WRITE_STAGE = "stage"
 
 
 def map_stages(source, file: SourceFile, config: BuildConfig, envs: dict[str, dict]) -> list[tuple[str, MapStage]]:
-    """The stages every row of a unit goes through, in order, bound to the unit's source and config."""
+    """The stages every row of a unit goes through, in order, bound to the unit's source and config
+    (by closures: a partial's keyword arguments cost a dict a call)."""
+    normalize, validate = config.normalize, config.validate
     return [("read", read_stage),
-            ("normalize", partial(normalize_stage, source=source, file=file, config=config.normalize)),
-            ("validate", partial(validate_stage, config=config.validate, envs=envs))]
+            ("normalize", lambda raw: normalize_stage(raw, source, file, normalize)),
+            ("validate", lambda record: validate_stage(record, validate, envs))]
 
 
-def run_stages(item, stages: list[tuple[str, MapStage]], tallies: list[StageTally], where: str, rows: int = 1):
-    """`item` through each stage in order, each counting it (as `rows` rows) in its tally; the last
-    stage's output, or the first Dropped. An exception no stage foresaw drops the item as
-    `internal_error` of that stage instead of ending the build."""
+def run_stages(item, stages: list[tuple[str, MapStage]], tallies: list[StageTally], unit: str, index: int,
+               rows: int = 1):
+    """`item`, row `index` of `unit`, through each stage in order, each counting it (as `rows` rows)
+    in its tally; the last stage's output, or the first Dropped. An exception no stage foresaw drops
+    the item as `internal_error` of that stage instead of ending the build."""
     for (name, stage), tally in zip(stages, tallies):
         try:
             item = stage(item)
         except Exception as exc:
-            item = _internal_error(f"{where} ({name})", exc)
+            item = _internal_error(f"{unit} row {index} ({name})", exc)
         if isinstance(item, Dropped):
             tally.drop(item.reason, rows)
             return item
@@ -161,6 +163,7 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     """
     source = get_source(source_name)
     name = file.label
+    unit = f"{source_name}/{name}"
     key = unit_key(source_name, file)
     envs: dict[str, dict] = {}
     stages = map_stages(source, file, config, envs)
@@ -175,7 +178,7 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
 
     def refused(record: dict, exc: Exception) -> None:
         index = json.loads(record["meta"]).get("source_index", -1)
-        dropped = _internal_error(f"{source_name}/{name} row {index} (writing)", exc, record["source_id"])
+        dropped = _internal_error(f"{unit} row {index} (writing)", exc, record["source_id"])
         writing.drop(dropped.reason)
         reject(index, dropped, shown(record))
 
@@ -194,13 +197,13 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
             except StopIteration:
                 break
             except Exception as exc:  # a reader bug: the rest of the file is one drop of the read stage, the build goes on
-                dropped = _internal_error(f"{source_name}/{name} reading from row {next_index}", exc)
+                dropped = _internal_error(f"{unit} reading from row {next_index}", exc)
                 tallies[0].drop(dropped.reason)
                 reject(next_index, replace(dropped, detail=dropped.detail + f"; rows from {next_index} on were not read"),
                        None)
                 break
             next_index = raw.index + raw.rows
-            record = run_stages(raw, stages, tallies, f"{source_name}/{name} row {raw.index}", raw.rows)
+            record = run_stages(raw, stages, tallies, unit, raw.index, raw.rows)
             if isinstance(record, Dropped):
                 reject(raw.index, record, raw.raw_text if raw.raw_text is not None or raw.row is None else shown(raw.row))
                 continue

@@ -20,23 +20,31 @@ step was refused is quarantined (`all_steps_refused`) whatever the option.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+import fastjsonschema
 
 from trajforge.pipeline.envs.grammar import Breach, Context, Replies
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn
 from trajforge.pipeline.ingest.grammars import GRAMMARS, grammar_for
 from trajforge.pipeline.ingest.normalize import NormalizedRecord
 from trajforge.pipeline.registry import Registry
-from trajforge.schemas import first_error
+from trajforge.schemas import first_error, load_schema
 
 # An assistant turn that goes on to write the environment's reply itself.
 _MODEL_OBSERVATION = re.compile(
     r"^(?:Observation:|The output of the OS:|\[?Observation\]?\s*:)", re.M)
-# What every match of _MODEL_OBSERVATION contains: a turn with neither is not searched line by line.
-_MODEL_OBSERVATION_WORDS = ("Observation", "The output of the OS:")
+
+
+def _mentions_observation(content: str) -> bool:
+    """Whether `content` has what every match of _MODEL_OBSERVATION contains: a turn without it is
+    not searched line by line."""
+    return "Observation" in content or "The output of the OS:" in content
 
 
 INVALID_STEPS = ("mask", "drop", "keep")
@@ -62,8 +70,33 @@ class Violation:
     rule: str | None = None   # the grammar rule behind an `invalid_action`
 
 
+# What `new_record` (schemas/record.py) writes alike for every record: the schema's keys and no
+# other, the version, the kind and parent of a positive or negative, `meta` as JSON text.
+_CONSTRUCTED = ("schema_version", "kind", "parent_id", "meta")
+
+
+@functools.cache
+def _row_decided_check():
+    """The compiled trajectory schema less what `new_record` and normalize's turns guarantee: the
+    checks left on a `NormalizedRecord` are those of the values its row decides (id, domain, ...)."""
+    schema = copy.deepcopy(load_schema("trajectory"))
+    del schema["required"], schema["additionalProperties"]
+    for key in _CONSTRUCTED:
+        del schema["properties"][key]
+    for node in schema["properties"].values():
+        node.pop("items", None)
+    return fastjsonschema.compile(schema)
+
+
 def _schema(record: dict, config: ValidateConfig) -> Violation | None:
-    error = first_error("trajectory", record, items_built=isinstance(record, NormalizedRecord))
+    built = isinstance(record, NormalizedRecord)
+    if built:
+        try:
+            _row_decided_check()(record)
+            return None
+        except fastjsonschema.JsonSchemaValueException:
+            pass  # explained below, as for any record
+    error = first_error("trajectory", record, items_built=built)
     return Violation("schema", error[:500]) if error else None
 
 
@@ -93,7 +126,6 @@ def masked_turns(record: dict) -> set[int]:
 
 def _assistant_turns_parse(record: dict, config: ValidateConfig) -> Violation | None:
     turns = record["conversations"]
-    last_assistant = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
     # A normalized record's native turns are their content's parse (`_parsed` wrote them): only a
     # record rendered or edited since is parsed again.
     known = isinstance(record, NormalizedRecord) and record["rendering"] == "native"
@@ -108,9 +140,15 @@ def _assistant_turns_parse(record: dict, config: ValidateConfig) -> Violation | 
             dialect = parsed.dialect
         if dialect == FREE_TEXT and turn["loss"]:
             # Prose is only a valid trained turn as a tool-use agent's final reply.
-            if not (i == last_assistant and record["domain"] == "tool"):
+            if not (i == _last_assistant(turns) and record["domain"] == "tool"):
                 return Violation("unparsed_assistant_turn", f"turn {i} has no action in any known dialect")
     return None
+
+
+def _last_assistant(turns: list[dict]) -> int:
+    """The index of the last assistant turn (a record that fits the schema has one): most records end
+    on it."""
+    return next(i for i in range(len(turns) - 1, -1, -1) if turns[i]["role"] == "assistant")
 
 
 def _react_rendering(record: dict, config: ValidateConfig) -> Violation | None:
@@ -129,21 +167,21 @@ def _react_rendering(record: dict, config: ValidateConfig) -> Violation | None:
 
 def _model_written_observation(record: dict, config: ValidateConfig) -> Violation | None:
     for i, turn in enumerate(record["conversations"]):
-        if (turn["role"] == "assistant" and turn["loss"]
-                and any(word in turn["content"] for word in _MODEL_OBSERVATION_WORDS)
-                and _MODEL_OBSERVATION.search(turn["content"])):
-            return Violation("model_written_observation", f"turn {i} writes the environment's observation")
+        if turn["role"] == "assistant" and turn["loss"]:
+            content = turn["content"]
+            if _mentions_observation(content) and _MODEL_OBSERVATION.search(content):
+                return Violation("model_written_observation", f"turn {i} writes the environment's observation")
     return None
 
 
 def _length(record: dict, config: ValidateConfig) -> Violation | None:
     turns = record["conversations"]
-    total = sum(len(t["content"]) for t in turns)
+    total = sum([len(t["content"]) for t in turns])
     if total > config.max_total_chars:
         return Violation("too_long", f"{total} chars (max {config.max_total_chars})")
     if len(turns) > config.max_turns:
         return Violation("too_long", f"{len(turns)} turns (max {config.max_turns})")
-    trainable = sum(1 for t in turns if t["role"] == "assistant" and t["loss"])
+    trainable = len([t for t in turns if t["role"] == "assistant" and t["loss"]])
     if trainable < config.min_trainable_turns:
         return Violation("no_trainable_turn", f"{trainable} assistant turns with loss")
     return None
@@ -177,8 +215,12 @@ def action_contexts(record: dict) -> Iterator[tuple[int, dict, Context]]:
             if seen or turn["content"]:
                 seen.append(turn["content"])
         elif turn["action"] is not None:
-            observation = turns[i - 1]["content"] if i and turns[i - 1]["role"] == "user" else ""
-            yield i, turn, Context(tuple(seen), observation, turn["dialect"])
+            yield i, turn, Context(tuple(seen), _before(turns, i), turn["dialect"])
+
+
+def _before(turns: list[dict], i: int) -> str:
+    """The observation assistant turn `i` answers: the user turn before it, "" if none."""
+    return turns[i - 1]["content"] if i and turns[i - 1]["role"] == "user" else ""
 
 
 def reply_to(turns: list[dict], i: int) -> str | None:
@@ -186,9 +228,12 @@ def reply_to(turns: list[dict], i: int) -> str | None:
     return turns[i + 1]["content"] if i + 1 < len(turns) and turns[i + 1]["role"] == "user" else None
 
 
+_NO_REPLIES = Replies()
+
+
 def replies_of(env: str) -> Replies:
     grammar = grammar_for(env)
-    return grammar.replies if grammar is not None else Replies()
+    return grammar.replies if grammar is not None else _NO_REPLIES
 
 
 def grammar_breaches(record: dict, from_turn: int = 0) -> tuple[int, list[tuple[int, str, Breach]]]:
@@ -207,15 +252,48 @@ def grammar_breaches(record: dict, from_turn: int = 0) -> tuple[int, list[tuple[
     return checked, breaches
 
 
-def ground_steps(record: dict, breaches: list[tuple[int, str, Breach]] | None = None) -> list[Step]:
+def ground_steps(record: dict) -> list[Step]:
     """Every trained step that breaks the grammar or that the env refused, with its verdict (module
-    doc), in turn order. `breaches`: the record's `grammar_breaches`, when already known."""
+    doc), in turn order."""
+    return _grounded(record).steps
+
+
+@dataclass
+class _Grounding:
+    """What grounding a record's trained turns found: `ground_steps`, the trained assistant turns, and
+    the trained actions checked against the env's grammar and how many of them break it."""
+    steps: list[Step]
+    trained: int
+    checked: int
+    breached: int
+
+
+def _grounded(record: dict) -> _Grounding:
+    """The record's grounding in one pass over its turns: each trained action checked against the
+    grammar in its `action_contexts` context, then its verdict taken (`_step`)."""
     turns = record["conversations"]
-    replies = replies_of(record["env"])
-    breached = {i: breach for i, _, breach in (grammar_breaches(record)[1] if breaches is None else breaches)}
-    steps = (_step(turns, i, replies, breached.get(i)) for i, turn in enumerate(turns)
-             if turn["role"] == "assistant" and turn["loss"])
-    return [step for step in steps if step is not None]
+    grammar = grammar_for(record["env"])
+    replies = grammar.replies if grammar is not None else _NO_REPLIES
+    steps: list[Step] = []
+    seen: list[str] = []
+    trained = checked = breached = 0
+    for i, turn in enumerate(turns):
+        if turn["role"] != "assistant":
+            if seen or turn["content"]:
+                seen.append(turn["content"])
+            continue
+        if not turn["loss"]:
+            continue
+        trained += 1
+        breach = None
+        if grammar is not None and turn["action"] is not None:
+            checked += 1
+            breach = grammar.check(turn["action"], Context(tuple(seen), _before(turns, i), turn["dialect"]))
+            breached += breach is not None
+        step = _step(turns, i, replies, breach)
+        if step is not None:
+            steps.append(step)
+    return _Grounding(steps, trained, checked, breached)
 
 
 def _step(turns: list[dict], i: int, replies: Replies, breach: Breach | None) -> Step | None:
@@ -235,8 +313,7 @@ def _step(turns: list[dict], i: int, replies: Replies, breach: Breach | None) ->
         return None
     if reply is None:
         return Step(i, UNCONFIRMED, breach.rule, breach.detail)
-    before = turns[i - 1]["content"] if i and turns[i - 1]["role"] == "user" else ""
-    if refusal is not None or reply == before:
+    if refusal is not None or reply == _before(turns, i):
         return Step(i, REFUSED, breach.rule, f"{breach.detail}; the env answered "
                                              f"{refusal or 'with the state unchanged'}")
     return Step(i, GRAMMAR_ONLY, breach.rule, f"{breach.detail}; the env answered normally")
@@ -263,15 +340,14 @@ def _action_loop(record: dict, config: ValidateConfig) -> Violation | None:
     was each time; a repeat the env reports as progress (TextCraft `Crafted ...`) is no loop. A masked
     step still counts as an attempt: the loop is in the episode either way."""
     turns = record["conversations"]
-    replies = replies_of(record["env"])
     run, previous_at = 0, None
     for i, turn in enumerate(turns):
         if turn["role"] != "assistant" or turn["action"] is None:
             continue
-        # The env's reply to the previous attempt (and the meta) are read only where they can matter:
-        # most actions repeat none before them.
+        # The env's reply to the previous attempt (its replies, and the meta) are read only where they
+        # can matter: most actions repeat none before them.
         repeated = previous_at is not None and turn["action"] == turns[previous_at]["action"]
-        run = run + 1 if repeated and _got_nowhere(turns, previous_at, replies) else 1
+        run = run + 1 if repeated and _got_nowhere(turns, previous_at, replies_of(record["env"])) else 1
         if run >= LOOP_REPEATS and (turn["loss"] or i in masked_turns(record)):
             return Violation("action_loop", f"turn {i}: the same action {run} times, the env refusing it, doing "
                                             "nothing or leaving the state unchanged each time")
@@ -282,8 +358,7 @@ def _action_loop(record: dict, config: ValidateConfig) -> Violation | None:
 def _got_nowhere(turns: list[dict], i: int, replies: Replies) -> bool:
     """Whether the env's reply to assistant turn `i` shows its action got nowhere (`Replies.stuck`)."""
     reply = reply_to(turns, i)
-    before = turns[i - 1]["content"] if i and turns[i - 1]["role"] == "user" else ""
-    return reply is not None and replies.stuck(reply, before)
+    return reply is not None and replies.stuck(reply, _before(turns, i))
 
 
 def _episode_end(record: dict, config: ValidateConfig) -> Violation | None:
@@ -293,7 +368,7 @@ def _episode_end(record: dict, config: ValidateConfig) -> Violation | None:
     if grammar is None:
         return None
     turns = record["conversations"]
-    last_at = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
+    last_at = _last_assistant(turns)
     last = turns[last_at]
     if last["action"] is None:
         if grammar.tool_replies:
@@ -326,8 +401,10 @@ def _outcome_consistent(record: dict, config: ValidateConfig) -> Violation | Non
 
 def _answer_consistent(record: dict, config: ValidateConfig) -> Violation | None:
     """The final action must give the record's answer (what a reward compares against)."""
+    if record["answer"] is None:
+        return None
     last = next(t for t in reversed(record["conversations"]) if t["role"] == "assistant")
-    if record["answer"] is None or last["action"] is None:
+    if last["action"] is None:
         return None
     given = extract_answer(last["action"], last["dialect"])
     if given is not None and given != record["answer"]:
@@ -355,7 +432,9 @@ RULES: Registry[Callable[[dict, ValidateConfig], Violation | None]] = Registry("
 })
 
 
-@dataclass(frozen=True)
+# Not frozen: one is built for every record, and a frozen dataclass's __init__ costs several times a
+# plain one's. Nothing changes one once built.
+@dataclass
 class Checked:
     """A validated record: as it is written (refused steps masked under `invalid_steps: mask`), its
     first violation, and what grounding found: trained actions checked and how many break the grammar,
@@ -375,7 +454,9 @@ def mask_steps(record: dict, steps: list[Step]) -> dict:
         turns[step.turn]["loss"] = False
     meta = json.loads(record["meta"])
     meta["masked_steps"] = [{"turn": s.turn, "rule": s.rule} for s in steps]
-    return {**record, "conversations": turns, "meta": json.dumps(meta, sort_keys=True, ensure_ascii=False)}
+    # Only loss flags change: a record normalize built keeps what it holds by construction (each
+    # turn's shape, its content's parse), and so its class.
+    return type(record)({**record, "conversations": turns, "meta": json.dumps(meta, sort_keys=True, ensure_ascii=False)})
 
 
 def check_record(record: dict, config: ValidateConfig = ValidateConfig()) -> Checked:
@@ -383,27 +464,29 @@ def check_record(record: dict, config: ValidateConfig = ValidateConfig()) -> Che
     violation = _schema(record, config)
     if violation is not None:
         return Checked(record, violation)
-    checked, breaches = grammar_breaches(record)
-    steps = ground_steps(record, breaches)
+    grounding = _grounded(record)
+    steps = grounding.steps
     refused = [s for s in steps if s.verdict == REFUSED]
-    if refused and len(refused) == sum(1 for t in record["conversations"] if t["role"] == "assistant" and t["loss"]):
+    if refused and len(refused) == grounding.trained:
         return Checked(record, Violation("all_steps_refused", f"the env refused each of the {len(refused)} trained "
                                                               f"steps: {', '.join(s.rule for s in refused)}"),
-                       checked, len(breaches), steps)
-    mask = refused if config.invalid_steps == "mask" else []
-    written = mask_steps(record, mask) if mask else record
+                       grounding.checked, grounding.breached, steps)
+    if not refused or config.invalid_steps != "mask":
+        return Checked(record, _first_violation(record, steps, config), grounding.checked, grounding.breached, steps)
     # Masking only turns loss flags off and names the steps in meta: the written record still fits
     # the schema, and its steps are the record's less the masked ones. Neither is checked twice.
-    still_trained = [s for s in steps if s not in mask]
-    return Checked(written, _first_violation(written, still_trained, config), checked, len(breaches), steps, len(mask))
+    written = mask_steps(record, refused)
+    still_trained = [s for s in steps if s.verdict != REFUSED]
+    return Checked(written, _first_violation(written, still_trained, config), grounding.checked, grounding.breached,
+                   steps, len(refused))
 
 
 def _first_violation(record: dict, steps: list[Step], config: ValidateConfig) -> Violation | None:
     """The first rule a record that fits the schema breaks, its `ground_steps` already known."""
-    known = {"schema": None, "action_grammar": lambda r, c: _steps_violation(r, steps, c)}
-    for name, rule in RULES.items():
-        rule = known.get(name, rule)
-        violation = rule(record, config) if rule is not None else None
+    for rule in RULES.values():
+        if rule is _schema:
+            continue
+        violation = _steps_violation(record, steps, config) if rule is _action_grammar else rule(record, config)
         if violation is not None:
             return violation
     return None
@@ -429,7 +512,10 @@ def tally_env(figures: dict[str, dict], record: dict, checked: Checked) -> None:
     and valid by the env's grammar, steps refused / grammar-only / unconfirmed by rule, records
     written with masked steps and the steps masked, and quarantined records by rule (the grammar
     rule for `invalid_action`, the reason otherwise)."""
-    entry = figures.setdefault(record["env"], {"grammar": record["env"] in GRAMMARS, **_env_entry()})
+    env = record["env"]
+    entry = figures.get(env)
+    if entry is None:  # not setdefault: the default would be built for every record
+        entry = figures[env] = {"grammar": env in GRAMMARS, **_env_entry()}
     entry["records"] += 1
     entry["actions_checked"] += checked.checked
     entry["actions_valid"] += checked.checked - checked.breached

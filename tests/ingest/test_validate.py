@@ -6,9 +6,9 @@ import copy
 import pyarrow.parquet as pq
 import pytest
 
-from tests.support.paths import RAW
-from trajforge.pipeline.ingest.normalize import NormalizedRecord, normalize_row
-from trajforge.pipeline.ingest.validate import validate_record
+from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES, RAW
+from trajforge.pipeline.ingest.normalize import NormalizedRecord, NormalizeError, normalize_row
+from trajforge.pipeline.ingest.validate import RULES, ValidateConfig, validate_record
 from trajforge.schemas import first_error
 from trajforge.sources import get_source, iter_rows
 
@@ -75,6 +75,42 @@ def test_a_normalized_record_still_fails_the_schema_where_its_row_decides():
         violation = validate_record(record)
         assert isinstance(record, NormalizedRecord) and violation is not None and violation.reason == "schema"
         assert violation.detail == first_error("trajectory", dict(record))[:500] and violation.detail.startswith(path)
+
+
+# Values a row decides, each wrong in a way the schema names (the constructor fixes the rest).
+_HOSTILE = ({"id": "No Namespace"}, {"id": 7}, {"source": "elsewhere"}, {"source_id": ""}, {"source_file": None},
+            {"license": 1}, {"domain": "space"}, {"env": ""}, {"negative_type": 3}, {"rendering": "html"},
+            {"loss_flags": "some"}, {"demo_turns": -1}, {"demo_turns": 1.5}, {"task": ""}, {"answer": ["a"]},
+            {"reward": "1"}, {"reward": True}, {"success": 1}, {"conversations": []}, {"conversations": "turns"})
+
+
+def _normalized_fixture_records() -> list[NormalizedRecord]:
+    records = []
+    for name, location in {**FIXTURE_SOURCES, "agent_flan": str(AGENT_FLAN)}.items():
+        source = get_source(name)
+        for f in source.files(location):
+            for raw in (r for r in iter_rows(f.path, f.label) if not r.error):
+                try:
+                    record = normalize_row(raw.row, source, f.split, f.label, raw.index)
+                except NormalizeError:
+                    continue
+                if isinstance(record, NormalizedRecord):
+                    records.append(record)
+    return records
+
+
+def test_the_schema_rule_on_a_built_record_agrees_with_the_full_check():
+    """The schema rule checks a record normalize built for the values its row decides only: on every
+    fixture record, and on each made wrong in one such value, its verdict and detail are the full
+    check's."""
+    records = _normalized_fixture_records()
+    hostile = [NormalizedRecord({**record, **change}) for record in records[::25] for change in _HOSTILE]
+    config = ValidateConfig()
+    for record in records + hostile:
+        full = first_error("trajectory", dict(record))
+        violation = RULES["schema"](record, config)
+        assert ((violation.reason, violation.detail) == ("schema", full[:500])) if full else violation is None, record
+    assert len(records) > 100 and all(RULES["schema"](r, config) for r in hostile)
 
 
 def test_compiled_and_reference_validators_agree(fixtures_build, record):
