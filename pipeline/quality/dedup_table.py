@@ -42,8 +42,8 @@ from trajforge.pipeline.quality.dedup import (
     DedupConfig,
     ShingleSets,
     dedup_group,
-    dedup_texts,
-    exact_key,
+    dedup_tokens,
+    exact_keys,
     signatures,
     word_shingle_hashes,
 )
@@ -119,15 +119,14 @@ def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig =
     """The key table rows of `records`, whose build order starts at `start_order`."""
     bands, rows = band_params(config)
     n = len(records)
-    texts = dedup_texts(records)
+    tokens = dedup_tokens(records)
     groups = [dedup_group(r) for r in records]
-    words = [t.words for t in texts]
-    hashes = word_shingle_hashes(words, config.shingle_size, config.seed)
-    keys = band_keys(signatures(ShingleSets(words, config.shingle_size), config, hashes), bands, rows)
+    hashes = word_shingle_hashes(tokens.words, tokens.word_bounds, config.shingle_size, config.seed)
+    keys = band_keys(signatures(ShingleSets(tokens, config.shingle_size), config, hashes), bands, rows)
     columns = {
         "order": pl.Series(range(start_order, start_order + n), dtype=pl.Int64),
         "group": pl.Series(groups, dtype=pl.String),
-        "exact": pl.Series([exact_key(g, t) for g, t in zip(groups, texts)], dtype=pl.String),
+        "exact": pl.Series(exact_keys(groups, tokens), dtype=pl.String),
         # The keep preference (dedup.py's docstring), as columns (smaller is kept).
         "not_upstream": pl.Series([r["loss_flags"] != "upstream" for r in records], dtype=pl.Boolean),
         "source_rank": pl.Series([int(keep_rank(r["source"])) for r in records], dtype=pl.Int8),
@@ -303,7 +302,8 @@ def verify_chunks(pairs: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
 def shingle_set_hashes(records: Sequence[dict], shingle_size: int) -> list[np.ndarray]:
     """Each record's shingle set as its sorted 64-bit hashes: a tenth of the memory of the
     strings, and the same Jaccard unless two of its shingles collide (~n^2 / 2^64)."""
-    sizes, hashed = word_shingle_hashes([t.words for t in dedup_texts(records)], shingle_size, seed=0)
+    tokens = dedup_tokens(records)
+    sizes, hashed = word_shingle_hashes(tokens.words, tokens.word_bounds, shingle_size, seed=0)
     return [np.unique(part) for part in np.split(hashed, np.cumsum(sizes)[:-1])]
 
 
