@@ -44,6 +44,7 @@ from trajforge.pipeline.quality.dedup import (
     dedup_group,
     dedup_tokens,
     exact_keys,
+    hash_halves,
     signatures,
     word_shingle_hashes,
 )
@@ -94,11 +95,12 @@ def band_params(config: DedupConfig) -> tuple[int, int]:
 def sketches(sizes: np.ndarray, hashed: np.ndarray) -> np.ndarray:
     """(n, SKETCH_BINS) uint8 one-permutation sketches of the sets whose `shingle_hashes` these are."""
     n = len(sizes)
+    halves = hash_halves(hashed)
     # SKETCH_BINS is a power of two: the low bits by a mask, not a (slower) 64-bit modulo.
-    cells = np.repeat(np.arange(0, n * SKETCH_BINS, SKETCH_BINS, dtype=np.int64), sizes) + (
-        hashed & np.uint64(SKETCH_BINS - 1)).astype(np.int64)
+    cells = np.repeat(np.arange(0, n * SKETCH_BINS, SKETCH_BINS, dtype=np.intp), sizes)
+    cells += halves[:, 0] & np.uint32(SKETCH_BINS - 1)
     smallest = np.full(n * SKETCH_BINS, np.iinfo(np.uint32).max, dtype=np.uint32)
-    np.minimum.at(smallest, cells, (hashed >> np.uint64(32)).astype(np.uint32))
+    np.minimum.at(smallest, cells, halves[:, 1])
     out = (smallest % np.uint32(255) + 1).astype(np.uint8)
     out[smallest == np.iinfo(np.uint32).max] = 0
     return out.reshape(n, SKETCH_BINS)
