@@ -193,7 +193,8 @@ def _byte_tables() -> tuple[bytes, bytes, bytes]:
 
 def _multibyte(data: np.ndarray, classes: np.ndarray, gaps: np.ndarray) -> None:
     """Gives the bytes of the multi-byte characters of the UTF-8 `data` their character's class,
-    and makes the first byte of each that is not a word character a space in `gaps`."""
+    and makes the first byte of each that is not a word character a space in `gaps` (a copy of
+    `data`; the ASCII ones become spaces by `bytes.translate`)."""
     high = np.flatnonzero(data >= 0x80)
     leads = high[data[high] >= 0xC0]
     first = data[leads].astype(np.int32)
@@ -228,19 +229,19 @@ def _tokens(folded: Sequence[str]) -> DedupTokens:
     data = np.frombuffer(joined, dtype=np.uint8)
     to_class, gaps_to_space, ascii_space = _byte_tables()
     classes = np.frombuffer(joined.translate(to_class), dtype=np.uint8)
-    gaps = np.frombuffer(joined.translate(gaps_to_space), dtype=np.uint8)
+    gaps = data
     if not joined.isascii():
-        classes, gaps = classes.copy(), gaps.copy()
+        classes, gaps = classes.copy(), data.copy()
         _multibyte(data, classes, gaps)
     word = classes == _WORD
-    # Every word character, and the first character after each word run, as a space.
+    # Every word character, and the first character after each word run, made a space.
     keep = word.copy()
     keep[1:] |= word[:-1]
     space = classes == _SPACE
     bare = joined.translate(None, ascii_space)
     if len(bare) != len(joined) - np.count_nonzero(space):  # multi-byte whitespace, which that leaves
         bare = data[~space].tobytes()
-    return DedupTokens(gaps[keep].tobytes(), _segment_counts(keep, bounds),
+    return DedupTokens(gaps[keep].tobytes().translate(gaps_to_space), _segment_counts(keep, bounds),
                        bare, np.asarray(bounds) - _segment_counts(space, bounds))
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from trajforge.pipeline.quality.dedup import (
     DedupConfig,
@@ -137,7 +138,8 @@ def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig =
         **{name: pl.Series([r[name] for r in records], dtype=pl.String)
            for name in ("id", "source", "source_id", "source_file")},
         **{f"band{b}": pl.Series(keys[:, b], dtype=pl.UInt64) for b in range(bands)},
-        "sketch": pl.Series([row.tobytes() for row in sketches(*hashes)], dtype=pl.Binary),
+        "sketch": pl.Series(pa.FixedSizeBinaryArray.from_buffers(
+            pa.binary(SKETCH_BINS), n, [None, pa.py_buffer(sketches(*hashes))])).cast(pl.Binary),
     }
     return pl.DataFrame(columns)
 
