@@ -331,12 +331,12 @@ def word_shingle_hashes(words: bytes, bounds: np.ndarray, size: int, seed: int) 
     text_start = np.zeros(n_words + size, dtype=bool)
     text_start[first_word[1:]] = True
     text_start[n_words:] = True
-    crossing = text_start[1:n_words + 1].copy()
-    for k in range(2, size):
+    crossing = np.zeros(n_words, dtype=bool)
+    for k in range(1, size):
         crossing |= text_start[k:n_words + k]
     shingle_start = ~crossing
     last = np.zeros(n_words, dtype=np.uint32)
-    last[:n_words - size + 1] = ends[size - 1:]
+    last[:max(0, n_words - size + 1)] = ends[size - 1:]
     # A text of 1 .. size - 1 words: one shingle, all its words.
     short = np.flatnonzero((counts > 0) & (counts < size))
     shingle_start[first_word[short]] = True

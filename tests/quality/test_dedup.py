@@ -148,12 +148,13 @@ def test_word_shingle_hashes_are_those_of_the_shingle_strings():
     rng = random.Random(2)
     vocab = ["a", "bb", "δέλτα", "x_1", "2", "е\u0301", "longerword", "日本語"]
     words = [" ".join(rng.choice(vocab) for _ in range(n)) for n in [0, 1, 2, 4, 5, 6, 0, 30, *range(12)] * 5]
-    sets = [shingles(w.split(), 5) for w in words]
-    texts = [f"{w} ".encode() if w else b"" for w in words]  # as `DedupTokens.words` holds them
-    sizes, hashed = word_shingle_hashes(b"".join(texts), np.cumsum([0, *map(len, texts)]), 5, seed=3)
-    expected_sizes, expected = shingle_hashes(sets, seed=3)
-    assert [set(part.tolist()) for part in np.split(hashed, np.cumsum(sizes)[:-1])] == \
-        [set(part.tolist()) for part in np.split(expected, np.cumsum(expected_sizes)[:-1])]
+    for batch in (words, words[4:5], words[:2], ["a b c"]):  # and batches of fewer words than a shingle
+        for size in (1, 5):
+            texts = [f"{w} ".encode() if w else b"" for w in batch]  # as `DedupTokens.words` holds them
+            sizes, hashed = word_shingle_hashes(b"".join(texts), np.cumsum([0, *map(len, texts)]), size, seed=3)
+            expected_sizes, expected = shingle_hashes([shingles(w.split(), size) for w in batch], seed=3)
+            assert [set(part.tolist()) for part in np.split(hashed, np.cumsum(sizes)[:-1])] == \
+                [set(part.tolist()) for part in np.split(expected, np.cumsum(expected_sizes)[:-1])]
 
 
 def test_config_rejects_bad_values():
