@@ -30,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.support.oracles import jaccard, near_duplicates  # noqa: E402
+from trajforge.pipeline.atomic import read_batches  # noqa: E402
 from trajforge.pipeline.build import BuildConfig, process_unit  # noqa: E402
 from trajforge.pipeline.quality.dedup import (  # noqa: E402
     DedupConfig,
@@ -52,13 +53,12 @@ SOURCES = ("agentinstruct", "agenttraj_l", "openmanus_rl")
 
 
 def real_texts(raw: Path, staging: Path) -> list[list[str]]:
-    import pyarrow.parquet as pq
-
     words = []
     for name in SOURCES:
         for f in get_source(name).files(str(raw / name)):
             unit = process_unit(name, f, staging, BuildConfig())
-            words += [text.words.split() for text in dedup_texts(pq.read_table(unit.records_path).to_pylist())]
+            for batch in read_batches(unit.records_path, ["task", "conversations"]):
+                words += [text.words.split() for text in dedup_texts(batch.to_pylist())]
     return [w for w in words if len(w) >= 60]
 
 

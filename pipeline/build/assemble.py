@@ -61,7 +61,7 @@ def stage_keys(records: list[dict], start: int, config: BuildConfig) -> pl.DataF
         pl.Series("domain", [r["domain"] for r in records], dtype=pl.String),
         pl.Series("env", [r["env"] for r in records], dtype=pl.String),
         pl.Series("turns", [len(r["conversations"]) for r in records], dtype=pl.Int32),
-        pl.Series("chars", [sum(len(t["content"]) for t in r["conversations"]) for r in records], dtype=pl.Int64),
+        pl.Series("chars", [sum([len(t["content"]) for t in r["conversations"]]) for r in records], dtype=pl.Int64),
     )
 
 

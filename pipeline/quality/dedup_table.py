@@ -37,13 +37,15 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from trajforge.pipeline.quality.dedup import (
     DedupConfig,
     ShingleSets,
     dedup_group,
-    dedup_texts,
-    exact_key,
+    dedup_tokens,
+    exact_keys,
+    hash_halves,
     signatures,
     word_shingle_hashes,
 )
@@ -94,11 +96,12 @@ def band_params(config: DedupConfig) -> tuple[int, int]:
 def sketches(sizes: np.ndarray, hashed: np.ndarray) -> np.ndarray:
     """(n, SKETCH_BINS) uint8 one-permutation sketches of the sets whose `shingle_hashes` these are."""
     n = len(sizes)
+    halves = hash_halves(hashed)
     # SKETCH_BINS is a power of two: the low bits by a mask, not a (slower) 64-bit modulo.
-    cells = np.repeat(np.arange(0, n * SKETCH_BINS, SKETCH_BINS, dtype=np.int64), sizes) + (
-        hashed & np.uint64(SKETCH_BINS - 1)).astype(np.int64)
+    cells = np.repeat(np.arange(0, n * SKETCH_BINS, SKETCH_BINS, dtype=np.intp), sizes)
+    cells += halves[:, 0] & np.uint32(SKETCH_BINS - 1)
     smallest = np.full(n * SKETCH_BINS, np.iinfo(np.uint32).max, dtype=np.uint32)
-    np.minimum.at(smallest, cells, (hashed >> np.uint64(32)).astype(np.uint32))
+    np.minimum.at(smallest, cells, halves[:, 1])
     out = (smallest % np.uint32(255) + 1).astype(np.uint8)
     out[smallest == np.iinfo(np.uint32).max] = 0
     return out.reshape(n, SKETCH_BINS)
@@ -119,15 +122,14 @@ def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig =
     """The key table rows of `records`, whose build order starts at `start_order`."""
     bands, rows = band_params(config)
     n = len(records)
-    texts = dedup_texts(records)
+    tokens = dedup_tokens(records)
     groups = [dedup_group(r) for r in records]
-    words = [t.words for t in texts]
-    hashes = word_shingle_hashes(words, config.shingle_size, config.seed)
-    keys = band_keys(signatures(ShingleSets(words, config.shingle_size), config, hashes), bands, rows)
+    hashes = word_shingle_hashes(tokens.words, tokens.word_bounds, config.shingle_size, config.seed)
+    keys = band_keys(signatures(ShingleSets(tokens, config.shingle_size), config, hashes), bands, rows)
     columns = {
         "order": pl.Series(range(start_order, start_order + n), dtype=pl.Int64),
         "group": pl.Series(groups, dtype=pl.String),
-        "exact": pl.Series([exact_key(g, t) for g, t in zip(groups, texts)], dtype=pl.String),
+        "exact": pl.Series(exact_keys(groups, tokens), dtype=pl.String),
         # The keep preference (dedup.py's docstring), as columns (smaller is kept).
         "not_upstream": pl.Series([r["loss_flags"] != "upstream" for r in records], dtype=pl.Boolean),
         "source_rank": pl.Series([int(keep_rank(r["source"])) for r in records], dtype=pl.Int8),
@@ -136,7 +138,8 @@ def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig =
         **{name: pl.Series([r[name] for r in records], dtype=pl.String)
            for name in ("id", "source", "source_id", "source_file")},
         **{f"band{b}": pl.Series(keys[:, b], dtype=pl.UInt64) for b in range(bands)},
-        "sketch": pl.Series([row.tobytes() for row in sketches(*hashes)], dtype=pl.Binary),
+        "sketch": pl.Series(pa.FixedSizeBinaryArray.from_buffers(
+            pa.binary(SKETCH_BINS), n, [None, pa.py_buffer(sketches(*hashes))])).cast(pl.Binary),
     }
     return pl.DataFrame(columns)
 
@@ -303,7 +306,8 @@ def verify_chunks(pairs: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
 def shingle_set_hashes(records: Sequence[dict], shingle_size: int) -> list[np.ndarray]:
     """Each record's shingle set as its sorted 64-bit hashes: a tenth of the memory of the
     strings, and the same Jaccard unless two of its shingles collide (~n^2 / 2^64)."""
-    sizes, hashed = word_shingle_hashes([t.words for t in dedup_texts(records)], shingle_size, seed=0)
+    tokens = dedup_tokens(records)
+    sizes, hashed = word_shingle_hashes(tokens.words, tokens.word_bounds, shingle_size, seed=0)
     return [np.unique(part) for part in np.split(hashed, np.cumsum(sizes)[:-1])]
 
 

@@ -19,6 +19,7 @@ from trajforge.pipeline.quality.dedup import (
     Contamination,
     DedupConfig,
     _tokenized,
+    _tokens,
     decontaminate,
     dedup_group,
     dedup_texts,
@@ -147,11 +148,13 @@ def test_word_shingle_hashes_are_those_of_the_shingle_strings():
     rng = random.Random(2)
     vocab = ["a", "bb", "δέλτα", "x_1", "2", "е\u0301", "longerword", "日本語"]
     words = [" ".join(rng.choice(vocab) for _ in range(n)) for n in [0, 1, 2, 4, 5, 6, 0, 30, *range(12)] * 5]
-    sets = [shingles(w.split(), 5) for w in words]
-    sizes, hashed = word_shingle_hashes(words, 5, seed=3)
-    expected_sizes, expected = shingle_hashes(sets, seed=3)
-    assert [set(part.tolist()) for part in np.split(hashed, np.cumsum(sizes)[:-1])] == \
-        [set(part.tolist()) for part in np.split(expected, np.cumsum(expected_sizes)[:-1])]
+    for batch in (words, words[4:5], words[:2], ["a b c"]):  # and batches of fewer words than a shingle
+        for size in (1, 5):
+            texts = [f"{w} ".encode() if w else b"" for w in batch]  # as `DedupTokens.words` holds them
+            sizes, hashed = word_shingle_hashes(b"".join(texts), np.cumsum([0, *map(len, texts)]), size, seed=3)
+            expected_sizes, expected = shingle_hashes([shingles(w.split(), size) for w in batch], seed=3)
+            assert [set(part.tolist()) for part in np.split(hashed, np.cumsum(sizes)[:-1])] == \
+                [set(part.tolist()) for part in np.split(expected, np.cumsum(expected_sizes)[:-1])]
 
 
 def test_config_rejects_bad_values():
@@ -242,13 +245,14 @@ def test_exact_key_is_equal_exactly_when_the_tokens_are():
     assert len(set(keys)) == 3
 
 
-def test_polars_tokens_are_those_of_re_on_every_code_point():
+def test_tokens_are_those_of_re_on_every_code_point():
     """Each code point between two letters: one word with them, a space, or a token of its own,
-    as Python's `re` decides (the turn markers, always tokens, aside)."""
+    as Python's `re` decides (the turn markers, always tokens, aside), in the build's tokens (numpy
+    over UTF-8 bytes) and in the decontamination's words (polars)."""
     every = "".join(f"a{chr(c)}b" for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF and chr(c) not in "\x1d\x1e")
-    found = _tokenized([every]).row(0, named=True)
-    assert found["bare"] == "".join(TOKEN.findall(every))
-    assert found["words"] == " ".join(re.findall(r"\w+", every))
+    found = _tokens([every, "", every[:999]]).text(0)
+    assert found.bare == "".join(TOKEN.findall(every))
+    assert found.words == " ".join(re.findall(r"\w+", every)) == _tokenized([every])["words"][0]
 
 
 def test_ascii_tokens_are_those_of_re_on_every_ascii_code_point():
