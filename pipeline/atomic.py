@@ -156,7 +156,10 @@ class StreamingTable:
         table = pending.slice(0, self.batch_rows).combine_chunks()
         rest = pending.slice(table.num_rows)
         self.pending_tables, self.pending_table_rows = [rest], rest.num_rows
-        self._write(table)
+        # Its size as `from_pylist` would make it, what the shards are planned by: a slice or a take
+        # keeps validity bitmaps without nulls and buffers beyond its rows, which IPC drops.
+        nbytes = pa.ipc.read_record_batch(table.to_batches()[0].serialize(), self.schema).nbytes
+        self._write(table, nbytes)
 
     def _flush(self) -> None:
         if not self.pending:
@@ -169,13 +172,13 @@ class StreamingTable:
                 raise
             rows = self._convertible(rows)
             table = pa.Table.from_pylist(rows, schema=self.schema)
-        self._write(table)
+        self._write(table, table.nbytes)
         if self.on_written is not None:
             self.on_written(rows)
 
-    def _write(self, table: pa.Table) -> None:
+    def _write(self, table: pa.Table, nbytes: int) -> None:
         self.writer.write_table(table)
-        self.nbytes += table.nbytes
+        self.nbytes += nbytes
         self.count += table.num_rows
 
     def _convertible(self, rows: list[dict]) -> list[dict]:

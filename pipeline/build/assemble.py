@@ -292,11 +292,14 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
         for table, records in _kept_records(records_path, kept_rows, repeats, quarantined, out):
             for output in tables:
                 writers[output.name].append_table(output.table(table))
+            batch_rows: dict[str, list[dict]] = {output.name: [] for output in makers}
             for record in records:
                 made: dict[str, list[dict]] = {}
                 for output in makers:
                     made[output.name] = output.rows(record, made, unit)
-                    _write_rows(output, made[output.name], writers[output.name], counts)
+                    batch_rows[output.name] += made[output.name]
+            for output in makers:
+                _write_rows(output, batch_rows[output.name], writers[output.name], counts)
     for name, writer in writers.items():
         writer.close()
         out.paths[name], out.nbytes[name], out.rows[name] = str(writer.path), writer.nbytes, writer.count
