@@ -33,7 +33,7 @@ from trajforge.pipeline.build.config import BuildConfig
 from trajforge.pipeline.envs.tasks import Task, load_tasks
 from trajforge.pipeline.quality.derived import (
     grpo_env_row,
-    grpo_prompt,
+    grpo_prompts,
     preference_pair,
     record_meta,
     record_task,
@@ -138,11 +138,6 @@ def _preference_pairs(record: dict, made: dict, unit: UnitContext) -> list[dict]
     return [pair for negative in made["negatives"] for pair in [preference_pair(negative, record)] if pair is not None]
 
 
-def _grpo_prompt(record: dict, made: dict, unit: UnitContext) -> list[dict]:
-    prompt = grpo_prompt(record) if record["kind"] == "positive" else None
-    return [prompt] if prompt is not None else []
-
-
 def _grpo_env_task(record: dict, made: dict, unit: UnitContext) -> list[dict]:
     """The grpo_env row of a positive's resettable task (repeats go in `_grpo_env_parts`); a
     synthetic positive also lends its answer to its task-file task."""
@@ -237,7 +232,7 @@ OUTPUTS: Registry[Output] = Registry("output", {output.name: output for output i
     Output("negatives", "trajectory", "trajectories with a known defect (`negative_type`, `parent_id`)",
            rows=_negatives, count=_negative_type, report=_negatives_report),
     Output("preference", "preference", "chosen/rejected pairs for DPO", rows=_preference_pairs),
-    Output("grpo", "grpo", "prompts with reference answers for GRPO", rows=_grpo_prompt, report=_grpo_report),
+    Output("grpo", "grpo", "prompts with reference answers for GRPO", table=grpo_prompts, report=_grpo_report),
     Output("grpo_env", "grpo_env", "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",
            rows=_grpo_env_task, parts=_grpo_env_parts, report=_grpo_env_report),
     Output("step_labels", "step_labels", "assistant steps labelled good/bad for process reward models",
