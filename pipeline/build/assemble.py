@@ -267,6 +267,17 @@ def _quarantine_row(record: dict, reason: str, detail: str) -> dict:
                             record["source_id"], reason, detail, shown(record))
 
 
+def _made_rows(records: list[dict], makers: list[Output], unit: UnitContext) -> dict[str, list[dict]]:
+    """Per output, the rows its maker made of `records`, in their order."""
+    rows: dict[str, list[dict]] = {output.name: [] for output in makers}
+    for record in records:
+        made: dict[str, list[dict]] = {}
+        for output in makers:
+            made[output.name] = output.rows(record, made, unit)
+            rows[output.name] += made[output.name]
+    return rows
+
+
 def _write_rows(output: Output, rows: list[dict], writer: StreamingTable, counts: dict[str, Counter]) -> None:
     writer.extend(rows)
     if output.count is not None:
@@ -292,14 +303,9 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
         for table, records in _kept_records(records_path, kept_rows, repeats, quarantined, out):
             for output in tables:
                 writers[output.name].append_table(output.table(table))
-            batch_rows: dict[str, list[dict]] = {output.name: [] for output in makers}
-            for record in records:
-                made: dict[str, list[dict]] = {}
-                for output in makers:
-                    made[output.name] = output.rows(record, made, unit)
-                    batch_rows[output.name] += made[output.name]
+            made = _made_rows(records, makers, unit)
             for output in makers:
-                _write_rows(output, batch_rows[output.name], writers[output.name], counts)
+                _write_rows(output, made[output.name], writers[output.name], counts)
     for name, writer in writers.items():
         writer.close()
         out.paths[name], out.nbytes[name], out.rows[name] = str(writer.path), writer.nbytes, writer.count
