@@ -249,7 +249,9 @@ def _kept_records(records_path: str, kept_rows: np.ndarray, repeats: dict[int, i
             records = batch.take(pa.array(np.asarray(held) - start)).to_pylist()
             out.quarantined.extend(_quarantine_row(record, *quarantined[row]) for row, record in zip(held, records))
         rows = kept[np.searchsorted(kept, start):np.searchsorted(kept, end)]
-        table = pa.Table.from_batches([batch]).take(pa.array(rows - start))
+        table = pa.Table.from_batches([batch])
+        if len(rows) < batch.num_rows:  # else the batch as read, not a copy
+            table = table.take(pa.array(rows - start))
         records = table.to_pylist()
         repeated = [(i, repeats[row]) for i, row in enumerate(rows.tolist()) if row in repeats] if repeats else []
         if repeated:
