@@ -94,7 +94,9 @@ class StreamingTable:
     reading them costs a fraction of Parquet's encoding and zstd, for several times the zstd size
     on disk while the build runs); anything else Parquet with zstd, one row group per batch.
 
-    Memory stays one batch deep however many rows go through. A batch that Arrow refuses is
+    Rows come as dicts (`append`, `extend`) or already in Arrow (`append_table`, of the file's
+    schema: written as they are, never through Python), cut into batches of `batch_rows` either way.
+    Memory stays one batch deep however many rows go through. A batch of dicts that Arrow refuses is
     written row by row: each row it still refuses goes to `on_refused(row, exc)` (a build unit
     quarantines it), and the rest of the batch is kept; `on_written(rows)` sees the rows of every
     batch written. As a context manager, it is renamed into place on a clean exit and its temp
@@ -114,6 +116,8 @@ class StreamingTable:
         self.writer = (pa.ipc.new_file(self.sink, schema) if path.suffix == ARROW_SUFFIX
                        else pq.ParquetWriter(self.sink, schema, compression="zstd"))
         self.pending: list[dict] = []
+        self.pending_tables: list[pa.Table] = []
+        self.pending_table_rows = 0
         self.count = 0
 
     def __enter__(self) -> StreamingTable:
@@ -130,10 +134,37 @@ class StreamingTable:
         if len(self.pending) >= self.batch_rows:
             self._flush()
 
+    def extend(self, rows: list[dict]) -> None:
+        """`append` of each of `rows`: the batches are cut where `append` would cut them."""
+        self.pending.extend(rows)
+        while len(self.pending) >= self.batch_rows:
+            self._flush()
+
+    def append_table(self, table: pa.Table) -> None:
+        """Rows already in Arrow, of this file's schema, cut into batches as `append`'s rows are."""
+        self.pending_tables.append(table)
+        self.pending_table_rows += table.num_rows
+        while self.pending_table_rows >= self.batch_rows:
+            self._flush_tables()
+
+    def _flush_tables(self) -> None:
+        if not self.pending_table_rows:
+            return
+        pending = pa.concat_tables(self.pending_tables)
+        # One record batch of each `batch_rows` rows, as `_flush` writes them (shards cut their row
+        # groups from the staged batches' starts, so their bytes depend on where a batch ends).
+        table = pending.slice(0, self.batch_rows).combine_chunks()
+        rest = pending.slice(table.num_rows)
+        self.pending_tables, self.pending_table_rows = [rest], rest.num_rows
+        # Its size as `from_pylist` would make it, what the shards are planned by: a slice or a take
+        # keeps validity bitmaps without nulls and buffers beyond its rows, which IPC drops.
+        nbytes = pa.ipc.read_record_batch(table.to_batches()[0].serialize(), self.schema).nbytes
+        self._write(table, nbytes)
+
     def _flush(self) -> None:
         if not self.pending:
             return
-        rows = self.pending
+        rows, self.pending = self.pending[:self.batch_rows], self.pending[self.batch_rows:]
         try:
             table = pa.Table.from_pylist(rows, schema=self.schema)
         except Exception:
@@ -141,12 +172,14 @@ class StreamingTable:
                 raise
             rows = self._convertible(rows)
             table = pa.Table.from_pylist(rows, schema=self.schema)
-        self.writer.write_table(table)
-        self.nbytes += table.nbytes
+        self._write(table, table.nbytes)
         if self.on_written is not None:
             self.on_written(rows)
+
+    def _write(self, table: pa.Table, nbytes: int) -> None:
+        self.writer.write_table(table)
+        self.nbytes += nbytes
         self.count += table.num_rows
-        self.pending = []
 
     def _convertible(self, rows: list[dict]) -> list[dict]:
         kept = []
@@ -161,6 +194,7 @@ class StreamingTable:
 
     def close(self) -> None:
         self._flush()
+        self._flush_tables()
         self.writer.close()
         self.sink.close()
         if self.durable:

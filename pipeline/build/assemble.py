@@ -227,11 +227,6 @@ def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:
     return pools
 
 
-def _staged_records(records_path: str) -> Iterator[dict]:
-    for batch in read_batches(records_path):
-        yield from batch.to_pylist()
-
-
 def _with_repeat(record: dict, repeat: int | None) -> dict:
     """The record with the id `unique_ids` gave it (`~n`, and `meta.id_repeat`), when it repeats an id."""
     if repeat is None:
@@ -241,42 +236,77 @@ def _with_repeat(record: dict, repeat: int | None) -> dict:
     return {**record, "id": f"{record['id']}~{repeat}", "meta": json.dumps(meta, sort_keys=True)}
 
 
+def _kept_records(records_path: str, kept_rows: np.ndarray, repeats: dict[int, int],
+                  quarantined: dict[int, tuple[str, str]], out: UnitOutputs) -> Iterator[tuple[pa.Table, list[dict]]]:
+    """Per staged batch, its kept records (their ids made unique, `repeats`) as an Arrow table and
+    as dicts; the quarantine rows of its records a global stage quarantined go to `out`."""
+    kept = np.sort(kept_rows)
+    start = 0
+    for batch in read_batches(records_path):
+        end = start + batch.num_rows
+        held = sorted(row for row in quarantined if start <= row < end)
+        if held:
+            records = batch.take(pa.array(np.asarray(held) - start)).to_pylist()
+            out.quarantined.extend(_quarantine_row(record, *quarantined[row]) for row, record in zip(held, records))
+        rows = kept[np.searchsorted(kept, start):np.searchsorted(kept, end)]
+        table = pa.Table.from_batches([batch])
+        if len(rows) < batch.num_rows:  # else the batch as read, not a copy
+            table = table.take(pa.array(rows - start))
+        records = table.to_pylist()
+        repeated = [(i, repeats[row]) for i, row in enumerate(rows.tolist()) if row in repeats] if repeats else []
+        if repeated:
+            for i, repeat in repeated:
+                records[i] = _with_repeat(records[i], repeat)
+            for name in ("id", "meta"):
+                at = table.schema.get_field_index(name)
+                table = table.set_column(at, table.schema.field(at), pa.array([r[name] for r in records], pa.string()))
+        yield table, records
+        start = end
+
+
 def _quarantine_row(record: dict, reason: str, detail: str) -> dict:
     return quarantine_entry(record["source"], record["source_file"], json.loads(record["meta"]).get("source_index", -1),
                             record["source_id"], reason, detail, shown(record))
 
 
+def _made_rows(records: list[dict], makers: list[Output], unit: UnitContext) -> dict[str, list[dict]]:
+    """Per output, the rows its maker made of `records`, in their order."""
+    rows: dict[str, list[dict]] = {output.name: [] for output in makers}
+    for record in records:
+        made: dict[str, list[dict]] = {}
+        for output in makers:
+            made[output.name] = output.rows(record, made, unit)
+            rows[output.name] += made[output.name]
+    return rows
+
+
 def _write_rows(output: Output, rows: list[dict], writer: StreamingTable, counts: dict[str, Counter]) -> None:
-    for row in rows:
-        writer.append(row)
+    writer.extend(rows)
     if output.count is not None:
         counts[output.name].update(item for row in rows for item in output.count(row))
 
 
 def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: dict[int, int],
                quarantined: dict[int, tuple[str, str]], pools: EnvPools, negatives: NegativesConfig) -> UnitOutputs:
-    """Stream one unit's staged records once: each kept record (its id made unique, `repeats`) goes
-    through the row maker of every output (pipeline/build/outputs.py, in the registry's order) into
-    the unit's file of that output; the records a global stage quarantined (`quarantined`: row ->
-    reason, detail) become quarantine rows."""
+    """Stream one unit's staged records once: each staged batch's kept records (their ids made
+    unique, `repeats`) go through the table maker of every output that has one, and each kept
+    record through the row maker of every other (pipeline/build/outputs.py, in the registry's
+    order), into the unit's file of that output; the records a global stage quarantined
+    (`quarantined`: row -> reason, detail) become quarantine rows."""
+    tables = [output for output in OUTPUTS.values() if output.table is not None]
     makers = [output for output in OUTPUTS.values() if output.rows is not None]
     # Read once by this run, into the shards (which compress), and deleted: Arrow IPC files, not fsynced.
     writers = {o.name: StreamingTable(Path(staged) / f"{o.name}.arrow", arrow_schema(o.schema), durable=False)
-               for o in makers}
+               for o in OUTPUTS.values() if o.table is not None or o.rows is not None}
     counts: dict[str, Counter] = {o.name: Counter() for o in makers if o.count is not None}
     unit = UnitContext(pools, negatives)
-    kept = set(kept_rows.tolist())
     out = UnitOutputs()
     with cyclic_gc_paused():
-        for at, record in enumerate(_staged_records(records_path)):
-            record = _with_repeat(record, repeats.get(at))
-            if at in quarantined:
-                out.quarantined.append(_quarantine_row(record, *quarantined[at]))
-            if at not in kept:
-                continue
-            made: dict[str, list[dict]] = {}
+        for table, records in _kept_records(records_path, kept_rows, repeats, quarantined, out):
+            for output in tables:
+                writers[output.name].append_table(output.table(table))
+            made = _made_rows(records, makers, unit)
             for output in makers:
-                made[output.name] = output.rows(record, made, unit)
                 _write_rows(output, made[output.name], writers[output.name], counts)
     for name, writer in writers.items():
         writer.close()

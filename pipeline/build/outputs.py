@@ -6,7 +6,9 @@ line in the dataset card, and how its rows are made:
 - `rows`, per kept record: `write_unit` (pipeline/build/assemble.py) calls it on each record the
   global stages kept, in the registry's order, with what the outputs before it made of that record
   (`made`: preference pairs and step labels read the record's negatives), and stages the rows per
-  unit; shards are cut from those files in unit order.
+  unit; shards are cut from those files in unit order. Or `table`, per staged batch: its rows
+  made column-wise from the Arrow table of the batch's kept records, never converted to Python
+  (`sft` is that table).
 - `parts`, once per build: the staged files (path, Arrow bytes, rows) the shards are cut from, made
   from the units' staged files or from elsewhere (`grpo_env` adds the task files' tasks; the tree-search
   configs read the synthetic source's search outputs). None: the output is not written by this build.
@@ -24,13 +26,14 @@ from functools import cached_property
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from trajforge.pipeline.atomic import StreamingTable, read_batches
 from trajforge.pipeline.build.config import BuildConfig
 from trajforge.pipeline.envs.tasks import Task, load_tasks
 from trajforge.pipeline.quality.derived import (
     grpo_env_row,
-    grpo_prompt,
+    grpo_prompts,
     preference_pair,
     record_meta,
     record_task,
@@ -101,6 +104,7 @@ class BuildOutputs:
 
 
 RowMaker = Callable[[dict, dict[str, list[dict]], UnitContext], list[dict]]
+TableMaker = Callable[[pa.Table], pa.Table]
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class Output:
     schema: str
     note: str
     rows: RowMaker | None = None
+    table: TableMaker | None = None
     parts: Callable[[BuildOutputs], list[Part] | None] | None = None
     count: Callable[[dict], Iterable] | None = None
     report: Callable[[BuildOutputs], dict] | None = None
@@ -118,10 +123,10 @@ class Output:
         return self.parts(build) if self.parts is not None else build.unit_parts(self.name)
 
 
-# -- row makers (per kept record) --------------------------------------------------------------
+# -- row makers (per kept record) and table makers (per staged batch) ---------------------------
 
-def _the_record(record: dict, made: dict, unit: UnitContext) -> list[dict]:
-    return [record]
+def _the_records(kept: pa.Table) -> pa.Table:
+    return kept
 
 
 def _negatives(record: dict, made: dict, unit: UnitContext) -> list[dict]:
@@ -131,11 +136,6 @@ def _negatives(record: dict, made: dict, unit: UnitContext) -> list[dict]:
 def _preference_pairs(record: dict, made: dict, unit: UnitContext) -> list[dict]:
     """A pair per negative of the record (the parent is the record at hand), where they differ on a reply."""
     return [pair for negative in made["negatives"] for pair in [preference_pair(negative, record)] if pair is not None]
-
-
-def _grpo_prompt(record: dict, made: dict, unit: UnitContext) -> list[dict]:
-    prompt = grpo_prompt(record) if record["kind"] == "positive" else None
-    return [prompt] if prompt is not None else []
 
 
 def _grpo_env_task(record: dict, made: dict, unit: UnitContext) -> list[dict]:
@@ -228,11 +228,11 @@ def _search_steps_report(build: BuildOutputs) -> dict:
 # In this order: a row maker reads what the outputs before it made of the record (`made`).
 OUTPUTS: Registry[Output] = Registry("output", {output.name: output for output in [
     Output("sft", "trajectory", "positive trajectories for supervised fine-tuning (loss on assistant turns)",
-           rows=_the_record),
+           table=_the_records),
     Output("negatives", "trajectory", "trajectories with a known defect (`negative_type`, `parent_id`)",
            rows=_negatives, count=_negative_type, report=_negatives_report),
     Output("preference", "preference", "chosen/rejected pairs for DPO", rows=_preference_pairs),
-    Output("grpo", "grpo", "prompts with reference answers for GRPO", rows=_grpo_prompt, report=_grpo_report),
+    Output("grpo", "grpo", "prompts with reference answers for GRPO", table=grpo_prompts, report=_grpo_report),
     Output("grpo_env", "grpo_env", "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",
            rows=_grpo_env_task, parts=_grpo_env_parts, report=_grpo_env_report),
     Output("step_labels", "step_labels", "assistant steps labelled good/bad for process reward models",

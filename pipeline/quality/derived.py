@@ -25,8 +25,15 @@ import functools
 import json
 from itertools import repeat
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from trajforge.pipeline.envs import recorded_in, spec
 from trajforge.pipeline.envs.tasks import Task
+from trajforge.schemas import arrow_schema
+
+_TURNS = arrow_schema("trajectory").field("conversations").type
 
 
 def _messages(turns: list[dict]) -> list[dict]:
@@ -77,18 +84,44 @@ def preference_pair(negative: dict, parent: dict) -> dict | None:
             "rejected": _messages([rejected_turn])}
 
 
-def grpo_prompt(record: dict) -> dict | None:
-    """The RL prompt of a positive trajectory, or None when it has no trained assistant turn."""
-    turns = record["conversations"]
-    first = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), None)
-    if first is None or first == 0:
-        return None
-    actions = [t["action"] for t in turns[first:] if t["role"] == "assistant" and t["loss"] and t["action"]]
-    return {"id": record["id"], "source": record["source"], "domain": record["domain"], "env": record["env"],
-            "task": record["task"], "prompt": _messages(turns[:first]), "answer": record["answer"],
-            "expected_actions": actions, "first_action": turns[first]["action"],
-            "rendering": record["rendering"], "dialect": turns[first]["dialect"],
-            "reward": record["reward"], "success": record["success"]}
+def _ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The indices of every range [start, end) in turn, and the list offsets that cut them apart."""
+    lengths = ends - starts
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return np.arange(offsets[-1]) + np.repeat(starts - offsets[:-1], lengths), offsets
+
+
+def grpo_prompts(records: pa.Table) -> pa.Table:
+    """The RL prompts of the positive trajectories of `records` (trajectory rows), made column-wise:
+    each positive's conversation up to its first trained assistant turn, with its reference answer
+    and actions (those of the trained turns from there on); none for a positive without a trained
+    assistant turn after its first turn."""
+    schema = arrow_schema("grpo")
+    positives = records.filter(pc.equal(records["kind"], "positive")).combine_chunks()
+    conversations = positives["conversations"].chunk(0) if positives.num_rows else pa.array([], _TURNS)
+    bounds = conversations.offsets.to_numpy()
+    starts, ends = bounds[:-1] - bounds[0], bounds[1:] - bounds[0]
+    turns = conversations.flatten()
+    action = turns.field("action")
+    trained = np.asarray(pc.and_(pc.equal(turns.field("role"), "assistant"), turns.field("loss")))
+    trained_at = np.flatnonzero(trained)
+    after = np.searchsorted(trained_at, starts)
+    first = np.append(trained_at, ends[-1] if len(ends) else 0)[after]
+    has = (first > starts) & (first < ends)
+    starts, ends, first = starts[has], ends[has], first[has]
+    prompt_at, prompt_offsets = _ranges(starts, first)
+    messages = pa.StructArray.from_arrays([turns.field("role").take(prompt_at), turns.field("content").take(prompt_at)],
+                                          fields=list(schema.field("prompt").type.value_type))
+    acted = np.flatnonzero(trained & np.asarray(pc.fill_null(pc.not_equal(action, ""), False)))
+    actions_at, actions_offsets = _ranges(np.searchsorted(acted, first), np.searchsorted(acted, ends))
+    kept = positives.filter(pa.array(has))
+    columns = {
+        "prompt": pa.ListArray.from_arrays(prompt_offsets, messages, type=schema.field("prompt").type),
+        "expected_actions": pa.ListArray.from_arrays(actions_offsets, action.take(acted[actions_at]),
+                                                     type=schema.field("expected_actions").type),
+        "first_action": action.take(first), "dialect": turns.field("dialect").take(first)}
+    return pa.Table.from_arrays([columns[name] if name in columns else kept[name] for name in schema.names],
+                                schema=schema)
 
 
 def grpo_env_row(task: Task, source: str, row_id: str | None = None, env: str | None = None,

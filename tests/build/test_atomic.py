@@ -147,3 +147,25 @@ def test_staged_batches_read_back_as_written_with_only_the_columns_asked(tmp_pat
     (second,) = read_batches(tmp_path / "t.arrow", ["payload", "writer"], [1])
     assert second.schema.names == ["payload", "writer"] and second.to_pylist() == [
         {"payload": f"row {i}", "writer": i} for i in range(10, 20)]
+
+
+def test_rows_as_lists_or_arrow_tables_are_cut_and_sized_as_rows_appended_one_by_one(tmp_path):
+    rows = [{"writer": i, "payload": None if i % 7 == 3 else f"row {i}"} for i in range(45)]
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    with StreamingTable(tmp_path / "one.arrow", SCHEMA, batch_rows=10, durable=False) as one_by_one:
+        for row in rows:
+            one_by_one.append(row)
+    with StreamingTable(tmp_path / "lists.arrow", SCHEMA, batch_rows=10, durable=False) as lists:
+        for start in (0, 3, 26, 40):
+            lists.extend(rows[start:{0: 3, 3: 26, 26: 40, 40: 45}[start]])
+    # Arrow pieces that are slices and takes (validity bitmaps where their rows have no null, buffers
+    # beyond their rows): the size counted is the one of the rows themselves.
+    with StreamingTable(tmp_path / "tables.arrow", SCHEMA, batch_rows=10, durable=False) as tables:
+        tables.append_table(table.slice(0, 4).take(pa.array([0, 1, 2, 3])))
+        tables.append_table(table.slice(4, 20))
+        tables.append_table(table.slice(24, 21))
+    for stream in (lists, tables):
+        assert batch_sizes(stream.path) == batch_sizes(one_by_one.path) == [10, 10, 10, 10, 5]
+        assert pa.ipc.open_file(stream.path).read_all().to_pylist() == rows
+        assert (stream.nbytes, stream.count) == (one_by_one.nbytes, one_by_one.count) == (
+            sum(pa.Table.from_pylist(rows[i:i + 10], schema=SCHEMA).nbytes for i in range(0, 45, 10)), 45)

@@ -2,16 +2,18 @@
 TRL's data utilities, validate against their JSON Schemas, and say what they should."""
 from __future__ import annotations
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from datasets import load_dataset
 
+from tests.support.oracles import grpo_prompts as grpo_prompts_by_record
 from tests.support.oracles import make_negatives, preference_pairs
 from trajforge.pipeline.ingest.dialects import parse_turn
 from trajforge.pipeline.ingest.validate import validate_record
-from trajforge.pipeline.quality.derived import grpo_prompt, preference_pair
+from trajforge.pipeline.quality.derived import grpo_prompts, preference_pair
 from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig
-from trajforge.schemas import validator
+from trajforge.schemas import arrow_schema, validator
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +111,23 @@ def test_grpo_config_loads_with_datasets_and_trl(fixtures_build, positives, toke
         assert not list(validator("grpo").iter_errors(row)), row["id"]
 
 
+def _grpo_rows(records: list[dict]) -> list[dict]:
+    return grpo_prompts(pa.Table.from_pylist(records, schema=arrow_schema("trajectory"))).to_pylist()
+
+
+def test_grpo_prompts_made_column_wise_are_those_made_record_by_record(positives):
+    negative = {**positives[0], "id": "x/negative", "kind": "negative"}
+    # A positive whose first assistant turn is trained gets no prompt; a negative none either.
+    no_prompt = {**positives[1], "id": "x/no-prompt", "conversations": [
+        {**positives[1]["conversations"][1], "role": "assistant", "loss": True}, *positives[1]["conversations"][1:]]}
+    records = [negative, *positives, no_prompt]
+    assert _grpo_rows(records) == grpo_prompts_by_record(records)
+    assert len(_grpo_rows(positives)) > 100 and _grpo_rows([negative, no_prompt]) == [] and _grpo_rows([]) == []
+
+
 def test_grpo_prompt_stops_before_the_first_trained_turn(positives):
     record = next(r for r in positives if r["id"] == "agenttraj_l/todo_0")
-    row = grpo_prompt(record)
+    [row] = _grpo_rows([record])
     turns = record["conversations"]
     first = next(i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"])
     assert len(row["prompt"]) == first
@@ -121,4 +137,4 @@ def test_grpo_prompt_stops_before_the_first_trained_turn(positives):
     assert (row["env"], row["domain"]) == ("todo", "tool")
     # AgentInstruct OS rows keep their one-shot demonstration in the prompt (not trained on).
     os_record = next(r for r in positives if r["env"] == "os" and r["demo_turns"] > 0)
-    assert sum(1 for m in grpo_prompt(os_record)["prompt"] if m["role"] == "assistant") >= 1
+    assert sum(1 for m in _grpo_rows([os_record])[0]["prompt"] if m["role"] == "assistant") >= 1

@@ -6,7 +6,8 @@ production path it mirrors.
   build runs `pipeline.quality.dedup_table` (`deduplicate_in_memory` is that path on one list,
   `RecordsInMemory` its records).
 - `preference_pairs`, `grpo_prompts`, `grpo_env_rows`: the derived sets of a list of records; the
-  build makes them record by record (`pipeline.quality.derived`'s row makers).
+  build makes them record by record (`pipeline.quality.derived`'s row makers), the GRPO prompts
+  column-wise from a batch of records (`derived.grpo_prompts`; here one record at a time).
 - `make_negatives`: the negatives of a list of records; the build runs `negatives_of` per record.
 - `write_config`: the shards of in-memory tables, with a completion marker per shard; the build
   writes shards from staged files (`pipeline.publish.shards.plan_split`).
@@ -41,7 +42,7 @@ from trajforge.pipeline.quality.dedup import (
     signatures,
 )
 from trajforge.pipeline.quality.dedup_table import duplicates_table, near_matrices, record_keys, shingle_set_hashes
-from trajforge.pipeline.quality.derived import grpo_env_row, grpo_prompt, preference_pair, record_task, reference_answer
+from trajforge.pipeline.quality.derived import grpo_env_row, preference_pair, record_task, reference_answer
 from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.sources import keep_rank as source_keep_rank
@@ -171,6 +172,20 @@ def preference_pairs(negatives: list[dict], records: list[dict]) -> tuple[list[d
         else:
             pairs.append(pair)
     return pairs, unpaired
+
+
+def grpo_prompt(record: dict) -> dict | None:
+    """The RL prompt of a positive trajectory, or None when it has no trained assistant turn."""
+    turns = record["conversations"]
+    first = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), None)
+    if first is None or first == 0:
+        return None
+    actions = [t["action"] for t in turns[first:] if t["role"] == "assistant" and t["loss"] and t["action"]]
+    return {"id": record["id"], "source": record["source"], "domain": record["domain"], "env": record["env"],
+            "task": record["task"], "prompt": [{"role": t["role"], "content": t["content"]} for t in turns[:first]],
+            "answer": record["answer"], "expected_actions": actions, "first_action": turns[first]["action"],
+            "rendering": record["rendering"], "dialect": turns[first]["dialect"],
+            "reward": record["reward"], "success": record["success"]}
 
 
 def grpo_prompts(records: list[dict]) -> list[dict]:
