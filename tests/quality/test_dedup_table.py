@@ -50,9 +50,10 @@ def test_band_keys_equal_exactly_when_the_band_values_do():
 
 
 def candidate_pairs(groups, bands):
-    """Every band's candidate batches, as the build's band steps make them."""
-    for band in range(bands.shape[1]):
-        yield from band_pairs(groups, bands, band)
+    """Every band's candidate batches, as the build's band steps make them from (rows, bands) keys."""
+    by_band = np.ascontiguousarray(bands.T)
+    for band in range(len(by_band)):
+        yield from band_pairs(groups, by_band, band)
 
 
 def _pairs(groups: list[int], bands: list[list[int]]) -> list[tuple[int, int]]:
