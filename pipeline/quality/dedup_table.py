@@ -476,6 +476,9 @@ def duplicates_table(keys: pl.DataFrame, records, config: DedupConfig = DedupCon
     stage's arrays go to `workdir` (default: a temporary folder)."""
     ranked = _ranked(keys)
     exact = exact_duplicates(ranked)
+    # What the near stage and the map's rows read: the exact hash (16 bytes a record) and the keep
+    # preference are not held through the near stage.
+    ranked = ranked.select("pos", "order", "group", "unit", "row")
     found = {pos: (kept, "exact", 1.0) for pos, kept in exact.iter_rows()}
     if config.near:
         # The near stage runs after the exact one, which left no exact pair: no copy of the table then.
