@@ -20,9 +20,10 @@ same signatures, same keep preference, same verification by the true shingle Jac
 
 Memory is the key table plus, for the near stage, one batch of pairs and what a band step reads of
 the near table on disk (`NearTable`: only the records that share a band key in their group): two
-columns of keys and the groups (~20 bytes a record) and the sketches of one chunk of pairs. Templated trajectories make large
-buckets whose members are alike but below the threshold (siblings at Jaccard ~0.7 give tens of
-millions of pairs per million records): the sketch screen is what keeps them from being verified.
+bands' keys and the groups (~20 bytes a record) and the sketches of one chunk of pairs. Templated
+trajectories make large buckets whose members are alike but below the threshold (siblings at
+Jaccard ~0.7 give tens of millions of pairs per million records): the sketch screen is what keeps
+them from being verified.
 
 Band keys are a 64-bit hash of the band's values, where datasketch's MinHashLSH compares the bytes:
 a collision only adds a candidate, which the screen and the Jaccard check then reject.
@@ -289,8 +290,8 @@ class BandKeys:
 @dataclass(frozen=True)
 class NearTable:
     """The near stage's inputs on disk, in keep-preference order, for only the rows that share a
-    band key with another row of their group (the others can be in no candidate pair; on real
-    corpora most rows): their row indices in the table they came from, group codes, band keys
+    band key with another row of their group (the others can be in no candidate pair: 84 % of the
+    generated 20k corpus's rows): their row indices in the table they came from, group codes, band keys
     (bands x rows: a band's keys are contiguous) and sketches, as .npy files. Band steps in other
     processes or on cluster workers read them instead of receiving copies: the groups and one
     band's keys at a time, the sketch rows of one chunk of pairs at a time."""
