@@ -97,11 +97,13 @@ def contamination(units: list[UnitResult], config: BuildConfig, map_units=in_ord
     `--decontaminate` file and, unless switched off, the declared eval splits
     (pipeline/evaluation/splits.py: task text n-grams, AgentGym items). The index is built once and
     each unit checked on `map_units` (the check is ~0.04 ms a record: on the task runner's workers
-    rather than alone in the flow's process)."""
+    rather than alone in the flow's process), dealt by the units' record counts so that a large
+    unit does not end the step alone."""
     index, held = _eval_tasks(config)
     if index is None and held is None:
         return pl.Series("detail", [None] * sum(sum(batch_sizes(u.records_path)) for u in units), dtype=pl.String)
-    per_unit = map_units(unit_contamination, [(unit.records_path, index, held) for unit in units])
+    per_unit = map_units(unit_contamination, [(unit.records_path, index, held) for unit in units],
+                         [unit.written for unit in units])
     return pl.Series("detail", [detail for details in per_unit for detail in details], dtype=pl.String)
 
 

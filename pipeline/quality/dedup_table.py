@@ -18,10 +18,12 @@ same signatures, same keep preference, same verification by the true shingle Jac
   record that is itself kept (ties: the better-ranked), so a dropped record always points at a
   kept record with similarity >= the threshold (no chaining).
 
-Memory is the key table plus, for the near stage, the band keys and sketches of its records as
-numpy matrices (~640 bytes a record) and one batch of pairs. Templated trajectories make large
-buckets whose members are alike but below the threshold (siblings at Jaccard ~0.7 give tens of
-millions of pairs per million records): the sketch screen is what keeps them from being verified.
+Memory is the key table plus, for the near stage, one batch of pairs and what a band step reads of
+the near table on disk (`NearTable`: only the records that share a band key in their group): two
+bands' keys and the groups (~20 bytes a record) and the sketches of one chunk of pairs. Templated
+trajectories make large buckets whose members are alike but below the threshold (siblings at
+Jaccard ~0.7 give tens of millions of pairs per million records): the sketch screen is what keeps
+them from being verified.
 
 Band keys are a 64-bit hash of the band's values, where datasketch's MinHashLSH compares the bytes:
 a collision only adds a candidate, which the screen and the Jaccard check then reject.
@@ -29,9 +31,10 @@ a collision only adds a candidate, which the screen and the Jaccard check then r
 from __future__ import annotations
 
 import contextlib
+import mmap
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +72,11 @@ SKETCH_MARGIN = 0.08
 PAIR_BATCH = 1 << 21
 # Rows of the near table written through one mapping of its arrays (each row dirties a page: <= 32 MB).
 NEAR_WRITE_ROWS = 8192
+# Candidate pairs whose sketches a band step reads at once (<= 2 x 8 MB of sketch rows).
+SCREEN_CHUNK = 1 << 13
+# Sketch rows read through the mapping before its pages are dropped (each read maps up to 64 KB
+# of cached pages around it: <= 32 MB).
+SKETCH_ROWS_MAPPED = 512
 # Records whose shingle sets are held at once while verifying (a few KB to a few hundred KB each).
 VERIFY_BATCH = 10_000
 
@@ -187,29 +195,44 @@ def _bucket_pairs(members: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]
         yield members[left], members[right]
 
 
-def _first_shared_band(bands: np.ndarray, band: int, a: np.ndarray, b: np.ndarray,
-                       chunk: int = 1 << 13) -> np.ndarray:
-    """Which pairs share no band before `band` (so `band` is the first they share)."""
+def _first_shared_band(bands, band: int, a: np.ndarray, b: np.ndarray, chunk: int = 1 << 13) -> np.ndarray:
+    """Which pairs share no band before `band` (so `band` is the first they share); `bands[j]` is
+    band j's keys of every row, read one band at a time."""
     first = np.ones(len(a), dtype=bool)
-    for start in range(0, len(a) if band else 0, chunk):
-        end = start + chunk
-        first[start:end] = ~(bands[a[start:end], :band] == bands[b[start:end], :band]).any(axis=1)
+    for earlier in range(band):
+        keys = bands[earlier]
+        for start in range(0, len(a), chunk):
+            end = start + chunk
+            first[start:end] &= keys[a[start:end]] != keys[b[start:end]]
     return first
 
 
-def band_pairs(groups: np.ndarray, bands: np.ndarray, band: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _buckets(groups: np.ndarray, keys: np.ndarray) -> Iterator[np.ndarray]:
+    """The rows (sorted) of each bucket of rows of the same group and key that holds more than one,
+    in the order of their first rows. A sort (~30 bytes a row), not a group-by (polars': ~200)."""
+    order = np.lexsort((keys, groups))  # stable: a bucket's rows stay in order
+    sorted_keys, sorted_groups = keys[order], groups[order]
+    starts = np.ones(len(order) + 1, dtype=bool)
+    starts[1:-1] = (sorted_keys[1:] != sorted_keys[:-1]) | (sorted_groups[1:] != sorted_groups[:-1])
+    del sorted_keys, sorted_groups
+    bounds = np.flatnonzero(starts)
+    first, end = bounds[:-1], bounds[1:]
+    shared = end - first > 1
+    first, end = first[shared], end[shared]
+    by_first_row = np.argsort(order[first])
+    for start, stop in zip(first[by_first_row].tolist(), end[by_first_row].tolist()):
+        yield order[start:stop]
+
+
+def band_pairs(groups: np.ndarray, bands, band: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Batches of (a, b) row indices, a < b, of rows of the same group whose key in `band` is the
-    same and that share no earlier band (those pairs came from it). A batch holds at most about
+    same and that share no earlier band (those pairs came from it); `bands[j]` is band j's keys of
+    every row (a (bands, rows) array, or a NearTable's `BandKeys`). A batch holds at most about
     PAIR_BATCH pairs (a bucket larger than that comes in blocks of rows)."""
-    buckets = (pl.DataFrame({"row": np.arange(len(groups), dtype=np.int64), "group": np.asarray(groups),
-                             "key": np.asarray(bands[:, band])})
-               .filter(pl.len().over(["group", "key"]) > 1)
-               .group_by(["group", "key"]).agg(pl.col("row").sort())
-               .sort(pl.col("row").list.first())["row"])
     pending: list[tuple[np.ndarray, np.ndarray]] = []
     held = 0
-    for members in buckets:
-        for a, b in _bucket_pairs(members.to_numpy()):
+    for members in _buckets(np.asarray(groups), np.asarray(bands[band])):
+        for a, b in _bucket_pairs(members):
             pending.append((a, b))
             held += len(a)
             if held >= PAIR_BATCH:
@@ -219,7 +242,7 @@ def band_pairs(groups: np.ndarray, bands: np.ndarray, band: int) -> Iterator[tup
         yield _first_in(bands, band, pending)
 
 
-def _first_in(bands: np.ndarray, band: int, pending: list[tuple[np.ndarray, np.ndarray]]):
+def _first_in(bands, band: int, pending: list[tuple[np.ndarray, np.ndarray]]):
     a, b = np.concatenate([p[0] for p in pending]), np.concatenate([p[1] for p in pending])
     first = _first_shared_band(bands, band, a, b)
     return a[first], b[first]
@@ -246,46 +269,145 @@ def resolve(pairs: Iterable[tuple[int, int, float]], threshold: float) -> dict[i
     return dropped
 
 
+def _npy_layout(file) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, offset of the data) of the C-order .npy array in the open binary `file`."""
+    header = {(1, 0): np.lib.format.read_array_header_1_0,
+              (2, 0): np.lib.format.read_array_header_2_0}[np.lib.format.read_magic(file)]
+    shape, _, dtype = header(file)
+    return shape, dtype, file.tell()
+
+
+@dataclass(frozen=True)
+class BandKeys:
+    """`[j]`: band j's keys of a NearTable's rows (a row of its bands x rows array), read into
+    memory (8 bytes a row), not mapped."""
+    path: str
+
+    def __getitem__(self, band: int) -> np.ndarray:
+        with open(self.path, "rb") as file:
+            # After the header: `offset` counts from there.
+            (_, rows), dtype, _ = _npy_layout(file)
+            return np.fromfile(file, dtype=dtype, count=rows, offset=band * rows * dtype.itemsize)
+
+
 @dataclass(frozen=True)
 class NearTable:
-    """The near stage's inputs on disk, one row per record it compares, in keep-preference order:
-    group codes, band keys and sketches as .npy files. Band steps in other processes or on cluster
-    workers map them read-only instead of receiving copies."""
+    """The near stage's inputs on disk, in keep-preference order, for only the rows that share a
+    band key with another row of their group (the others can be in no candidate pair: 84 % of the
+    generated 20k corpus's rows): their row indices in the table they came from, group codes, band keys
+    (bands x rows: a band's keys are contiguous) and sketches, as .npy files. Band steps in other
+    processes or on cluster workers read them instead of receiving copies: the groups and one
+    band's keys at a time, the sketch rows of one chunk of pairs at a time."""
     folder: str
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return tuple(np.load(Path(self.folder) / f"{name}.npy", mmap_mode="r")
-                     for name in ("groups", "bands", "sketch"))
+    def rows(self) -> np.ndarray:
+        return np.load(Path(self.folder) / "rows.npy")
+
+    def groups(self) -> np.ndarray:
+        return np.load(Path(self.folder) / "groups.npy")
+
+    @property
+    def bands(self) -> BandKeys:
+        return BandKeys(str(Path(self.folder) / "bands.npy"))
+
+    def sketch_reader(self) -> Callable[[np.ndarray], np.ndarray]:
+        """`sketch_rows(rows)`: the sketches of the sorted `rows`, read through one mapping of the
+        file (unmapped with the reader) whose pages leave this process every SKETCH_ROWS_MAPPED rows
+        (a read maps the cached pages around it too: kept mapped, the whole file would count in its
+        memory)."""
+        with open(Path(self.folder) / "sketch.npy", "rb") as file:
+            shape, dtype, offset = _npy_layout(file)
+            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        sketch = np.frombuffer(mapping, dtype=dtype, count=shape[0] * shape[1], offset=offset).reshape(shape)
+
+        def sketch_rows(rows: np.ndarray) -> np.ndarray:
+            out = np.empty((len(rows), shape[1]), dtype=dtype)
+            for start in range(0, len(rows), SKETCH_ROWS_MAPPED):
+                out[start:start + SKETCH_ROWS_MAPPED] = sketch[rows[start:start + SKETCH_ROWS_MAPPED]]
+                mapping.madvise(mmap.MADV_DONTNEED)
+            return out
+
+        return sketch_rows
+
+
+def _write_rows(path: Path, at, values: np.ndarray, columns: bool = False) -> None:
+    """`values` into the rows `at` of the .npy array at `path` (`columns`: into its columns `at`),
+    through a mapping of their own: the pages a mapping dirties count in this process's memory
+    until it is dropped (the page cache keeps them)."""
+    target = np.load(path, mmap_mode="r+")
+    if columns:
+        target[:, at] = values.T
+    else:
+        target[at] = values
+    del target
+
+
+# An odd 64-bit constant (the golden ratio's): a group's code times it, mixed into a band key.
+_GROUP_SALT = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _shares_a_band(groups: np.ndarray, keys: BandKeys, bands: int) -> np.ndarray:
+    """Which rows have, in some band, the key of another row of their group: a sort of each band's
+    keys mixed with the group (~40 bytes a row at a time). A collision of the mix only keeps a row
+    that could have gone (band_pairs compares the group and the key themselves)."""
+    shared = np.zeros(len(groups), dtype=bool)
+    salt = groups.astype(np.uint64) * _GROUP_SALT
+    for band in range(bands):
+        mixed = keys[band] ^ salt
+        order = np.argsort(mixed)
+        mixed = mixed[order]
+        same = mixed[1:] == mixed[:-1]
+        shared[order[1:][same]] = True
+        shared[order[:-1][same]] = True
+    return shared
 
 
 def write_near_table(folder: Path, table: pl.DataFrame, rows, config: DedupConfig) -> NearTable:
     """The NearTable of `table`'s rows (in its order). `rows` is an iterable of (row indices of
-    `table`, their band keys, their sketches), one part at a time, written into file-backed arrays."""
+    `table`, their band keys, their sketches), one part at a time: written into file-backed arrays
+    of every row, then copied for the rows that share a band key in their group."""
     folder.mkdir(parents=True, exist_ok=True)
-    np.save(folder / "groups.npy", table["group"].rank("dense").cast(pl.Int32).to_numpy())
-    paths = {"bands": folder / "bands.npy", "sketch": folder / "sketch.npy"}
-    for path, dtype, width in [(paths["bands"], np.uint64, band_params(config)[0]),
-                               (paths["sketch"], np.uint8, SKETCH_BINS)]:
-        np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(table.height, width)).flush()
+    every = folder / "every"
+    every.mkdir(exist_ok=True)
+    bands = band_params(config)[0]
+    for name, dtype, shape in [("bands", np.uint64, (bands, table.height)),
+                               ("sketch", np.uint8, (table.height, SKETCH_BINS))]:
+        np.lib.format.open_memmap(every / f"{name}.npy", mode="w+", dtype=dtype, shape=shape).flush()
     for at, part_bands, part_sketch in rows:
         for start in range(0, len(at), NEAR_WRITE_ROWS):
-            for path, part in [(paths["bands"], part_bands), (paths["sketch"], part_sketch)]:
-                # Mapped anew for each slice: the pages a mapping dirties count in this process's
-                # memory until it is dropped (the page cache keeps them), the whole arrays at the end.
-                target = np.load(path, mmap_mode="r+")
-                target[at[start:start + NEAR_WRITE_ROWS]] = part[start:start + NEAR_WRITE_ROWS]
-                del target
+            end = start + NEAR_WRITE_ROWS
+            _write_rows(every / "bands.npy", at[start:end], part_bands[start:end], columns=True)
+            _write_rows(every / "sketch.npy", at[start:end], part_sketch[start:end])
+    groups = table["group"].rank("dense").cast(pl.Int32).to_numpy()
+    every_band = BandKeys(str(every / "bands.npy"))
+    kept = np.flatnonzero(_shares_a_band(groups, every_band, bands))
+    np.save(folder / "rows.npy", kept)
+    np.save(folder / "groups.npy", groups[kept])
+    np.lib.format.open_memmap(folder / "bands.npy", mode="w+", dtype=np.uint64, shape=(bands, len(kept))).flush()
+    for band in range(bands):
+        _write_rows(folder / "bands.npy", band, every_band[band][kept])
+    np.lib.format.open_memmap(folder / "sketch.npy", mode="w+", dtype=np.uint8, shape=(len(kept), SKETCH_BINS)).flush()
+    for start in range(0, len(kept), NEAR_WRITE_ROWS):
+        end = start + NEAR_WRITE_ROWS
+        _write_rows(folder / "sketch.npy", slice(start, end), np.load(every / "sketch.npy", mmap_mode="r")[kept[start:end]])
+    shutil.rmtree(every)
     return NearTable(str(folder))
 
 
 def screen_band(table: NearTable, band: int, threshold: float) -> np.ndarray:
-    """(m, 2) rows of the candidate pairs of one band whose sketches may reach the threshold."""
-    groups, bands, sketch = table.arrays()
+    """(m, 2) rows (of the table the NearTable came from) of the candidate pairs of one band whose
+    sketches may reach the threshold."""
     kept = [np.empty((0, 2), dtype=np.int64)]
-    for a, b in band_pairs(groups, bands, band):
-        likely = sketch_similarity(sketch, a, b) >= threshold - SKETCH_MARGIN
-        kept.append(np.stack([a[likely], b[likely]], axis=1))
-    return np.concatenate(kept)
+    sketch_rows = table.sketch_reader()
+    for a, b in band_pairs(table.groups(), table.bands, band):
+        for start in range(0, len(a), SCREEN_CHUNK):
+            left, right = a[start:start + SCREEN_CHUNK], b[start:start + SCREEN_CHUNK]
+            # Only the sketches this chunk compares (a sorted, distinct set of rows) are read.
+            needed = np.union1d(left, right)
+            likely = sketch_similarity(sketch_rows(needed), np.searchsorted(needed, left),
+                                       np.searchsorted(needed, right)) >= threshold - SKETCH_MARGIN
+            kept.append(np.stack([left[likely], right[likely]], axis=1))
+    return table.rows()[np.concatenate(kept)]
 
 
 def verify_chunks(pairs: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -331,7 +453,7 @@ def near_duplicates_table(unique: pl.DataFrame, table: NearTable, records, confi
     The band screens and the verification chunks go through `map_units` (one step per band, one
     per chunk); `records` (picklable) reads shingle sets where a chunk runs.
     """
-    if unique.height < 2:
+    if len(table.rows()) < 2:
         return {}
     bands = band_params(config)[0]
     pairs = np.concatenate(map_units(screen_band, [(table, band, config.threshold) for band in range(bands)]))
@@ -359,6 +481,9 @@ def duplicates_table(keys: pl.DataFrame, records, config: DedupConfig = DedupCon
     stage's arrays go to `workdir` (default: a temporary folder)."""
     ranked = _ranked(keys)
     exact = exact_duplicates(ranked)
+    # What the near stage and the map's rows read: the exact hash (16 bytes a record) and the keep
+    # preference are not held through the near stage.
+    ranked = ranked.select("pos", "order", "group", "unit", "row")
     found = {pos: (kept, "exact", 1.0) for pos, kept in exact.iter_rows()}
     if config.near:
         # The near stage runs after the exact one, which left no exact pair: no copy of the table then.

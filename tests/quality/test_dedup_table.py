@@ -16,8 +16,10 @@ from trajforge.pipeline.quality.dedup_table import (
     near_matrices,
     record_keys,
     resolve,
+    screen_band,
     sketch_similarity,
     verify_chunks,
+    write_near_table,
 )
 from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig
 from trajforge.pipeline.quality.pools import EnvPools
@@ -50,9 +52,10 @@ def test_band_keys_equal_exactly_when_the_band_values_do():
 
 
 def candidate_pairs(groups, bands):
-    """Every band's candidate batches, as the build's band steps make them."""
-    for band in range(bands.shape[1]):
-        yield from band_pairs(groups, bands, band)
+    """Every band's candidate batches, as the build's band steps make them from (rows, bands) keys."""
+    by_band = np.ascontiguousarray(bands.T)
+    for band in range(len(by_band)):
+        yield from band_pairs(groups, by_band, band)
 
 
 def _pairs(groups: list[int], bands: list[list[int]]) -> list[tuple[int, int]]:
@@ -72,6 +75,34 @@ def test_a_bucket_larger_than_a_batch_comes_in_blocks_with_every_pair_once(monke
     assert len(batches) > 10 and max(len(a) for a, _ in batches) <= 50 + 40
     pairs = [pair for a, b in batches for pair in zip(a.tolist(), b.tolist())]
     assert sorted(pairs) == [(a, b) for a in range(40) for b in range(a + 1, 40)]
+
+
+def test_the_near_table_keeps_the_rows_that_share_a_band_and_screens_as_the_whole_arrays(tmp_path, monkeypatch):
+    """Written in scattered parts and read in small chunks, the near table gives each band step the
+    pairs the whole in-memory arrays give, as rows of the table it came from; it holds only the rows
+    that share some band key with a row of their group."""
+    for name, value in [("NEAR_WRITE_ROWS", 4), ("SCREEN_CHUNK", 5), ("SKETCH_ROWS_MAPPED", 3)]:
+        monkeypatch.setattr(dedup_table, name, value)
+    rng = np.random.default_rng(3)
+    config = DedupConfig(bands=3, rows=2)
+    n = 60
+    groups = rng.integers(0, 3, n)
+    bands = rng.integers(0, 12, (n, 3)).astype(np.uint64) + np.arange(3, dtype=np.uint64) * 1000
+    bands[::4] += np.uint64(100)  # a quarter keep to themselves (keys no other row has) in some band
+    bands[5::7] = np.arange(100_000, 100_000 + 3 * len(bands[5::7]), dtype=np.uint64).reshape(-1, 3)
+    sketch = rng.integers(0, 4, (n, dedup_table.SKETCH_BINS)).astype(np.uint8)
+    order = rng.permutation(n)
+    parts = [(order[:25], bands[order[:25]], sketch[order[:25]]), (order[25:], bands[order[25:]], sketch[order[25:]])]
+    table = write_near_table(tmp_path / "near", pl.DataFrame({"group": [f"g{g}" for g in groups]}), parts, config)
+    alone = [i for i in range(n) if not any(((groups == groups[i]) & (bands[:, b] == bands[i, b])).sum() > 1
+                                            for b in range(3))]
+    assert alone and sorted(set(range(n)) - set(table.rows().tolist())) == alone
+    threshold = 0.3
+    for band in range(3):
+        a, b = (np.concatenate(side) for side in zip(*band_pairs(groups, np.ascontiguousarray(bands.T), band)))
+        likely = sketch_similarity(sketch, a, b) >= threshold - dedup_table.SKETCH_MARGIN
+        expected = np.stack([a[likely], b[likely]], axis=1)
+        assert len(expected) and np.array_equal(screen_band(table, band, threshold), expected)
 
 
 def test_sketches_estimate_the_jaccard_of_the_fixture_pairs(merged):
