@@ -19,7 +19,6 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from trajforge.pipeline.registry import Registry
 
@@ -54,8 +53,8 @@ def clean_text(text: str) -> str:
     return "\n".join(map(str.rstrip, text.split("\n"))).strip()
 
 
-class ParsedTurn(NamedTuple):
-    """A turn parsed (a tuple: created once per assistant turn of every row, and unpacked)."""
+@dataclass(frozen=True)
+class ParsedTurn:
     thought: str
     action: str | None
     dialect: str

@@ -216,7 +216,7 @@ def _parsed(turns: _Turns, contents: list[str], task_at: int, demo_turns: int, u
                                   "thought": None, "action": None, "reasoning": None, "dialect": None})
             continue
         try:
-            thought, action, dialect = parse_cleaned_turn(content)
+            parsed = parse_cleaned_turn(content)
         except ParseError as exc:
             raise NormalizeError("unparsed_assistant_turn", f"turn {i}: {exc}") from None
         if demo_from <= i < task_at:
@@ -226,8 +226,8 @@ def _parsed(turns: _Turns, contents: list[str], task_at: int, demo_turns: int, u
         else:
             # No upstream flags: the acknowledgement before the task is not trained on.
             loss = i >= task_at
-        conversations.append({"role": "assistant", "content": content, "loss": loss, "thought": thought,
-                              "action": action, "reasoning": None, "dialect": dialect})
+        conversations.append({"role": "assistant", "content": content, "loss": loss, "thought": parsed.thought,
+                              "action": parsed.action, "reasoning": None, "dialect": parsed.dialect})
     return conversations
 
 
