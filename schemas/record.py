@@ -51,6 +51,10 @@ class TrajectoryRecord(TypedDict):
     meta: str  # JSON text: free-form provenance (source index, generator, sampling, ...)
 
 
+# The one encoder of `meta` (json.dumps would make one per call).
+_META_ENCODER = json.JSONEncoder(sort_keys=True, ensure_ascii=False)
+
+
 def new_record(*, id: str, source: str, source_id: str, source_file: str, license: str, domain: str, env: str,
                task: str, conversations: list[Turn], meta: dict, negative_type: str | None = None,
                rendering: str = "native", loss_flags: str = "inferred", demo_turns: int = 0,
@@ -76,5 +80,5 @@ def new_record(*, id: str, source: str, source_id: str, source_file: str, licens
         "reward": reward,
         "success": success,
         "conversations": conversations,
-        "meta": json.dumps(meta, sort_keys=True, ensure_ascii=False),
+        "meta": _META_ENCODER.encode(meta),
     }

@@ -29,9 +29,10 @@ _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\
 def _may_have_trailing_space(text: str) -> bool:
     """Whether a line of an ASCII text may end in whitespace (str.isspace) other than LF and CR: a
     space or tab before LF, or any of the rare ones anywhere. Written out: a loop over them, or one
-    regex with a character class, costs three times these substring searches (most turns pass)."""
-    return (" \n" in text or "\t\n" in text or "\x0b" in text or "\x0c" in text
-            or "\x1c" in text or "\x1d" in text or "\x1e" in text or "\x1f" in text)
+    regex with a character class, costs three times these substring searches (most turns pass). A
+    search for one character is the cheapest: a tab before LF is looked for only where a tab is."""
+    return ("\x0b" in text or "\x0c" in text or "\x1c" in text or "\x1d" in text or "\x1e" in text
+            or "\x1f" in text or " \n" in text or ("\t" in text and "\t\n" in text))
 
 
 def clean_text(text: str) -> str:
@@ -46,7 +47,8 @@ def clean_text(text: str) -> str:
         text = _ANSI.sub("", text)
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if text.isascii() and not _may_have_trailing_space(text):
+    # One line (a third of real turns): its trailing whitespace is the text's own.
+    if "\n" not in text or (text.isascii() and not _may_have_trailing_space(text)):
         return text.strip()
     return "\n".join(map(str.rstrip, text.split("\n"))).strip()
 
@@ -71,7 +73,8 @@ class Dialect:
     # rewrites them to Think/Act in the instruction turns.
     prompt_keywords: tuple[tuple[str, str], ...] = ()
     # (thought marker, action marker) that open a line of a turn; None for a part without a
-    # marker, and no markers at all for JSON tool calls (the rewards check those by parsing).
+    # marker, and no markers at all for JSON tool calls (the rewards check those by parsing). A turn
+    # of a dialect with both starts with one of them; one with an action marker contains it.
     markers: tuple[str | None, str] | None = None
 
 
@@ -80,13 +83,15 @@ def _joined(head: str, thought: str, sep: str, marker: str, action: str) -> str:
 
 
 def _marker_dialect(name: str, thought_head: str, action_pattern: str, head: str, sep: str, marker: str,
-                    keywords: tuple[tuple[str, str], ...], action_marker: str | None = None) -> Dialect:
+                    keywords: tuple[tuple[str, str], ...], action_marker: str | None = None,
+                    needle: str | None = None) -> Dialect:
     """A dialect of the shape `[<thought head> thought \n] <action marker> action`.
 
     The thought is optional (upstream has turns with only an action) and runs up to a line break as
     in `_PROSE_ACTION`; `action_pattern` must capture the action, in its environment's syntax, as
     group `action`. `action_marker` is the marker where the action keeps its own (`Final Answer:`),
-    the rendered marker otherwise.
+    the rendered marker otherwise. `needle` is a text `action_pattern` needs besides the marker
+    (`Action Input:`): a turn without it is not searched.
     """
     # The turn is `^(?:{thought_head}(?P<thought>.*?)\n\s*)?{action_pattern}$` (re.S), matched in two
     # steps: after the head, a search for the first line break from which the action runs to the end
@@ -96,11 +101,13 @@ def _marker_dialect(name: str, thought_head: str, action_pattern: str, head: str
     action_after = re.compile(rf"\n\s*{action_pattern}$", re.S)
     action_alone = re.compile(rf"{action_pattern}$", re.S)
     markers = (head.strip(), action_marker or marker.strip())
+    needed = needle or markers[1]
     # `thought_head` and `action_pattern` start with these markers (held by tests/ingest/test_dialects.py):
-    # a turn that starts with neither is not tried (prose, `Action:` later).
+    # a turn that starts with neither is not tried (prose, `Action:` later), nor one without the action
+    # marker (or the needle). The start is tested first: it costs no scan of the turn.
 
     def parse(text: str) -> ParsedTurn | None:
-        if not text.startswith(markers):
+        if not text.startswith(markers) or needed not in text:
             return None
         head_match = thought_start.match(text)
         found = action_after.search(text, head_match.end()) if head_match else None
@@ -130,10 +137,10 @@ _MARKER_DIALECTS = [
      "Action:\n", _THOUGHT_ACTION_WORDS),
     # AgentGym tool envs: Action: X with Action Input: {...}
     ("action_input", r"Thought:[ \t]*", r"Action:[ \t]*(?P<action>[\w.\-]+ with Action Input:.*)", "Thought: ",
-     "\n\n", "Action: ", _THOUGHT_ACTION_WORDS),
+     "\n\n", "Action: ", _THOUGHT_ACTION_WORDS, None, " with Action Input:"),
     # ToolBench ReAct: Action: api\nAction Input: {...}
     ("toolbench_react", r"Thought:[ \t]*", r"Action:[ \t]*(?P<action>[\w.\-]+[ \t]*\nAction Input:.*)", "Thought: ",
-     "\n", "Action: ", _THOUGHT_ACTION_WORDS),
+     "\n", "Action: ", _THOUGHT_ACTION_WORDS, None, "\nAction Input:"),
     # Mind2Web multiple choice: Answer: B.\nAction: CLICK
     ("choice_action", r"Thought:[ \t]*", r"(?P<action>Answer:[ \t]*\S.*)", "Thought: ", "\n", "",
      (("Thought:", "Think:"),), "Answer:"),
@@ -158,7 +165,7 @@ def _parse_prose_action(text: str) -> ParsedTurn | None:
     if text.startswith("Thought:"):
         return None
     m = _PROSE_ACTION.search(text)
-    if not m or "Action:" in text[:m.start()]:
+    if not m or text.find("Action:", 0, m.start()) >= 0:
         return None
     return ParsedTurn(text[:m.start()].strip(), text[m.end():].strip(), "prose_action")
 
@@ -202,7 +209,7 @@ _PY_CALL = re.compile(r"^(?P<thought>.*?)\s*```(?:python|json)?\n(?P<call>\{.*\}
 def _parse_dict_call(text: str) -> ParsedTurn | None:
     # Every match of _PY_CALL contains one of these openings; a turn with none is not tried (SQL blocks
     # are many). Written out: a generator over them costs more than the searches.
-    opens = "```\n{" in text or "```python\n{" in text or "```json\n{" in text
+    opens = "{" in text and "\n{" in text and ("```\n{" in text or "```python\n{" in text or "```json\n{" in text)
     m = _PY_CALL.match(text) if opens else None
     if not m:
         return None
@@ -247,8 +254,10 @@ def parse_cleaned_turn(text: str) -> ParsedTurn:
     if not text:
         raise ParseError("empty assistant turn")
     for dialect in DIALECTS.values():
-        # A turn of a dialect with markers contains its action marker: no need to try the others.
-        if dialect.markers is not None and dialect.markers[1] not in text:
+        # A turn of a dialect with both markers starts with one of them, and one with an action marker
+        # contains it: no need to try the others (the start first: it costs no scan of the turn).
+        markers = dialect.markers
+        if markers is not None and not (text.startswith(markers) if markers[0] else markers[1] in text):
             continue
         parsed = dialect.parse(text)
         if parsed is not None:

@@ -35,6 +35,7 @@ ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": 
 TURN_KEYS = {"role", "from", "content", "value", "loss"}
 ROW_ID_KEYS = ("id", "item_id")
 CONVERSATION_KEYS = ("conversations", "conversation")
+KNOWN_ROW_KEYS = frozenset(ROW_ID_KEYS + CONVERSATION_KEYS)
 RENDERINGS = ("native", "react")
 
 
@@ -60,7 +61,7 @@ class NormalizeConfig:
             raise ValueError(f"rendering must be one of {RENDERINGS}, not {self.rendering!r}")
 
 
-def _turns(row: dict) -> list[dict]:
+def _raw_turns(row: dict) -> list:
     key = next((k for k in CONVERSATION_KEYS if k in row), None)
     if key is None:
         raise NormalizeError("missing_conversations", f"row has keys {sorted(row)[:10]}")
@@ -74,17 +75,17 @@ def _turns(row: dict) -> list[dict]:
         raise NormalizeError("wrong_type", f"{key} is {type(raw_turns).__name__}, not a list")
     if not raw_turns:
         raise NormalizeError("empty_conversation")
-    return [_turn(i, turn) for i, turn in enumerate(raw_turns)]
+    return raw_turns
 
 
-def _turn(i: int, turn) -> dict:
-    """Upstream turn `i` as {role, content, loss}, whichever key names it uses."""
+def _turn(i: int, turn) -> tuple[str, str, bool | None]:
+    """Upstream turn `i` as (role, content, loss), whichever key names it uses."""
     if not isinstance(turn, dict):
         raise NormalizeError("wrong_type", f"turn {i} is {type(turn).__name__}")
-    if not TURN_KEYS.issuperset(turn):
+    if not turn.keys() <= TURN_KEYS:
         raise NormalizeError("unexpected_keys", f"turn {i} has {sorted(set(turn) - TURN_KEYS)}")
-    role = turn.get("role", turn.get("from"))
-    content = turn.get("content", turn.get("value"))
+    role = turn["role"] if "role" in turn else turn.get("from")
+    content = turn["content"] if "content" in turn else turn.get("value")
     if not isinstance(role, str) or role not in ROLE_NAMES:
         raise NormalizeError("unknown_role", f"turn {i} role {role!r}"[:300])
     if not isinstance(content, str):
@@ -92,7 +93,7 @@ def _turn(i: int, turn) -> dict:
     loss = turn.get("loss")
     if loss is not None and not isinstance(loss, bool):
         raise NormalizeError("wrong_type", f"turn {i} loss is {type(loss).__name__}")
-    return {"role": ROLE_NAMES[role], "content": content, "loss": loss}
+    return ROLE_NAMES[role], content, loss
 
 
 # A row's first turn is mostly its env's instructions, the same long text row after row: it is cleaned
@@ -100,14 +101,29 @@ def _turn(i: int, turn) -> dict:
 _clean_first_turn = functools.lru_cache(maxsize=64)(clean_text)
 
 
-def _clean(turns: list[dict], max_chars: int) -> None:
-    """Clean each turn's content in place (`clean_text`); too long or empty after it is an error."""
-    for i, turn in enumerate(turns):
-        if len(turn["content"]) > max_chars:
-            raise NormalizeError("too_long", f"turn {i} has {len(turn['content'])} chars (max {max_chars})")
-        turn["content"] = _clean_first_turn(turn["content"]) if i == 0 else clean_text(turn["content"])
-        if not turn["content"]:
-            raise NormalizeError("empty_turn", f"turn {i} ({turn['role']}) is empty after cleaning")
+@dataclass
+class _Turns:
+    """A row's turns as parallel sequences: our role names, the upstream contents, their loss flags
+    (None where upstream has none)."""
+    roles: tuple[str, ...]
+    raw: tuple[str, ...]
+    losses: tuple[bool | None, ...]
+
+    @classmethod
+    def of(cls, row: dict) -> _Turns:
+        return cls(*zip(*[_turn(i, turn) for i, turn in enumerate(_raw_turns(row))]))
+
+    def cleaned(self, max_chars: int) -> list[str]:
+        """Each content cleaned (`clean_text`); too long or empty after it is an error, of the first
+        such turn."""
+        if max(map(len, self.raw)) <= max_chars:
+            contents = [_clean_first_turn(self.raw[0]), *map(clean_text, self.raw[1:])]
+            if "" not in contents:
+                return contents
+        i, text = next((i, text) for i, text in enumerate(self.raw) if len(text) > max_chars or not clean_text(text))
+        if len(text) > max_chars:
+            raise NormalizeError("too_long", f"turn {i} has {len(text)} chars (max {max_chars})")
+        raise NormalizeError("empty_turn", f"turn {i} ({self.roles[i]}) is empty after cleaning")
 
 
 def _spec_field(env: str, name: str):
@@ -116,16 +132,16 @@ def _spec_field(env: str, name: str):
     return getattr(found, name) if found is not None else None
 
 
-def _task_index(turns: list[dict], env: str) -> tuple[int, int]:
+def _task_index(roles: tuple[str, ...], contents: list[str], env: str) -> tuple[int, int]:
     """(index of the user turn that states the task, number of demo turns right before it)."""
-    first_user = next((i for i, t in enumerate(turns) if t["role"] == "user"), None)
-    if first_user is None:
+    if "user" not in roles:
         raise NormalizeError("no_user_turn")
-    default = _after_acknowledgement(turns, first_user)
+    first_user = roles.index("user")
+    default = _after_acknowledgement(roles, contents, first_user)
     marker = _spec_field(env, "task_start")
     if marker is None:
         return default, 0
-    starts = [i for i, t in enumerate(turns) if t["role"] == "user" and i > first_user and marker.match(t["content"])]
+    starts = [i for i in range(first_user + 1, len(roles)) if roles[i] == "user" and marker.match(contents[i])]
     if not starts or starts[-1] <= default:
         return default, 0
     task_at = starts[-1]
@@ -133,12 +149,12 @@ def _task_index(turns: list[dict], env: str) -> tuple[int, int]:
     return task_at, task_at - demo_from
 
 
-def _after_acknowledgement(turns: list[dict], first_user: int) -> int:
+def _after_acknowledgement(roles: tuple[str, ...], contents: list[str], first_user: int) -> int:
     """The task's turn when no marker says: the instruction turn may be followed by an
     acknowledgement ("Ok.", an assistant turn with no action) and then the task."""
     ack, task = first_user + 1, first_user + 2
-    if (task < len(turns) and turns[ack]["role"] == "assistant" and turns[task]["role"] == "user"
-            and parse_cleaned_turn(turns[ack]["content"]).dialect == FREE_TEXT):
+    if (task < len(roles) and roles[ack] == "assistant" and roles[task] == "user"
+            and parse_cleaned_turn(contents[ack]).dialect == FREE_TEXT):
         return task
     return first_user
 
@@ -151,8 +167,8 @@ def _task_text(content: str, env: str) -> str:
 
 class NormalizedRecord(dict):
     """A record `normalize_row` built from an upstream row's turns. Each turn has the schema's turn
-    shape by construction (`_parsed` writes every key with its type, `_clean` leaves no content
-    empty), so validation checks the schema on the rest only. Whoever edits its turns afterwards
+    shape by construction (`_parsed` writes every key with its type, `_Turns.cleaned` leaves no
+    content empty), so validation checks the schema on the rest only. Whoever edits its turns afterwards
     makes a plain dict of it."""
 
 
@@ -167,51 +183,51 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
     if not isinstance(raw_id, (str, int)):
         raise NormalizeError("wrong_type", "id is not a string")
     source_id = str(raw_id)
-    turns = _turns(row)
-    domain_env = source.domain_env(split, source_id, turns[0]["content"][:4000])
+    turns = _Turns.of(row)
+    domain_env = source.domain_env(split, source_id, turns.raw[0][:4000])
     if domain_env is None:
         raise NormalizeError("unknown_env", f"split {split!r}, id {source_id!r}")
     domain, env = domain_env
-    _clean(turns, config.max_turn_chars)
-    task_at, demo_turns = _task_index(turns, env)
-    upstream_loss = any(t["loss"] is not None for t in turns)
-    conversations = _parsed(turns, task_at, demo_turns, upstream_loss)
+    contents = turns.cleaned(config.max_turn_chars)
+    task_at, demo_turns = _task_index(turns.roles, contents, env)
+    upstream_loss = turns.losses.count(None) < len(turns.losses)
+    conversations = _parsed(turns, contents, task_at, demo_turns, upstream_loss)
     rendering = _render_react(conversations, task_at) if config.rendering == "react" else "native"
     meta = {"source_index": index, "split": split}
-    extra_keys = sorted(set(row).difference(ROW_ID_KEYS, CONVERSATION_KEYS))
+    extra_keys = sorted(row.keys() - KNOWN_ROW_KEYS)
     if extra_keys:
         meta["extra_keys"] = extra_keys
     return NormalizedRecord(new_record(
         id=source.record_id(split, source_id), source=source.name, source_id=source_id, source_file=source_file,
         license=source.license, domain=domain, env=env, negative_type=source.negative_type(split, source_id),
         rendering=rendering, loss_flags="upstream" if upstream_loss else "inferred", demo_turns=demo_turns,
-        task=_task_text(turns[task_at]["content"], env) or turns[task_at]["content"],
+        task=_task_text(contents[task_at], env) or contents[task_at],
         answer=_answer(conversations, domain), conversations=conversations, meta=meta))
 
 
-def _parsed(turns: list[dict], task_at: int, demo_turns: int, upstream_loss: bool) -> list[Turn]:
+def _parsed(turns: _Turns, contents: list[str], task_at: int, demo_turns: int, upstream_loss: bool) -> list[Turn]:
     """The record's turns: each assistant turn parsed (thought, action, dialect) and its loss flag
     set (module doc)."""
     conversations: list[Turn] = []
-    for i, turn in enumerate(turns):
-        if turn["role"] != "assistant":
-            conversations.append({"role": turn["role"], "content": turn["content"], "loss": False,
+    demo_from = task_at - demo_turns
+    for i, (role, content) in enumerate(zip(turns.roles, contents)):
+        if role != "assistant":
+            conversations.append({"role": role, "content": content, "loss": False,
                                   "thought": None, "action": None, "reasoning": None, "dialect": None})
             continue
         try:
-            parsed = parse_cleaned_turn(turn["content"])
+            parsed = parse_cleaned_turn(content)
         except ParseError as exc:
             raise NormalizeError("unparsed_assistant_turn", f"turn {i}: {exc}") from None
-        if task_at - demo_turns <= i < task_at:
+        if demo_from <= i < task_at:
             loss = False
         elif upstream_loss:
-            loss = bool(turn["loss"])
+            loss = turns.losses[i] is True
         else:
             # No upstream flags: the acknowledgement before the task is not trained on.
             loss = i >= task_at
-        conversations.append({"role": "assistant", "content": turn["content"], "loss": loss,
-                              "thought": parsed.thought, "action": parsed.action, "reasoning": None,
-                              "dialect": parsed.dialect})
+        conversations.append({"role": "assistant", "content": content, "loss": loss, "thought": parsed.thought,
+                              "action": parsed.action, "reasoning": None, "dialect": parsed.dialect})
     return conversations
 
 

@@ -207,6 +207,29 @@ def test_a_source_whose_ids_live_under_another_key_overrides_row_id():
     assert missing.value.reason == "missing_id"
 
 
+def test_a_row_with_several_faults_is_refused_for_its_first_in_a_fixed_order():
+    """The turns' structure decides first, then the env, then cleaning (too long, or empty after it),
+    each at the first turn it refuses: the reason a row gets does not depend on how its turns are read."""
+    source = get_source("agentinstruct")
+    row = next(iter_rows(RAW / "agentinstruct" / "db.jsonl")).row
+    turns = row["conversations"]
+    limit = max(len(t["value"]) for t in turns)
+    config = NormalizeConfig(max_turn_chars=limit)
+
+    def reason(changes: dict, split: str = "db") -> tuple[str, str]:
+        broken = [{**t, **changes.get(i, {})} for i, t in enumerate(turns)]
+        with pytest.raises(NormalizeError) as refused:
+            normalize_row({**row, "conversations": broken, "id": f"{split}_1"}, source, split, "x", 0, config)
+        return refused.value.reason, refused.value.detail
+
+    too_long, empty = {"value": "x" * (limit + 1)}, {"value": " \x1b[0m\n"}
+    assert reason({1: too_long, 3: {"from": "narrator"}})[0] == "unknown_role"
+    assert reason({0: {"value": "Solve it."}, 1: empty}, split="elsewhere")[0] == "unknown_env"
+    assert reason({1: empty, 2: too_long}) == ("empty_turn", "turn 1 (assistant) is empty after cleaning")
+    assert reason({1: too_long, 2: empty}) == ("too_long", f"turn 1 has {limit + 1} chars (max {limit})")
+    assert reason({0: empty})[1] == "turn 0 (user) is empty after cleaning"
+
+
 @pytest.mark.parametrize("rendering", RENDERINGS)
 def test_normalized_turns_fit_the_schema_by_construction(rendering):
     """Validation checks a normalized record against the schema less its turns, which normalize builds
