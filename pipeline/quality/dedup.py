@@ -144,28 +144,6 @@ def _classes() -> np.ndarray:
     return table
 
 
-def _character_class(found: np.ndarray) -> str:
-    """The code points `found` (sorted) as a Rust regex (polars) character class body."""
-    breaks = np.flatnonzero(np.diff(found) != 1)
-    starts, ends = np.append(found[:1], found[breaks + 1]), np.append(found[breaks], found[-1:])
-    return "".join(f"\\x{{{a:X}}}" + (f"-\\x{{{b:X}}}" if b > a else "") for a, b in zip(starts.tolist(), ends.tolist()))
-
-
-@functools.cache
-def _polars_word_gaps() -> str:
-    """Runs of non-word characters, for polars: Polars' (Rust) \\w differs from `re`'s outside
-    ASCII (marks, some numerals), so the class is `re`'s own, spelled out."""
-    return f"[^{_character_class(np.flatnonzero(_classes() == _WORD))}]+"
-
-
-def _tokenized(folded: Sequence[str]) -> pl.DataFrame:
-    """`words` (the \\w+ runs, joined by spaces) of each text, by polars' regex at once: several
-    times faster than `re` on their many small matches."""
-    text = pl.col("text")
-    return pl.DataFrame({"text": folded}, schema={"text": pl.String}).select(
-        text.str.replace_all(_polars_word_gaps(), " ").str.strip_chars(" ").alias("words"))
-
-
 class DedupTokens(NamedTuple):
     """The `DedupText`s of a batch of records, as two UTF-8 buffers: text i is
     words[word_bounds[i]:word_bounds[i + 1]] and bare[bare_bounds[i]:bare_bounds[i + 1]]. Each word
@@ -179,6 +157,11 @@ class DedupTokens(NamedTuple):
     def text(self, i: int) -> DedupText:
         words = self.words[self.word_bounds[i]:self.word_bounds[i + 1]].decode()
         return DedupText(self.bare[self.bare_bounds[i]:self.bare_bounds[i + 1]].decode(), words[:-1])
+
+    def word_texts(self) -> list[str]:
+        """Each text's `DedupText.words`."""
+        bounds = self.word_bounds.tolist()
+        return [self.words[start:max(start, end - 1)].decode() for start, end in zip(bounds, bounds[1:])]
 
 
 @functools.cache
@@ -491,8 +474,8 @@ class Contamination:
 
 
 def _task_words(texts: Sequence[str]) -> pl.Series:
-    """The word tokens (maximal \\w+ runs) of each folded text, joined by spaces."""
-    return _tokenized([_folded(text) for text in texts])["words"]
+    """The word tokens (maximal \\w+ runs) of each folded text, joined by spaces: dedup's tokens."""
+    return pl.Series(_tokens([_folded(text) for text in texts]).word_texts(), dtype=pl.String)
 
 
 def _split(words: str) -> tuple[str, ...]:

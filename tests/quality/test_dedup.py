@@ -18,7 +18,8 @@ from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 from trajforge.pipeline.quality.dedup import (
     Contamination,
     DedupConfig,
-    _tokenized,
+    _folded,
+    _task_words,
     _tokens,
     decontaminate,
     dedup_group,
@@ -248,11 +249,12 @@ def test_exact_key_is_equal_exactly_when_the_tokens_are():
 def test_tokens_are_those_of_re_on_every_code_point():
     """Each code point between two letters: one word with them, a space, or a token of its own,
     as Python's `re` decides (the turn markers, always tokens, aside), in the build's tokens (numpy
-    over UTF-8 bytes) and in the decontamination's words (polars)."""
+    over UTF-8 bytes) and in the decontamination's words (the same tokens, of the folded text)."""
     every = "".join(f"a{chr(c)}b" for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF and chr(c) not in "\x1d\x1e")
     found = _tokens([every, "", every[:999]]).text(0)
     assert found.bare == "".join(TOKEN.findall(every))
-    assert found.words == " ".join(re.findall(r"\w+", every)) == _tokenized([every])["words"][0]
+    assert found.words == " ".join(re.findall(r"\w+", every))
+    assert _task_words([every])[0] == " ".join(re.findall(r"\w+", _folded(every)))
 
 
 def test_ascii_tokens_are_those_of_re_on_every_ascii_code_point():
