@@ -206,16 +206,28 @@ class Step:
     detail: str
 
 
-def action_contexts(record: dict) -> Iterator[tuple[int, dict, Context]]:
-    """Every assistant turn with an action, and what the agent had seen before it."""
+def _assistant_turns(turns: list[dict]) -> Iterator[tuple[int, dict, list[str]]]:
+    """Every assistant turn, with what the agent had seen before it (the other turns' contents from
+    the first non-empty one; a list that grows as the walk goes on: copy it to keep it)."""
     seen: list[str] = []
-    turns = record["conversations"]
     for i, turn in enumerate(turns):
         if turn["role"] != "assistant":
             if seen or turn["content"]:
                 seen.append(turn["content"])
-        elif turn["action"] is not None:
-            yield i, turn, Context(tuple(seen), _before(turns, i), turn["dialect"])
+        else:
+            yield i, turn, seen
+
+
+def _context(turns: list[dict], i: int, seen: list[str]) -> Context:
+    return Context(tuple(seen), _before(turns, i), turns[i]["dialect"])
+
+
+def action_contexts(record: dict) -> Iterator[tuple[int, dict, Context]]:
+    """Every assistant turn with an action, and what the agent had seen before it."""
+    turns = record["conversations"]
+    for i, turn, seen in _assistant_turns(turns):
+        if turn["action"] is not None:
+            yield i, turn, _context(turns, i, seen)
 
 
 def _before(turns: list[dict], i: int) -> str:
@@ -275,20 +287,15 @@ def _grounded(record: dict) -> _Grounding:
     grammar = grammar_for(record["env"])
     replies = grammar.replies if grammar is not None else _NO_REPLIES
     steps: list[Step] = []
-    seen: list[str] = []
     trained = checked = breached = 0
-    for i, turn in enumerate(turns):
-        if turn["role"] != "assistant":
-            if seen or turn["content"]:
-                seen.append(turn["content"])
-            continue
+    for i, turn, seen in _assistant_turns(turns):
         if not turn["loss"]:
             continue
         trained += 1
         breach = None
         if grammar is not None and turn["action"] is not None:
             checked += 1
-            breach = grammar.check(turn["action"], Context(tuple(seen), _before(turns, i), turn["dialect"]))
+            breach = grammar.check(turn["action"], _context(turns, i, seen))
             breached += breach is not None
         step = _step(turns, i, replies, breach)
         if step is not None:
