@@ -25,7 +25,7 @@ def make_source(folder: Path) -> Path:
     """AgentTraj-L's fixture files plus one large env file, so the build spends seconds on one unit."""
     shutil.copytree(RAW / "agenttraj_l", folder)
     rows = json.loads((folder / "webshop_train.json").read_text())
-    big = [dict(row, item_id=f"{row['item_id']}{copy:04d}") for copy in range(1000) for row in rows]
+    big = [dict(row, item_id=f"{row['item_id']}{copy:04d}") for copy in range(3000) for row in rows]
     # The largest unit: the flow starts it first, and it still runs once the pool has finished most small units.
     (folder / "zz_webshop_train.json").write_text(json.dumps(big))
     return folder
