@@ -22,7 +22,7 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from trajforge.pipeline.envs.grammar import action_name, break_action
@@ -98,9 +98,10 @@ def _turn(content: str, loss: bool = True) -> dict:
             "action": parsed.action, "reasoning": None, "dialect": parsed.dialect}
 
 
-def _action_turns(record: dict) -> list[int]:
-    return [i for i, t in enumerate(record["conversations"])
-            if t["role"] == "assistant" and t["loss"] and t["action"] is not None]
+def _action_turns(record: dict) -> Iterator[int]:
+    """The trained action turns, in order, found as they are asked for: most makers stop at the first."""
+    return (i for i, t in enumerate(record["conversations"])
+            if t["role"] == "assistant" and t["loss"] and t["action"] is not None)
 
 
 WORD = re.compile(r"[\w.\-]+")
@@ -200,15 +201,14 @@ def make_irrelevant_tools(record: dict, pool: EnvPools, seed: int) -> dict | Non
     agent calls its usual tool anyway instead of saying that it cannot help. The right reply is
     kept in meta `chosen` for the preference pair."""
     turns = record["conversations"]
-    actions = _action_turns(record)
-    if record["domain"] != "tool" or not actions or turns[0]["role"] != "user":
+    first = next(_action_turns(record), None) if record["domain"] == "tool" else None
+    if first is None or turns[0]["role"] != "user":
         return None
     donors = pool.tool_prompts_of_other_envs(record["env"], turns[0]["content"])
     if not donors:
         return None
     donor_env, donor_prompt = donors[_pick(seed, record["id"], len(donors))]
     swapped = {**turns[0], "content": donor_prompt}
-    first = actions[0]
     conversations = [swapped] + turns[1:first + 1]
     probe = {**record, "conversations": conversations}
     name = action_name(turns[first]["action"], turns[first]["dialect"])
@@ -305,11 +305,10 @@ def make_wrong_answer(record: dict, pool: EnvPools, seed: int) -> dict | None:
 def make_premature_answer(record: dict, pool: EnvPools, seed: int) -> dict | None:
     """The agent answers at its first step, before looking at anything, and gets it wrong."""
     final = _final_answer(record)
-    actions = _action_turns(record)
-    if final is None or not actions or actions[0] >= final[0]:
+    first = next(_action_turns(record), None) if final is not None else None
+    if first is None or first >= final[0]:
         return None
     wrong = _wrong_answer(record, pool, seed)
-    first = actions[0]
     changed = _answer_turn(final[1], wrong, record["conversations"][first]["thought"]) if wrong else None
     conversations = record["conversations"][:first] + [changed] if changed else None
     if conversations is None or _breaks_grammar(record, conversations):
