@@ -233,7 +233,7 @@ def make_hallucinated_observation(record: dict, pool: EnvPools, seed: int) -> di
     for i in _action_turns(record):
         if i + 1 >= len(turns) or turns[i + 1]["role"] != "user":
             continue
-        observation = turns[i + 1]["content"].split("\n", 1)[0][:300]
+        observation = turns[i + 1]["content"][:300].split("\n", 1)[0]  # its first line, at most 300 characters
         changed = _turn(f"{turns[i]['content']}\nObservation: {observation}")
         if changed["action"] is not None and changed["dialect"] == turns[i]["dialect"]:
             return _negative(record, "hallucinated_observation", turns[:i] + [changed])
@@ -250,13 +250,12 @@ def _wrong_answer(record: dict, pool: EnvPools, seed: int) -> str | None:
     return None
 
 
-def _answer_turn(final: dict, wrong: str, thought: str) -> dict | None:
-    """`final`'s answer action in its own syntax, giving `wrong` instead."""
+def _answer_turn(final: dict, given: str, wrong: str, thought: str) -> dict | None:
+    """`final`'s answer action (it gives `given`, `_final_answer`) in its own syntax, giving `wrong` instead."""
     action = final["action"]
     if action.startswith("finish with Action Input:"):
         action = "finish with Action Input: " + json.dumps({"answer": wrong}, ensure_ascii=False)
     else:
-        given = extract_answer(action, final["dialect"])
         at = action.rfind(given) if given else -1
         if at < 0:
             return None
@@ -265,9 +264,14 @@ def _answer_turn(final: dict, wrong: str, thought: str) -> dict | None:
     return out if out["action"] and extract_answer(out["action"], out["dialect"]) == wrong else None
 
 
+def _last_assistant(turns: list[dict]) -> int:
+    """The index of the last assistant turn (a positive has one), looked for from the end."""
+    return next(i for i in range(len(turns) - 1, -1, -1) if turns[i]["role"] == "assistant")
+
+
 def _final_answer(record: dict) -> tuple[int, dict] | None:
     turns = record["conversations"]
-    i = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
+    i = _last_assistant(turns)
     if record["answer"] is None or turns[i]["action"] is None:
         return None
     if extract_answer(turns[i]["action"], turns[i]["dialect"]) != record["answer"]:
@@ -295,7 +299,7 @@ def make_wrong_answer(record: dict, pool: EnvPools, seed: int) -> dict | None:
     """The trajectory ends with a wrong final answer (another task's answer of the same env)."""
     final = _final_answer(record)
     wrong = _wrong_answer(record, pool, seed) if final else None
-    changed = _answer_turn(final[1], wrong, final[1]["thought"]) if wrong else None
+    changed = _answer_turn(final[1], record["answer"], wrong, final[1]["thought"]) if wrong else None
     conversations = record["conversations"][:final[0]] + [changed] if changed else None
     if conversations is None or _breaks_grammar(record, conversations):
         return None
@@ -309,7 +313,7 @@ def make_premature_answer(record: dict, pool: EnvPools, seed: int) -> dict | Non
     if first is None or first >= final[0]:
         return None
     wrong = _wrong_answer(record, pool, seed)
-    changed = _answer_turn(final[1], wrong, record["conversations"][first]["thought"]) if wrong else None
+    changed = _answer_turn(final[1], record["answer"], wrong, record["conversations"][first]["thought"]) if wrong else None
     conversations = record["conversations"][:first] + [changed] if changed else None
     if conversations is None or _breaks_grammar(record, conversations):
         return None  # e.g. a KG answer naming a variable no step has made yet: invalid, not just wrong
@@ -319,7 +323,7 @@ def make_premature_answer(record: dict, pool: EnvPools, seed: int) -> dict | Non
 def make_broken_format(record: dict, pool: EnvPools, seed: int) -> dict | None:
     """A turn that drops the Thought/Action markers its prompt asks for (prose, unparseable)."""
     turns = record["conversations"]
-    last = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
+    last = _last_assistant(turns)
     for i in _action_turns(record):
         if i == last and record["domain"] == "tool":
             continue  # a tool agent's last turn may be prose; it would not be a format error there
