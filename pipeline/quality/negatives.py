@@ -108,7 +108,10 @@ WORD = re.compile(r"[\w.\-]+")
 
 
 def _context_text(record: dict) -> str:
-    return "\n".join(t["content"] for t in record["conversations"] if t["role"] != "assistant").lower()
+    """The non-assistant turns, lowercased and joined by newlines. Each turn is lowered on its own: an
+    ASCII tool listing stays on str.lower's fast path when a later turn is not ASCII (twice as fast on
+    tool prompts), and the text is the same (a newline bounds the only context rule, the final sigma)."""
+    return "\n".join(t["content"].lower() for t in record["conversations"] if t["role"] != "assistant")
 
 
 def _is_word_of(text: str, word: str) -> bool:
