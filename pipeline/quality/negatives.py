@@ -65,11 +65,17 @@ class NegativesConfig:
         if bad:
             raise ValueError(f"rates must be in [0, 1]: {bad}")
 
+    @functools.cached_property
+    def draw_key(self) -> tuple[int, tuple[tuple[str, float], ...]]:
+        """What `_draws` are cached by, made once: made and hashed per positive, ~1 us of ~35."""
+        return self.seed, tuple(self.rates.items())
+
 
 @functools.lru_cache(maxsize=16)
-def _draws(seed: int, rates: tuple[tuple[str, float], ...]) -> tuple[tuple[Callable, object, bytes], ...]:
-    """(maker, hash of the (seed, type) prefix, `_draw_bound` of the rate) per type in MAKERS' order
+def _draws(key: tuple[int, tuple[tuple[str, float], ...]]) -> tuple[tuple[Callable, object, bytes], ...]:
+    """Of a config's `draw_key` (seed, rates): (maker, hash of the (seed, type) prefix, `_draw_bound` of the rate) per type in MAKERS' order
     whose rate can choose a positive: the prefix is hashed once and copied for each positive's draw."""
+    seed, rates = key
     rate_of = dict(rates)
     return tuple((maker, hashlib.sha256(f"{seed}\x1f{kind}\x1f".encode()), _draw_bound(rate_of.get(kind, 0.0)))
                  for kind, maker in MAKERS.items() if rate_of.get(kind, 0.0) > 0)
@@ -374,7 +380,7 @@ def negatives_of(record: dict, pools: EnvPools, config: NegativesConfig = Negati
     out = []
     # A type is drawn when the hash of (seed, type, id) falls under its rate; one loop over the types
     # with the id encoded once (~6 us of ~12 a positive less than a call per type).
-    for maker, prefix, bound in _draws(config.seed, tuple(config.rates.items())):
+    for maker, prefix, bound in _draws(config.draw_key):
         digest = prefix.copy()
         digest.update(key)
         # 32 bytes against 8: below when the first 8 are, not when they are equal (longer is greater).
