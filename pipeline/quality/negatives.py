@@ -275,7 +275,10 @@ def _answer_turn(final: dict, given: str, wrong: str, thought: str) -> dict | No
 
 def _last_assistant(turns: list[dict]) -> int:
     """The index of the last assistant turn (a positive has one), looked for from the end."""
-    return next(i for i in range(len(turns) - 1, -1, -1) if turns[i]["role"] == "assistant")
+    for i in range(len(turns) - 1, -1, -1):
+        if turns[i]["role"] == "assistant":
+            return i
+    raise ValueError("no assistant turn")
 
 
 def _final_answer(record: dict) -> tuple[int, dict] | None:
