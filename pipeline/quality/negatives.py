@@ -73,8 +73,9 @@ class NegativesConfig:
 
 @functools.lru_cache(maxsize=16)
 def _draws(key: tuple[int, tuple[tuple[str, float], ...]]) -> tuple[tuple[Callable, object, bytes], ...]:
-    """Of a config's `draw_key` (seed, rates): (maker, hash of the (seed, type) prefix, `_draw_bound` of the rate) per type in MAKERS' order
-    whose rate can choose a positive: the prefix is hashed once and copied for each positive's draw."""
+    """Of a config's `draw_key` (seed, rates): (maker, hash of the (seed, type) prefix, `_draw_bound` of
+    the rate) per type in MAKERS' order whose rate can choose a positive: the prefix is hashed once and
+    copied for each positive's draw."""
     seed, rates = key
     rate_of = dict(rates)
     return tuple((maker, hashlib.sha256(f"{seed}\x1f{kind}\x1f".encode()), _draw_bound(rate_of.get(kind, 0.0)))
