@@ -22,7 +22,7 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from trajforge.pipeline.envs.grammar import action_name, break_action
@@ -65,14 +65,33 @@ class NegativesConfig:
         if bad:
             raise ValueError(f"rates must be in [0, 1]: {bad}")
 
+    @functools.cached_property
+    def draw_key(self) -> tuple[int, tuple[tuple[str, float], ...]]:
+        """What `_draws` are cached by, made once: made and hashed per positive, ~1 us of ~35."""
+        return self.seed, tuple(self.rates.items())
+
 
 @functools.lru_cache(maxsize=16)
-def _draws(seed: int, rates: tuple[tuple[str, float], ...]) -> tuple[tuple[Callable, object, float], ...]:
-    """(maker, hash of the (seed, type) prefix, rate) per type in MAKERS' order whose rate can choose
-    a positive: the prefix is hashed once and copied for each positive's draw."""
+def _draws(key: tuple[int, tuple[tuple[str, float], ...]]) -> tuple[tuple[Callable, object, bytes], ...]:
+    """Of a config's `draw_key` (seed, rates): (maker, hash of the (seed, type) prefix, `_draw_bound` of
+    the rate) per type in MAKERS' order whose rate can choose a positive: the prefix is hashed once and
+    copied for each positive's draw."""
+    seed, rates = key
     rate_of = dict(rates)
-    return tuple((maker, hashlib.sha256(f"{seed}\x1f{kind}\x1f".encode()), rate_of.get(kind, 0.0))
+    return tuple((maker, hashlib.sha256(f"{seed}\x1f{kind}\x1f".encode()), _draw_bound(rate_of.get(kind, 0.0)))
                  for kind, maker in MAKERS.items() if rate_of.get(kind, 0.0) > 0)
+
+
+def _draw_bound(rate: float) -> bytes:
+    """A type is drawn when the first 8 bytes of the draw's digest, read as a big-endian n, give
+    `n / 2**64 < rate`: that is n below the least n that does not (found by bisection, the float
+    division rounds), and a digest below these 8 bytes. One bytes comparison of the digest; the int
+    and the division cost more than the copy, update and digest of the hash together."""
+    low, high = 0, 2**64 - 1  # (2**64 - 1) / 2**64 rounds to 1.0: never below a rate in [0, 1]
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (mid + 1, high) if mid / 2**64 < rate else (low, mid)
+    return low.to_bytes(8, "big")
 
 
 def _pick(seed: int, key: str, n: int) -> int:
@@ -86,16 +105,20 @@ def _turn(content: str, loss: bool = True) -> dict:
             "action": parsed.action, "reasoning": None, "dialect": parsed.dialect}
 
 
-def _action_turns(record: dict) -> list[int]:
-    return [i for i, t in enumerate(record["conversations"])
-            if t["role"] == "assistant" and t["loss"] and t["action"] is not None]
+def _action_turns(record: dict) -> Iterator[int]:
+    """The trained action turns, in order, found as they are asked for: most makers stop at the first."""
+    return (i for i, t in enumerate(record["conversations"])
+            if t["role"] == "assistant" and t["loss"] and t["action"] is not None)
 
 
 WORD = re.compile(r"[\w.\-]+")
 
 
 def _context_text(record: dict) -> str:
-    return "\n".join(t["content"] for t in record["conversations"] if t["role"] != "assistant").lower()
+    """The non-assistant turns, lowercased and joined by newlines. Each turn is lowered on its own: an
+    ASCII tool listing stays on str.lower's fast path when a later turn is not ASCII (twice as fast on
+    tool prompts), and the text is the same (a newline bounds the only context rule, the final sigma)."""
+    return "\n".join(t["content"].lower() for t in record["conversations"] if t["role"] != "assistant")
 
 
 def _is_word_of(text: str, word: str) -> bool:
@@ -105,10 +128,14 @@ def _is_word_of(text: str, word: str) -> bool:
             and re.search(rf"(?<![\w.\-]){re.escape(word)}(?![\w.\-])", text) is not None)
 
 
+# `json.dumps(..., sort_keys=True)` builds an encoder per call: half its time on a small meta.
+_SORTED_JSON = json.JSONEncoder(sort_keys=True)
+
+
 @functools.lru_cache(maxsize=16)
 def _negative_meta(parent_meta: str, extra: tuple[tuple[str, str], ...]) -> str:
     """A negative's meta: its parent's with `extra`; a positive's negatives without extra share it."""
-    return json.dumps({**record_meta(parent_meta), **dict(extra)}, sort_keys=True)
+    return _SORTED_JSON.encode({**record_meta(parent_meta), **dict(extra)})
 
 
 def _negative(parent: dict, kind: str, conversations: list[dict], extra: dict | None = None) -> dict:
@@ -184,15 +211,14 @@ def make_irrelevant_tools(record: dict, pool: EnvPools, seed: int) -> dict | Non
     agent calls its usual tool anyway instead of saying that it cannot help. The right reply is
     kept in meta `chosen` for the preference pair."""
     turns = record["conversations"]
-    actions = _action_turns(record)
-    if record["domain"] != "tool" or not actions or turns[0]["role"] != "user":
+    first = next(_action_turns(record), None) if record["domain"] == "tool" else None
+    if first is None or turns[0]["role"] != "user":
         return None
     donors = pool.tool_prompts_of_other_envs(record["env"], turns[0]["content"])
     if not donors:
         return None
     donor_env, donor_prompt = donors[_pick(seed, record["id"], len(donors))]
     swapped = {**turns[0], "content": donor_prompt}
-    first = actions[0]
     conversations = [swapped] + turns[1:first + 1]
     probe = {**record, "conversations": conversations}
     name = action_name(turns[first]["action"], turns[first]["dialect"])
@@ -217,7 +243,7 @@ def make_hallucinated_observation(record: dict, pool: EnvPools, seed: int) -> di
     for i in _action_turns(record):
         if i + 1 >= len(turns) or turns[i + 1]["role"] != "user":
             continue
-        observation = turns[i + 1]["content"].split("\n", 1)[0][:300]
+        observation = turns[i + 1]["content"][:300].split("\n", 1)[0]  # its first line, at most 300 characters
         changed = _turn(f"{turns[i]['content']}\nObservation: {observation}")
         if changed["action"] is not None and changed["dialect"] == turns[i]["dialect"]:
             return _negative(record, "hallucinated_observation", turns[:i] + [changed])
@@ -234,13 +260,12 @@ def _wrong_answer(record: dict, pool: EnvPools, seed: int) -> str | None:
     return None
 
 
-def _answer_turn(final: dict, wrong: str, thought: str) -> dict | None:
-    """`final`'s answer action in its own syntax, giving `wrong` instead."""
+def _answer_turn(final: dict, given: str, wrong: str, thought: str) -> dict | None:
+    """`final`'s answer action (it gives `given`, `_final_answer`) in its own syntax, giving `wrong` instead."""
     action = final["action"]
     if action.startswith("finish with Action Input:"):
         action = "finish with Action Input: " + json.dumps({"answer": wrong}, ensure_ascii=False)
     else:
-        given = extract_answer(action, final["dialect"])
         at = action.rfind(given) if given else -1
         if at < 0:
             return None
@@ -249,9 +274,17 @@ def _answer_turn(final: dict, wrong: str, thought: str) -> dict | None:
     return out if out["action"] and extract_answer(out["action"], out["dialect"]) == wrong else None
 
 
+def _last_assistant(turns: list[dict]) -> int:
+    """The index of the last assistant turn (a positive has one), looked for from the end."""
+    for i in range(len(turns) - 1, -1, -1):
+        if turns[i]["role"] == "assistant":
+            return i
+    raise ValueError("no assistant turn")
+
+
 def _final_answer(record: dict) -> tuple[int, dict] | None:
     turns = record["conversations"]
-    i = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
+    i = _last_assistant(turns)
     if record["answer"] is None or turns[i]["action"] is None:
         return None
     if extract_answer(turns[i]["action"], turns[i]["dialect"]) != record["answer"]:
@@ -279,7 +312,7 @@ def make_wrong_answer(record: dict, pool: EnvPools, seed: int) -> dict | None:
     """The trajectory ends with a wrong final answer (another task's answer of the same env)."""
     final = _final_answer(record)
     wrong = _wrong_answer(record, pool, seed) if final else None
-    changed = _answer_turn(final[1], wrong, final[1]["thought"]) if wrong else None
+    changed = _answer_turn(final[1], record["answer"], wrong, final[1]["thought"]) if wrong else None
     conversations = record["conversations"][:final[0]] + [changed] if changed else None
     if conversations is None or _breaks_grammar(record, conversations):
         return None
@@ -289,12 +322,11 @@ def make_wrong_answer(record: dict, pool: EnvPools, seed: int) -> dict | None:
 def make_premature_answer(record: dict, pool: EnvPools, seed: int) -> dict | None:
     """The agent answers at its first step, before looking at anything, and gets it wrong."""
     final = _final_answer(record)
-    actions = _action_turns(record)
-    if final is None or not actions or actions[0] >= final[0]:
+    first = next(_action_turns(record), None) if final is not None else None
+    if first is None or first >= final[0]:
         return None
     wrong = _wrong_answer(record, pool, seed)
-    first = actions[0]
-    changed = _answer_turn(final[1], wrong, record["conversations"][first]["thought"]) if wrong else None
+    changed = _answer_turn(final[1], record["answer"], wrong, record["conversations"][first]["thought"]) if wrong else None
     conversations = record["conversations"][:first] + [changed] if changed else None
     if conversations is None or _breaks_grammar(record, conversations):
         return None  # e.g. a KG answer naming a variable no step has made yet: invalid, not just wrong
@@ -304,7 +336,7 @@ def make_premature_answer(record: dict, pool: EnvPools, seed: int) -> dict | Non
 def make_broken_format(record: dict, pool: EnvPools, seed: int) -> dict | None:
     """A turn that drops the Thought/Action markers its prompt asks for (prose, unparseable)."""
     turns = record["conversations"]
-    last = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
+    last = _last_assistant(turns)
     for i in _action_turns(record):
         if i == last and record["domain"] == "tool":
             continue  # a tool agent's last turn may be prose; it would not be a format error there
@@ -352,10 +384,11 @@ def negatives_of(record: dict, pools: EnvPools, config: NegativesConfig = Negati
     out = []
     # A type is drawn when the hash of (seed, type, id) falls under its rate; one loop over the types
     # with the id encoded once (~6 us of ~12 a positive less than a call per type).
-    for maker, prefix, rate in _draws(config.seed, tuple(config.rates.items())):
+    for maker, prefix, bound in _draws(config.draw_key):
         digest = prefix.copy()
         digest.update(key)
-        if int.from_bytes(digest.digest()[:8], "big") / 2**64 < rate:
+        # 32 bytes against 8: below when the first 8 are, not when they are equal (longer is greater).
+        if digest.digest() < bound:
             negative = maker(record, pools, config.seed)
             if negative is not None:
                 out.append(negative)

@@ -12,7 +12,7 @@ import pytest
 from tests.support.oracles import make_negatives
 from tests.support.paths import AGENT_FLAN
 from trajforge.pipeline.ingest.validate import validate_record
-from trajforge.pipeline.quality.negatives import EXPECTED_VIOLATION, NEGATIVE_TYPES, NegativesConfig
+from trajforge.pipeline.quality.negatives import EXPECTED_VIOLATION, NEGATIVE_TYPES, NegativesConfig, _draw_bound
 from trajforge.schemas import validator
 
 ALL = NegativesConfig(rates=dict.fromkeys(NEGATIVE_TYPES, 1.0))
@@ -91,6 +91,15 @@ def test_deterministic_and_rates_are_respected(positives):
     assert {n["negative_type"] for n in some} == {"broken_format"}
     assert 0.25 * len(everything) < len(some) < 0.75 * len(everything)
     assert make_negatives(positives, NegativesConfig(seed=1, rates={"broken_format": 0.5})) != some
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.2, 0.5, 1 / 3, 0.9999999999999999, 1e-19, 5e-324])
+def test_draw_bound_is_where_the_draw_starts_to_fail(rate):
+    # A draw is `n / 2**64 < rate` for the first 8 digest bytes n; the bound is the least n it fails.
+    bound = int.from_bytes(_draw_bound(rate), "big")
+    assert not bound / 2**64 < rate
+    assert bound == 0 or (bound - 1) / 2**64 < rate
+    assert (b"\xff" * 32 < _draw_bound(rate)) is False and (bytes(32) < _draw_bound(rate)) is (bound > 0)
 
 
 def test_negatives_are_made_per_parent_whatever_the_order(positives):
