@@ -307,11 +307,12 @@ def _python_as_json(text: str) -> str | None:
 
 
 def _python_arguments(text: str) -> dict | None:
-    """`parse_literal(text, dict)` of a stripped text that is no JSON, mostly without ast (ten times
-    slower): a Python literal without a backslash, a lone surrogate (compile refuses one) or deep
-    nesting means what `_python_as_json` makes of it means as JSON, whenever that parses: each token
-    reads the same in both, and one left unread (an unclosed string) fails JSON too. AgentGym tool
-    envs write the Python repr of an API result as `finish` arguments."""
+    """`parse_literal(text, dict)` of a stripped text that is no JSON, mostly without ast (several
+    times slower on a large argument): a Python literal without a backslash, a lone surrogate (compile
+    refuses one) or deep nesting means as Python what `_python_as_json` makes of it means as JSON,
+    whenever that parses: each token reads the same in both, and one left unread (an unclosed
+    string) fails JSON too. AgentGym tool envs write the Python repr of an API result as `finish`
+    arguments; tests/ingest/test_grammars.py holds the two readings together."""
     if "\\" in text or text.count("{") + text.count("[") >= _DEEP or not _utf8(text):
         return parse_literal(text, dict)
     as_json = _python_as_json(text)
