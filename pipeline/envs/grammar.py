@@ -91,7 +91,10 @@ class Replies:
 
     def refusal(self, reply: str) -> str | None:
         """The name of the refusal `reply` is, or None."""
-        return next((name for name, pattern in self.refused.items() if pattern.search(reply)), None)
+        for name, pattern in self.refused.items():
+            if pattern.search(reply):
+                return name
+        return None
 
     def stuck(self, reply: str, before: str) -> bool:
         """`reply` shows the action got nowhere: refused, a no-op, or the state unchanged (and it does
@@ -126,38 +129,57 @@ class Template:
     regex: re.Pattern
 
 
-def templates(slots: dict[str, str], *texts: str) -> list[Template]:
+class Commands(list):
+    """An env's templates, the longest verb first (`toggle and go through` before `toggle`, `go to`
+    before `go`), with what a check looks up in them: by an action's first character, the templates
+    whose verb can start it (in the same order); by verb, its templates. A check then tries a few
+    templates, not every one of the env's."""
+
+    def __init__(self, table: list[Template]):
+        super().__init__(sorted(table, key=lambda t: -len(t.verb)))
+        self.shapes: dict[str, list[Template]] = {}
+        for t in self:
+            self.shapes.setdefault(t.verb, []).append(t)
+        # A template that starts with a slot has no verb: it may start any action.
+        self.no_verb = [t for t in self if not t.verb]
+        self.by_initial = {t.verb[0]: [u for u in self if u.verb[:1] == t.verb[0] or not u.verb] for t in self if t.verb}
+        self.known = ", ".join(sorted({f"`{t.text}`" for t in self}))
+
+
+def templates(slots: dict[str, str], *texts: str) -> Commands:
     out = []
     for text in texts:
         parts = re.split(r"(\{\w+\})", text)
         regex = "".join(f"(?:{slots[p[1:-1]]})" if p.startswith("{") else re.escape(p) for p in parts)
         verb = parts[0].strip() if len(parts) > 1 else text
         out.append(Template(text, verb, re.compile(regex, re.S)))
-    # The longest verb first: `toggle and go through` before `toggle`, `go to` before `go`.
-    return sorted(out, key=lambda t: -len(t.verb))
+    return Commands(out)
 
 
-def _verb_of(action: str, table: list[Template]) -> str | None:
+def _verb_of(action: str, table: Commands) -> str | None:
     # A verb ends at a space or newline, or is itself bracketed (`search[`).
-    return next((t.verb for t in table if action.startswith(t.verb) and (
-        action == t.verb or t.verb.endswith("[") or action[len(t.verb)] in " \n")), None)
+    for t in table.by_initial.get(action[:1], table.no_verb):
+        verb = t.verb
+        if action.startswith(verb) and (action == verb or verb.endswith("[") or action[len(verb)] in " \n"):
+            return verb
+    return None
 
 
-def check_commands(name: str, table: list[Template], action: str) -> Breach | None:
+def check_commands(name: str, table: Commands, action: str) -> Breach | None:
     """`<name>.command` when no template's verb starts the action, `<name>.arguments` when a verb
     does but its arguments fit none of that verb's templates."""
     text = action.strip()
     verb = _verb_of(text, table)
     if verb is None:
-        known = ", ".join(sorted({f"`{t.text}`" for t in table}))
-        return Breach(f"{name}.command", f"{text[:120]!r} is not one of {known}"[:400])
-    shapes = [t for t in table if t.verb == verb]
-    if any(t.regex.fullmatch(text) for t in shapes):
-        return None
+        return Breach(f"{name}.command", f"{text[:120]!r} is not one of {table.known}"[:400])
+    shapes = table.shapes[verb]
+    for t in shapes:
+        if t.regex.fullmatch(text):
+            return None
     return Breach(f"{name}.arguments", f"{text[:120]!r} does not fit " + " or ".join(f"`{t.text}`" for t in shapes))
 
 
-def break_commands(name: str, table: list[Template], action: str) -> dict[str, str]:
+def break_commands(name: str, table: Commands, action: str) -> dict[str, str]:
     """A real action with its verb swapped for an invented one, and with its arguments dropped."""
     text = action.strip()
     verb = _verb_of(text, table)
@@ -171,7 +193,7 @@ def break_commands(name: str, table: list[Template], action: str) -> dict[str, s
     return out
 
 
-def command_grammar(name: str, source: str, table: list[Template], terminal=None,
+def command_grammar(name: str, source: str, table: Commands, terminal=None,
                     extra: Callable[[str, Context], Breach | None] | None = None,
                     extra_breaks: Callable[[str, Context], dict[str, str]] | None = None,
                     extra_rules: dict[str, str] | None = None, replies: Replies = Replies(),
@@ -222,6 +244,8 @@ def _tool_listings(prompt: str):
             yield m
 
 
+# Read for each turn before every action of a tool env (`Context.tools`), like `offered_tools`.
+@functools.lru_cache(maxsize=256)
 def _open_listing(text: str) -> bool:
     """Whether a `Name:` line of `text` has no `)` after it: the only listing text that follows may
     change (a match never reads past the first `)` after its start)."""
@@ -247,8 +271,67 @@ def tool_offered(name: str, context: Context) -> bool:
 
 
 def parse_arguments(text: str) -> dict | None:
-    """A tool call's arguments: a JSON object, or the Python dict literal some upstream rows write."""
-    return parse_literal(text.strip(), dict)
+    """A tool call's arguments: a JSON object, or the Python dict literal some upstream rows write
+    (`parse_literal(text.strip(), dict)`)."""
+    text = text.strip()
+    try:
+        value = json.loads(text)
+    except _JSON_ERRORS:
+        return _python_arguments(text)
+    return value if isinstance(value, dict) else None
+
+
+_JSON_ERRORS = (ValueError, RecursionError, MemoryError)
+# The string literals of a Python literal without backslashes, and the names outside them (a name
+# right after a digit or a point is part of a number, or a token JSON refuses as well).
+_STRINGS = re.compile(r"""('[^'\n\r]*'|"[^"\n\r]*")""")
+_NAME = re.compile(r"(?<![0-9.])[A-Za-z_]\w*")
+_JSON_NAMES = {"True": "true", "False": "false", "None": "null"}
+# Python's parser refuses a literal nested deeper than 200 brackets, JSON does not: a text with this
+# many openings is left to ast.
+_DEEP = 100
+
+
+def _python_as_json(text: str) -> str | None:
+    """A Python literal without backslashes as JSON text: its single-quoted strings double-quoted,
+    True/False/None written as JSON does; None when it has another name (`NaN`, `true`, a string
+    prefix), which JSON could read otherwise than Python."""
+    parts = _STRINGS.split(text)  # outside strings, a string, outside, ...
+    names = set(_NAME.findall(" ".join(parts[0::2])))
+    if not names <= _JSON_NAMES.keys():
+        return None
+    parts[1::2] = ['"' + p[1:-1].replace('"', '\\"') + '"' if p[0] == "'" else p for p in parts[1::2]]
+    if names:
+        parts[0::2] = [_NAME.sub(lambda m: _JSON_NAMES[m.group()], part) for part in parts[0::2]]
+    return "".join(parts)
+
+
+def _python_arguments(text: str) -> dict | None:
+    """`parse_literal(text, dict)` of a stripped text that is no JSON, mostly without ast (several
+    times slower on a large argument): a Python literal without a backslash, a lone surrogate (compile
+    refuses one) or deep nesting means as Python what `_python_as_json` makes of it means as JSON,
+    whenever that parses: each token reads the same in both, and one left unread (an unclosed
+    string) fails JSON too. AgentGym tool envs write the Python repr of an API result as `finish`
+    arguments; tests/ingest/test_grammars.py holds the two readings together."""
+    if "\\" in text or text.count("{") + text.count("[") >= _DEEP or not _utf8(text):
+        return parse_literal(text, dict)
+    as_json = _python_as_json(text)
+    if as_json is not None:
+        try:
+            value = json.loads(as_json)
+        except _JSON_ERRORS:
+            pass
+        else:
+            return value if isinstance(value, dict) else None
+    return parse_literal(text, dict)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def tool_call(action: str, dialect: str | None) -> tuple[str | None, str | None]:

@@ -26,6 +26,7 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import fastjsonschema
 
@@ -48,6 +49,7 @@ def _mentions_observation(content: str) -> bool:
 
 
 INVALID_STEPS = ("mask", "drop", "keep")
+_CONTENT = itemgetter("content")
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,9 @@ def _assistant_turns_parse(record: dict, config: ValidateConfig) -> Violation | 
 def _last_assistant(turns: list[dict]) -> int:
     """The index of the last assistant turn (a record that fits the schema has one): most records end
     on it."""
-    return next(i for i in range(len(turns) - 1, -1, -1) if turns[i]["role"] == "assistant")
+    if turns[-1]["role"] == "assistant":
+        return len(turns) - 1
+    return next(i for i in range(len(turns) - 2, -1, -1) if turns[i]["role"] == "assistant")
 
 
 def _react_rendering(record: dict, config: ValidateConfig) -> Violation | None:
@@ -176,12 +180,18 @@ def _model_written_observation(record: dict, config: ValidateConfig) -> Violatio
 
 def _length(record: dict, config: ValidateConfig) -> Violation | None:
     turns = record["conversations"]
-    total = sum([len(t["content"]) for t in turns])
+    total = sum(map(len, map(_CONTENT, turns)))
     if total > config.max_total_chars:
         return Violation("too_long", f"{total} chars (max {config.max_total_chars})")
     if len(turns) > config.max_turns:
         return Violation("too_long", f"{len(turns)} turns (max {config.max_turns})")
-    trainable = len([t for t in turns if t["role"] == "assistant" and t["loss"]])
+    # Counted only as far as the minimum: the count is only told when it falls short.
+    trainable = 0
+    for t in turns:
+        if t["loss"] and t["role"] == "assistant":
+            trainable += 1
+            if trainable >= config.min_trainable_turns:
+                return None
     if trainable < config.min_trainable_turns:
         return Violation("no_trainable_turn", f"{trainable} assistant turns with loss")
     return None
@@ -347,18 +357,21 @@ def _action_loop(record: dict, config: ValidateConfig) -> Violation | None:
     was each time; a repeat the env reports as progress (TextCraft `Crafted ...`) is no loop. A masked
     step still counts as an attempt: the loop is in the episode either way."""
     turns = record["conversations"]
-    run, previous_at = 0, None
+    run, previous_at, previous = 0, None, None
     for i, turn in enumerate(turns):
-        if turn["role"] != "assistant" or turn["action"] is None:
+        action = turn["action"]
+        if action is None or turn["role"] != "assistant":
             continue
         # The env's reply to the previous attempt (its replies, and the meta) are read only where they
         # can matter: most actions repeat none before them.
-        repeated = previous_at is not None and turn["action"] == turns[previous_at]["action"]
-        run = run + 1 if repeated and _got_nowhere(turns, previous_at, replies_of(record["env"])) else 1
-        if run >= LOOP_REPEATS and (turn["loss"] or i in masked_turns(record)):
-            return Violation("action_loop", f"turn {i}: the same action {run} times, the env refusing it, doing "
-                                            "nothing or leaving the state unchanged each time")
-        previous_at = i
+        if action == previous and _got_nowhere(turns, previous_at, replies_of(record["env"])):
+            run += 1
+            if run >= LOOP_REPEATS and (turn["loss"] or i in masked_turns(record)):
+                return Violation("action_loop", f"turn {i}: the same action {run} times, the env refusing it, "
+                                                "doing nothing or leaving the state unchanged each time")
+        else:
+            run = 1
+        previous_at, previous = i, action
     return None
 
 
@@ -410,7 +423,8 @@ def _answer_consistent(record: dict, config: ValidateConfig) -> Violation | None
     """The final action must give the record's answer (what a reward compares against)."""
     if record["answer"] is None:
         return None
-    last = next(t for t in reversed(record["conversations"]) if t["role"] == "assistant")
+    turns = record["conversations"]
+    last = turns[_last_assistant(turns)]
     if last["action"] is None:
         return None
     given = extract_answer(last["action"], last["dialect"])

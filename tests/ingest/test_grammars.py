@@ -9,10 +9,19 @@ import json
 import pytest
 
 from tests.support.oracles import make_negatives
-from tests.support.paths import FIXTURE_SOURCES
-from trajforge.pipeline.envs.grammar import _AGENTGYM_TOOL_LIST, Context, _tool_listings, offered_tools
+from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES
+from trajforge.pipeline.envs.grammar import (
+    _AGENTGYM_TOOL_LIST,
+    Context,
+    _python_as_json,
+    _tool_listings,
+    offered_tools,
+    parse_arguments,
+    tool_call,
+)
+from trajforge.pipeline.ingest.dialects import parse_literal
 from trajforge.pipeline.ingest.grammars import GRAMMARS, grammar_for
-from trajforge.pipeline.ingest.normalize import normalize_row
+from trajforge.pipeline.ingest.normalize import NormalizeError, normalize_row
 from trajforge.pipeline.ingest.validate import ValidateConfig, action_contexts, validate_record
 from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig
 from trajforge.sources import get_source, iter_rows
@@ -243,3 +252,67 @@ def test_context_tools_turn_by_turn_are_those_of_the_joined_prompt():
     assert any(Context(seen, "").tools for seen in cases)
     for seen in cases:
         assert Context(seen, "").tools == offered_tools("\n".join(seen)), seen
+
+
+# Python literals JSON could read otherwise than ast, or that one of them refuses: names, numbers,
+# string forms, quotes inside strings, unclosed strings, raw control characters, a lone surrogate,
+# deep nesting, containers JSON has not.
+_LITERALS = ["{'a': True, 'b': None, 'c': False, 'True': 'None'}", "{'a': true}", "{'a': null}", "{'a': NaN}",
+             "{'a': Infinity}", "{'a': -Infinity}", "{'a': 1e5, 'b': -0.0, 'c': 1E-3, 'd': -0, 'e': 10}",
+             "{'a': 1e400, 'b': -1e400}", "{'a': 1j}", "{'a': 0x1F}", "{'a': 1_000}", "{'a': 01}", "{'a': 1.}",
+             "{'a': .5}", "{'a': - 1}", "{'a': +1}", "{'a': 1" + "0" * 5000 + "}", "{'a': b'x'}", "{'a': u'x'}",
+             "{'a': r'x'}", "{'a': 'x' 'y'}", "{'a': 'x''y'}", "{'a': '''x'''}", '{"a": """x"""}',
+             r"{'a': 'it\'s'}", """{'a': 'say "hi"'}""", """{"a": 'x', 'b': "y'z", 'c': 'w"v'}""",
+             "{'a': 'x\ny'}", "{'a': 'x\ry'}", "{'a': 'x\ty'}", "{'a': '\x00'}", "{'a': '\u2028 é 펄'}",
+             "{'a': '\ud800'}", "{'a': 'x'\n, 'b': 1}", "{'a':\r\n1}", "{'a': (1, 2)}", "{'a': {1, 2}}", "{1: 'a'}",
+             "{'a': 1,}", "{'a': 1} # 'b'", "{'a': 'x'", "{'a': 'x}", """{'a": 1}""", "{'a': 1, 'a': 2, 'b': 3}",
+             "{'a': Truex}", "{'a': True1}", "{'a': ...}", "{'a': [1, 2.5, [], {}]}", "['a']", "'a'", "1", "", "{}",
+             "{'a': " * 99 + "1" + "}" * 99, "{'a': " * 150 + "1" + "}" * 150, "[" * 201 + "]" * 201,
+             "{'a': " + "[" * 201 + "]" * 201 + "}"]
+
+
+def _fixture_argument_texts() -> list[str]:
+    """Every fixture action, and the argument text of each that is a tool call."""
+    texts = []
+    for name, location in {**FIXTURE_SOURCES, "agent_flan": str(AGENT_FLAN)}.items():
+        source = get_source(name)
+        for f in source.files(location):
+            for raw in iter_rows(f.path, f.label):
+                if raw.error is not None:
+                    continue
+                try:
+                    record = normalize_row(raw.row, source, f.split, f.label, raw.index)
+                except NormalizeError:
+                    continue
+                for turn in record["conversations"]:
+                    if turn["action"] is not None:
+                        texts += [turn["action"], tool_call(turn["action"], turn["dialect"])[1] or ""]
+    return texts
+
+
+def _read_as_json(text: str) -> bool:
+    """Whether `parse_arguments` reads `text` as the JSON `_python_as_json` makes of it."""
+    text = text.strip()
+    try:
+        json.loads(text)
+        return False
+    except ValueError:
+        as_json = _python_as_json(text)
+    try:
+        return as_json is not None and isinstance(json.loads(as_json), dict)
+    except ValueError:
+        return False
+
+
+def test_python_literal_arguments_read_as_json_are_what_ast_reads():
+    """Tool arguments that are no JSON are read as the JSON `_python_as_json` makes of them where that
+    parses: on every fixture action and argument text, and on literals that tell the two apart, the
+    arguments are `parse_literal`'s (ast's reading), value, types and key order alike."""
+    fixture_texts = _fixture_argument_texts()
+    for text in fixture_texts + _LITERALS:
+        assert repr(parse_arguments(text)) == repr(parse_literal(text.strip(), dict)), text
+    # The JSON reading is taken on real rows (Agent-FLAN's dict calls, AgentGym's Python reprs) and on
+    # literals with names, numbers and quotes: the comparison is not only of texts left to ast.
+    assert sum(map(_read_as_json, fixture_texts)) >= 5
+    assert {"{'a': True, 'b': None, 'c': False, 'True': 'None'}", "{'a': 1e400, 'b': -1e400}",
+            """{"a": 'x', 'b': "y'z", 'c': 'w"v'}""", "{'a': 'x'\n, 'b': 1}"} <= set(filter(_read_as_json, _LITERALS))
