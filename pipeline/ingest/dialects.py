@@ -259,7 +259,7 @@ class _DialectsByStart:
 
     def __init__(self, dialects: Registry[Dialect]):
         self.dialects = dialects.values()  # a view: it sees a dialect registered later
-        self.registered = -1
+        self._build()
 
     def _build(self) -> None:
         starts = {m for d in self.dialects if d.markers and d.markers[0] for m in d.markers}
