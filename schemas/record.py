@@ -56,10 +56,11 @@ _META_ENCODER = json.JSONEncoder(sort_keys=True, ensure_ascii=False)
 
 
 def new_record(*, id: str, source: str, source_id: str, source_file: str, license: str, domain: str, env: str,
-               task: str, conversations: list[Turn], meta: dict, negative_type: str | None = None,
+               task: str, conversations: list[Turn], meta: dict | str, negative_type: str | None = None,
                rendering: str = "native", loss_flags: str = "inferred", demo_turns: int = 0,
                answer: str | None = None, reward: float | None = None, success: bool | None = None) -> TrajectoryRecord:
-    """A record of the current schema version; a record with a `negative_type` is a negative."""
+    """A record of the current schema version; a record with a `negative_type` is a negative. `meta` is a
+    dict, or already its JSON text as `json.dumps(meta, sort_keys=True, ensure_ascii=False)` writes it."""
     return {
         "id": id,
         "schema_version": SCHEMA_VERSION,
@@ -80,5 +81,5 @@ def new_record(*, id: str, source: str, source_id: str, source_file: str, licens
         "reward": reward,
         "success": success,
         "conversations": conversations,
-        "meta": _META_ENCODER.encode(meta),
+        "meta": meta if isinstance(meta, str) else _META_ENCODER.encode(meta),
     }

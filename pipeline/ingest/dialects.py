@@ -76,6 +76,9 @@ class Dialect:
     # marker, and no markers at all for JSON tool calls (the rewards check those by parsing). A turn
     # of a dialect with both starts with one of them; one with an action marker contains it.
     markers: tuple[str | None, str] | None = None
+    # A text every turn of the dialect contains besides its markers ("" for none): a turn without it is
+    # not tried.
+    needle: str = ""
 
 
 def _joined(head: str, thought: str, sep: str, marker: str, action: str) -> str:
@@ -119,7 +122,7 @@ def _marker_dialect(name: str, thought_head: str, action_pattern: str, head: str
     def render(thought: str, action: str | None) -> str:
         return _joined(head, thought, sep, marker, action or "")
 
-    return Dialect(name, parse, render, keywords, markers)
+    return Dialect(name, parse, render, keywords, markers, needed)
 
 
 _THOUGHT_ACTION_WORDS = (("Thought:", "Think:"), ("Action:", "Act:"))
@@ -229,8 +232,8 @@ def _render_dict_call(thought: str, action: str | None) -> str:
 # Most specific first: a Think/Act turn also contains "Act:", an Action-Input turn is also a
 # Thought/Action turn, and prose_action would swallow anything with "Action:" in it.
 DIALECTS: Registry[Dialect] = Registry("dialect", {d.name: d for d in [
-    Dialect("json_tool", _parse_json_tool, _render_json_tool),
-    Dialect("dict_tool_call", _parse_dict_call, _render_dict_call),
+    Dialect("json_tool", _parse_json_tool, _render_json_tool, needle="{"),
+    Dialect("dict_tool_call", _parse_dict_call, _render_dict_call, needle="\n{"),
     *(_marker_dialect(*spec) for spec in _MARKER_DIALECTS),
     Dialect("prose_action", _parse_prose_action, _render_prose_action, (("Action:", "Act:"),), (None, "Action:")),
 ]})
@@ -246,6 +249,46 @@ def parse_turn(text: str) -> ParsedTurn:
     return parse_cleaned_turn(clean_text(text))
 
 
+class _DialectsByStart:
+    """The dialects a turn may be, in the registry's order, by the start marker it opens with: one
+    lookup, not a test per dialect. A turn of a dialect with both markers starts with one of them, one
+    with only an action marker contains it, and each contains its needle: a dialect is listed with the
+    text the turn must contain, tested before its parse (cheaper than a call). A start marker ends in
+    its one colon, so it is the turn's text up to its first colon. Built again when a dialect is
+    registered."""
+
+    def __init__(self, dialects: Registry[Dialect]):
+        self.dialects = dialects.values()  # a view: it sees a dialect registered later
+        self._build()
+
+    def _build(self) -> None:
+        starts = {m for d in self.dialects if d.markers and d.markers[0] for m in d.markers}
+        if any(m.find(":") != len(m) - 1 for m in starts):
+            raise ValueError(f"a start marker must end in its only colon: {sorted(starts)}")
+        self.longest = max(map(len, starts), default=0)
+        self.by_start = {start: self._tried(start) for start in starts}
+        self.unmarked = self._tried(None)
+        self.registered = len(self.dialects)
+
+    def _tried(self, start: str | None) -> tuple[tuple[str, Callable[[str], ParsedTurn | None]], ...]:
+        tried = []
+        for d in self.dialects:
+            if d.markers is None or d.markers[0] is None:
+                tried.append((d.needle or (d.markers[1] if d.markers else ""), d.parse))
+            elif start in d.markers:
+                tried.append((d.needle, d.parse))
+        return tuple(tried)
+
+    def __call__(self, text: str) -> tuple[tuple[str, Callable[[str], ParsedTurn | None]], ...]:
+        if self.registered != len(self.dialects):
+            self._build()
+        # No colon: text[:0], no start marker.
+        return self.by_start.get(text[:text.find(":", 0, self.longest) + 1], self.unmarked)
+
+
+_dialects_by_start = _DialectsByStart(DIALECTS)
+
+
 # A turn read again soon after (an acknowledgement, a validated record's turn) is a lookup. Bounded,
 # so memory stays a few turns deep.
 @functools.lru_cache(maxsize=256)
@@ -253,15 +296,11 @@ def parse_cleaned_turn(text: str) -> ParsedTurn:
     """`parse_turn` of a text `clean_text` already cleaned (normalize cleans each turn once)."""
     if not text:
         raise ParseError("empty assistant turn")
-    for dialect in DIALECTS.values():
-        # A turn of a dialect with both markers starts with one of them, and one with an action marker
-        # contains it: no need to try the others (the start first: it costs no scan of the turn).
-        markers = dialect.markers
-        if markers is not None and not (text.startswith(markers) if markers[0] else markers[1] in text):
-            continue
-        parsed = dialect.parse(text)
-        if parsed is not None:
-            return parsed
+    for needle, parse in _dialects_by_start(text):
+        if needle in text:
+            parsed = parse(text)
+            if parsed is not None:
+                return parsed
     return ParsedTurn(text, None, FREE_TEXT)
 
 

@@ -16,6 +16,7 @@ import functools
 import json
 import re
 from dataclasses import dataclass
+from json.encoder import encode_basestring
 
 from trajforge.pipeline.envs import specs
 from trajforge.pipeline.ingest.dialects import (
@@ -193,10 +194,10 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
     upstream_loss = turns.losses.count(None) < len(turns.losses)
     conversations = _parsed(turns, contents, task_at, demo_turns, upstream_loss)
     rendering = _render_react(conversations, task_at) if config.rendering == "react" else "native"
-    meta = {"source_index": index, "split": split}
     extra_keys = sorted(row.keys() - KNOWN_ROW_KEYS)
-    if extra_keys:
-        meta["extra_keys"] = extra_keys
+    # The usual meta as its JSON text (keys sorted): written out, it costs a tenth of the encoder's call.
+    meta = ({"source_index": index, "split": split, "extra_keys": extra_keys} if extra_keys
+            else f'{{"source_index": {index}, "split": {encode_basestring(split)}}}')
     return NormalizedRecord(new_record(
         id=source.record_id(split, source_id), source=source.name, source_id=source_id, source_file=source_file,
         license=source.license, domain=domain, env=env, negative_type=source.negative_type(split, source_id),

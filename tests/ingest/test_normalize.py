@@ -230,6 +230,43 @@ def test_a_row_with_several_faults_is_refused_for_its_first_in_a_fixed_order():
     assert reason({0: empty})[1] == "turn 0 (user) is empty after cleaning"
 
 
+def test_turns_of_mixed_shapes_read_as_each_shape_alone_and_loose_types_are_refused():
+    """A row's turns may mix the upstream key names (or carry both): it gives the record the row with one
+    shape gives. A loss flag that is no bool, a role that is no role name and a content that is no
+    string are refused at their turn, whichever turn it is."""
+    source = get_source("agentinstruct")
+    row = next(iter_rows(RAW / "agentinstruct" / "db.jsonl")).row
+    turns = row["conversations"]
+    as_role = [{"role": t["from"], "content": t["value"], "loss": t["loss"]} for t in turns]
+    mixed = [as_role[0], *turns[1:-1], {**turns[-1], "role": turns[-1]["from"]}]
+    expected = normalize_row(row, source, "db", "x", 0)
+    for variant in (as_role, mixed):
+        assert normalize_row({**row, "conversations": variant}, source, "db", "x", 0) == expected
+
+    def reason(i: int, change: dict) -> tuple[str, str]:
+        broken = [{**t, **change} if j == i else t for j, t in enumerate(turns)]
+        with pytest.raises(NormalizeError) as refused:
+            normalize_row({**row, "conversations": broken}, source, "db", "x", 0)
+        return refused.value.reason, refused.value.detail
+
+    assert reason(2, {"loss": 1}) == ("wrong_type", "turn 2 loss is int")
+    assert reason(0, {"loss": "yes"}) == ("wrong_type", "turn 0 loss is str")
+    assert reason(3, {"from": ["gpt"]}) == ("unknown_role", "turn 3 role ['gpt']")
+    assert reason(1, {"value": None}) == ("wrong_type", "turn 1 content is NoneType")
+    assert reason(4, {"note": "x"})[0] == "unexpected_keys"
+
+
+def test_meta_is_the_json_text_of_its_keys_sorted():
+    """`meta` is what `json.dumps(..., sort_keys=True, ensure_ascii=False)` makes of the row's provenance,
+    whatever its split's name holds and whether the row has keys beyond the known ones."""
+    source = get_source("agentinstruct")
+    row = next(iter_rows(RAW / "agentinstruct" / "db.jsonl")).row
+    for split, index, extra in [("db", 0, {}), ('d"b\\\u00e9\n\u2028', 10**12, {}), ("db", 7, {"z": 1, "a b": 2})]:
+        record = normalize_row({**row, **extra}, source, split, "x", index)
+        meta = {"source_index": index, "split": split, **({"extra_keys": sorted(extra)} if extra else {})}
+        assert record["meta"] == json.dumps(meta, sort_keys=True, ensure_ascii=False)
+
+
 @pytest.mark.parametrize("rendering", RENDERINGS)
 def test_normalized_turns_fit_the_schema_by_construction(rendering):
     """Validation checks a normalized record against the schema less its turns, which normalize builds
