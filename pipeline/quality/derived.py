@@ -33,8 +33,6 @@ from trajforge.pipeline.envs import recorded_in, spec
 from trajforge.pipeline.envs.tasks import Task
 from trajforge.schemas import arrow_schema
 
-_TURNS = arrow_schema("trajectory").field("conversations").type
-
 
 def _messages(turns: list[dict]) -> list[dict]:
     return [{"role": t["role"], "content": t["content"]} for t in turns]
@@ -97,8 +95,10 @@ def grpo_prompts(records: pa.Table) -> pa.Table:
     and actions (those of the trained turns from there on); none for a positive without a trained
     assistant turn after its first turn."""
     schema = arrow_schema("grpo")
-    positives = records.filter(pc.equal(records["kind"], "positive")).combine_chunks()
-    conversations = positives["conversations"].chunk(0) if positives.num_rows else pa.array([], _TURNS)
+    # Ranges over every record's turns, the positives picked by `has`: filtering the records first
+    # would copy every column of theirs, the turns' texts included.
+    column = records["conversations"]
+    conversations = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()  # the chunk uncopied
     bounds = conversations.offsets.to_numpy()
     starts, ends = bounds[:-1] - bounds[0], bounds[1:] - bounds[0]
     turns = conversations.flatten()
@@ -107,19 +107,19 @@ def grpo_prompts(records: pa.Table) -> pa.Table:
     trained_at = np.flatnonzero(trained)
     after = np.searchsorted(trained_at, starts)
     first = np.append(trained_at, ends[-1] if len(ends) else 0)[after]
-    has = (first > starts) & (first < ends)
+    has = (first > starts) & (first < ends) & np.asarray(pc.equal(records["kind"], "positive"), dtype=bool)
     starts, ends, first = starts[has], ends[has], first[has]
     prompt_at, prompt_offsets = _ranges(starts, first)
     messages = pa.StructArray.from_arrays([turns.field("role").take(prompt_at), turns.field("content").take(prompt_at)],
                                           fields=list(schema.field("prompt").type.value_type))
     acted = np.flatnonzero(trained & np.asarray(pc.fill_null(pc.not_equal(action, ""), False)))
     actions_at, actions_offsets = _ranges(np.searchsorted(acted, first), np.searchsorted(acted, ends))
-    kept = positives.filter(pa.array(has))
     columns = {
         "prompt": pa.ListArray.from_arrays(prompt_offsets, messages, type=schema.field("prompt").type),
         "expected_actions": pa.ListArray.from_arrays(actions_offsets, action.take(acted[actions_at]),
                                                      type=schema.field("expected_actions").type),
         "first_action": action.take(first), "dialect": turns.field("dialect").take(first)}
+    kept = records.select([name for name in schema.names if name not in columns]).filter(pa.array(has))
     return pa.Table.from_arrays([columns[name] if name in columns else kept[name] for name in schema.names],
                                 schema=schema)
 
