@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import json
-from itertools import repeat
 
 import numpy as np
 import pyarrow as pa
@@ -57,9 +56,15 @@ def record_meta(meta: str) -> dict:
     return json.loads(meta)
 
 
+def _names(meta: str, *keys: str) -> bool:
+    """Whether a meta (its JSON text) may have one of `keys`: the text of an object names its keys in
+    quotes. Most metas have none of the keys the step makers look for, and are not parsed for them."""
+    return any(f'"{key}"' in meta for key in keys)
+
+
 def _chosen_reply(meta: str) -> str | None:
     """The right reply a negative's meta carries (`chosen`), if any."""
-    return record_meta(meta).get("chosen")
+    return record_meta(meta).get("chosen") if _names(meta, "chosen") else None
 
 
 def preference_pair(negative: dict, parent: dict) -> dict | None:
@@ -169,28 +174,35 @@ def _beneficial_turns(conversations: list[dict], meta: dict) -> set[int]:
     return {turn for k, turn in enumerate(actions) if k in steps}
 
 
-def labelled_messages(record: dict) -> list[dict]:
-    """The step_labels messages of a trajectory the build keeps (it succeeded, or shows the right
-    behaviour), each turn with its label and its source: a trained step is good, named `critical` when
-    select-steps flagged it, `salvage` when it came from a failed run's prefix that a salvage
-    continuation completed, else `trajectory`; a step validation masked because the env refused it
-    is bad (`refused`); the rest is context (no label)."""
-    meta = record_meta(record["meta"])
+UNLABELLED = (None, None)
+
+
+def turn_labels(record: dict) -> list[tuple[int | None, str | None]]:
+    """The step label of each turn of a trajectory the build keeps (it succeeded, or shows the right
+    behaviour), with its source: a trained step is good, named `critical` when select-steps flagged
+    it, `salvage` when it came from a failed run's prefix that a salvage continuation completed, else
+    `trajectory`; a step validation masked because the env refused it is bad (`refused`); the rest
+    is context (UNLABELLED)."""
+    meta = record_meta(record["meta"]) if _names(record["meta"], "masked_steps", "beneficial_steps") else {}
     refused, beneficial = _masked_turns(meta), _beneficial_turns(record["conversations"], meta)
-    messages = []
+    labels = []
     for i, turn in enumerate(record["conversations"]):
         if turn["role"] != "assistant":
-            label, source = None, None
+            labels.append(UNLABELLED)
         elif i in refused:
-            label, source = BAD, "refused"
+            labels.append((BAD, "refused"))
         elif not turn["loss"]:
-            label, source = None, None
+            labels.append(UNLABELLED)
         elif turn.get("critical") is True:
-            label, source = GOOD, "critical"
+            labels.append((GOOD, "critical"))
         else:
-            label, source = GOOD, "salvage" if i in beneficial else "trajectory"
-        messages.append({"role": turn["role"], "content": turn["content"], "label": label, "label_source": source})
-    return messages
+            labels.append((GOOD, "salvage" if i in beneficial else "trajectory"))
+    return labels
+
+
+def labelled_messages(record: dict) -> list[dict]:
+    """The step_labels messages of a kept trajectory: its turns with their `turn_labels`."""
+    return _labelled(record["conversations"], turn_labels(record))
 
 
 def _labelled(turns: list[dict], labels) -> list[dict]:
@@ -198,41 +210,74 @@ def _labelled(turns: list[dict], labels) -> list[dict]:
             for t, (label, source) in zip(turns, labels)]
 
 
-def step_label_rows(record: dict, negatives: list[dict]) -> list[dict]:
-    """The step_labels rows of a kept trajectory and of its `negatives`, those with a labelled
-    step; the trajectory's labelled messages are made once for all of them."""
-    messages = labelled_messages(record)
-    rows = [_labelled_row(record, messages), *(negative_step_labels(negative, record, messages) for negative in negatives)]
-    return [row for row in rows if row is not None]
-
-
 def step_labels_of(record: dict) -> dict | None:
     """The step_labels row of a kept trajectory, or None when no step of it is labelled."""
-    return _labelled_row(record, labelled_messages(record))
-
-
-def _labelled_row(record: dict, messages: list[dict]) -> dict | None:
+    messages = labelled_messages(record)
     if all(m["label"] is None for m in messages):
         return None
-    return {"id": f"{record['id']}#steps", "record_id": record["id"], "kind": "positive",
-            "negative_type": record["negative_type"], "source": record["source"], "domain": record["domain"],
-            "env": record["env"], "messages": messages}
+    return {**_step_row(record, record, "positive"), "messages": messages}
 
 
-def negative_step_labels(negative: dict, parent: dict, parent_messages: list[dict]) -> dict | None:
-    """The step_labels row of a negative: its turns up to the step where it goes wrong (the
-    rejected turn of its preference pair), that step bad (`negative`), the steps before it labelled
-    as in the parent (`parent_messages`: its `labelled_messages`, whose dicts it shares) where the
-    context is still the parent's. Nothing after the first error is labelled: what follows a wrong
-    step says nothing about the steps themselves."""
+def _step_row(of: dict, parent: dict, kind: str) -> dict:
+    """A step_labels row but its messages: those of the trajectory `of` (a kept one or a negative of `parent`)."""
+    return {"id": f"{of['id']}#steps", "record_id": of["id"], "kind": kind, "negative_type": of["negative_type"],
+            "source": parent["source"], "domain": parent["domain"], "env": parent["env"]}
+
+
+def negative_steps(negative: dict, parent: dict) -> tuple[int, int] | None:
+    """Where a negative's step_labels row stops, as (same, bad): it is its turns up to the step where
+    it goes wrong (`bad`: the rejected turn of its preference pair), that step bad (`negative`), the
+    `same` first of them labelled as in the parent (the context is still the parent's), those
+    between unlabelled; None when the wrong step is no assistant turn. Nothing after the first error
+    is labelled: what follows a wrong step says nothing about the steps themselves."""
     neg, par = negative["conversations"], parent["conversations"]
     diverged = _divergence(par, neg)
     bad = len(neg) - 1 if _chosen_reply(negative["meta"]) is not None else diverged
     if bad is None or neg[bad]["role"] != "assistant":
         return None
-    same = bad if diverged is None else min(diverged, bad)
-    messages = (parent_messages[:same] + _labelled(neg[same:bad], repeat((None, None)))
-                + _labelled(neg[bad:bad + 1], [(BAD, "negative")]))
-    return {"id": f"{negative['id']}#steps", "record_id": negative["id"], "kind": "negative",
-            "negative_type": negative["negative_type"], "source": parent["source"], "domain": parent["domain"],
-            "env": parent["env"], "messages": messages}
+    return (bad if diverged is None else min(diverged, bad)), bad
+
+
+def step_label_table(records: pa.Table, parents: list[dict], negatives: list[list[dict]]) -> pa.Table:
+    """The step_labels rows of a batch's kept trajectories (`records`, and as dicts `parents`) and of
+    their `negatives` (per trajectory), those with a labelled step: a trajectory's row, then its
+    negatives' (`negative_steps`). The messages are made column-wise: each is a trajectory's turn
+    (role and content taken from `records`) or a negative's own turn, with its label."""
+    schema = arrow_schema("step_labels")
+    column = records["conversations"]
+    conversations = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()  # the chunk uncopied
+    starts = conversations.offsets.to_numpy()[:-1] - conversations.offsets[0].as_py()
+    turns = conversations.flatten()
+    # Every turn of the batch's trajectories, then the negatives' own turns (`own`): the messages are
+    # taken from them, each row's as two ranges (of its parent's turns, of its own).
+    labels: list[tuple[int | None, str | None]] = []
+    own: list[tuple[str, str, int | None, str | None]] = []
+    rows: list[dict] = []
+    ranges: list[tuple[int, int, int, int]] = []
+    for parent, start, its_negatives in zip(parents, starts.tolist(), negatives):
+        parent_labels = turn_labels(parent)
+        labels += parent_labels
+        if any(label is not None for label, _ in parent_labels):
+            rows.append(_step_row(parent, parent, "positive"))
+            ranges.append((start, start + len(parent_labels), len(own), len(own)))
+        for negative in its_negatives:
+            steps = negative_steps(negative, parent)
+            if steps is None:
+                continue
+            same, bad = steps
+            rows.append(_step_row(negative, parent, "negative"))
+            ranges.append((start, start + same, len(own), len(own) + bad + 1 - same))
+            own += [(t["role"], t["content"], *UNLABELLED) for t in negative["conversations"][same:bad]]
+            own.append((negative["conversations"][bad]["role"], negative["conversations"][bad]["content"], BAD, "negative"))
+    fields = list(schema.field("messages").type.value_type)
+    own_columns = list(zip(*own)) if own else [[], [], [], []]
+    pool = pa.StructArray.from_arrays(
+        [pa.concat_arrays([turns.field("role"), pa.array(own_columns[0], pa.string())]),
+         pa.concat_arrays([turns.field("content"), pa.array(own_columns[1], pa.string())]),
+         pa.array([label for label, _ in labels] + list(own_columns[2]), pa.int64()),
+         pa.array([source for _, source in labels] + list(own_columns[3]), pa.string())], fields=fields)
+    bounds = np.asarray(ranges, dtype=np.int64).reshape(-1, 4) + [0, 0, len(turns), len(turns)]
+    at, offsets = _ranges(bounds[:, 0::2].ravel(), bounds[:, 1::2].ravel())
+    messages = pa.ListArray.from_arrays(offsets[::2], pool.take(at), type=schema.field("messages").type)
+    columns = {name: pa.array([row[name] for row in rows], pa.string()) for name in schema.names[:-1]}
+    return pa.Table.from_arrays([*columns.values(), messages], schema=schema)
