@@ -5,10 +5,10 @@ line in the dataset card, and how its rows are made:
 
 - `rows`, per kept record: `write_unit` (pipeline/build/assemble.py) calls it on each record the
   global stages kept, in the registry's order, with what the outputs before it made of that record
-  (`made`: preference pairs read the record's negatives), and stages the rows per unit; shards are
-  cut from those files in unit order. Or `table`, per staged batch: its rows made column-wise from
-  the Arrow table of the batch's kept records (`sft` is that table), with the records as dicts and
-  what the row makers made of each (step labels read the negatives).
+  (`made`), and stages the rows per unit; shards are cut from those files in unit order. Or
+  `table`, per staged batch: its rows made column-wise from the Arrow table of the batch's kept
+  records (`sft` is that table), with the records as dicts and what the row makers made of each
+  (preference pairs and step labels read the negatives).
 - `parts`, once per build: the staged files (path, Arrow bytes, rows) the shards are cut from, made
   from the units' staged files or from elsewhere (`grpo_env` adds the task files' tasks; the tree-search
   configs read the synthetic source's search outputs). None: the output is not written by this build.
@@ -35,7 +35,7 @@ from trajforge.pipeline.envs.tasks import Task, load_tasks
 from trajforge.pipeline.quality.derived import (
     grpo_env_row,
     grpo_prompts,
-    preference_pair,
+    preference_table,
     record_meta,
     record_task,
     reference_answer,
@@ -139,9 +139,9 @@ def _negatives(record: dict, made: dict, unit: UnitContext) -> list[dict]:
     return negatives_of(record, unit.pools, unit.negatives)
 
 
-def _preference_pairs(record: dict, made: dict, unit: UnitContext) -> list[dict]:
-    """A pair per negative of the record (the parent is the record at hand), where they differ on a reply."""
-    return [pair for negative in made["negatives"] for pair in [preference_pair(negative, record)] if pair is not None]
+def _preference_pairs(kept: pa.Table, records: list[dict], made: dict) -> pa.Table:
+    """A pair per negative of each record (its parent), where they differ on a reply."""
+    return preference_table(kept, records, made["negatives"])
 
 
 def _grpo_env_task(record: dict, made: dict, unit: UnitContext) -> list[dict]:
@@ -239,7 +239,7 @@ OUTPUTS: Registry[Output] = Registry("output", {output.name: output for output i
            table=_the_records),
     Output("negatives", "trajectory", "trajectories with a known defect (`negative_type`, `parent_id`)",
            rows=_negatives, count=_negative_types, report=_negatives_report),
-    Output("preference", "preference", "chosen/rejected pairs for DPO", rows=_preference_pairs),
+    Output("preference", "preference", "chosen/rejected pairs for DPO", table=_preference_pairs),
     Output("grpo", "grpo", "prompts with reference answers for GRPO", table=_grpo_prompts, report=_grpo_report),
     Output("grpo_env", "grpo_env", "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",
            rows=_grpo_env_task, parts=_grpo_env_parts, report=_grpo_env_report),

@@ -33,10 +33,6 @@ from trajforge.pipeline.envs.tasks import Task
 from trajforge.schemas import arrow_schema
 
 
-def _messages(turns: list[dict]) -> list[dict]:
-    return [{"role": t["role"], "content": t["content"]} for t in turns]
-
-
 def _divergence(parent: list[dict], negative: list[dict]) -> int | None:
     for k, turn in enumerate(negative):
         if k >= len(parent):
@@ -67,24 +63,67 @@ def _chosen_reply(meta: str) -> str | None:
     return record_meta(meta).get("chosen") if _names(meta, "chosen") else None
 
 
-def preference_pair(negative: dict, parent: dict) -> dict | None:
-    """The DPO pair of a negative and its parent, or None when they never differ on a reply."""
+def pair_of(negative: dict, parent: dict) -> tuple[int, str | None] | None:
+    """Where the DPO pair of a negative and its parent is, as (k, chosen): its prompt is the first k
+    turns, of the parent's, or the negative's own when it carries the right reply (`chosen`); its
+    chosen reply `chosen`, else the parent's turn k; its rejected reply the negative's turn k. None
+    when they never differ on a reply."""
     neg, par = negative["conversations"], parent["conversations"]
     chosen = _chosen_reply(negative["meta"])
     if chosen is not None:
         k = len(neg) - 1
-        prompt, chosen_turn, rejected_turn = neg[:k], {"role": "assistant", "content": chosen}, neg[k]
     else:
         k = _divergence(par, neg)
-        if k is None or k >= len(par) or neg[k]["role"] != "assistant" or par[k]["role"] != "assistant":
+        if k is None or k >= len(par) or par[k]["role"] != "assistant":
             return None
-        prompt, chosen_turn, rejected_turn = par[:k], par[k], neg[k]
-    if not prompt or rejected_turn["role"] != "assistant":
+    if k == 0 or neg[k]["role"] != "assistant":
         return None
-    return {"id": f"{negative['id']}#pair", "parent_id": parent["id"], "negative_id": negative["id"],
-            "negative_type": negative["negative_type"], "source": parent["source"], "domain": parent["domain"],
-            "env": parent["env"], "prompt": _messages(prompt), "chosen": _messages([chosen_turn]),
-            "rejected": _messages([rejected_turn])}
+    return k, chosen
+
+
+def preference_table(records: pa.Table, parents: list[dict], negatives: list[list[dict]]) -> pa.Table:
+    """The DPO pairs (`pair_of`) of a batch's kept trajectories (`records`, and as dicts `parents`) and
+    their `negatives` (per trajectory), in order, made column-wise: a prompt of the parent's turns and
+    its chosen reply are taken from `records`, the rest from the negative's turns."""
+    schema = arrow_schema("preference")
+    turns, bounds = _batch_turns(records)
+    new: list[tuple[str, str]] = []  # messages not of the parents' turns, after them
+    rows: list[dict] = []
+    spans: list[tuple[int, int, int, int, int, int]] = []  # per pair: prompt, chosen, rejected
+    for parent, start, its_negatives in zip(parents, bounds[:-1].tolist(), negatives):
+        for negative in its_negatives:
+            pair = pair_of(negative, parent)
+            if pair is None:
+                continue
+            k, chosen = pair
+            neg, at = negative["conversations"], len(turns) + len(new)
+            if chosen is None:
+                spans.append((start, start + k, start + k, start + k + 1, at, at + 1))
+            else:
+                new += [(t["role"], t["content"]) for t in neg[:k]] + [("assistant", chosen)]
+                spans.append((at, at + k, at + k, at + k + 1, at + k + 1, at + k + 2))
+            new.append((neg[k]["role"], neg[k]["content"]))
+            rows.append({"id": f"{negative['id']}#pair", "parent_id": parent["id"], "negative_id": negative["id"],
+                         "negative_type": negative["negative_type"], "source": parent["source"],
+                         "domain": parent["domain"], "env": parent["env"]})
+    roles, contents = zip(*new) if new else ((), ())
+    pool = pa.StructArray.from_arrays([pa.concat_arrays([turns.field("role"), pa.array(roles, pa.string())]),
+                                       pa.concat_arrays([turns.field("content"), pa.array(contents, pa.string())])],
+                                      fields=list(schema.field("prompt").type.value_type))
+    spans_at = np.asarray(spans, dtype=np.int64).reshape(-1, 3, 2)
+    lists = {name: _lists(pool, spans_at[:, [i]], schema.field(name).type)
+             for i, name in enumerate(("prompt", "chosen", "rejected"))}
+    return pa.Table.from_arrays([lists[name] if name in lists else pa.array([row[name] for row in rows], pa.string())
+                                 for name in schema.names], schema=schema)
+
+
+def _batch_turns(records: pa.Table) -> tuple[pa.StructArray, np.ndarray]:
+    """The turns of every trajectory of `records` in one array, and where each trajectory's start
+    (its `bounds`: the list offsets from 0)."""
+    column = records["conversations"]
+    conversations = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()  # the chunk uncopied
+    offsets = conversations.offsets.to_numpy()
+    return conversations.flatten(), offsets - offsets[0]
 
 
 def _ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -92,6 +131,12 @@ def _ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarra
     lengths = ends - starts
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     return np.arange(offsets[-1]) + np.repeat(starts - offsets[:-1], lengths), offsets
+
+
+def _lists(pool: pa.StructArray, spans: np.ndarray, messages: pa.ListType) -> pa.ListArray:
+    """One list of `pool`'s messages per row of `spans` (rows x ranges x [start, end)): its ranges in turn."""
+    at, offsets = _ranges(spans[:, :, 0].ravel(), spans[:, :, 1].ravel())
+    return pa.ListArray.from_arrays(offsets[::spans.shape[1]], pool.take(at), type=messages)
 
 
 def grpo_prompts(records: pa.Table) -> pa.Table:
@@ -102,11 +147,8 @@ def grpo_prompts(records: pa.Table) -> pa.Table:
     schema = arrow_schema("grpo")
     # Ranges over every record's turns, the positives picked by `has`: filtering the records first
     # would copy every column of theirs, the turns' texts included.
-    column = records["conversations"]
-    conversations = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()  # the chunk uncopied
-    bounds = conversations.offsets.to_numpy()
-    starts, ends = bounds[:-1] - bounds[0], bounds[1:] - bounds[0]
-    turns = conversations.flatten()
+    turns, bounds = _batch_turns(records)
+    starts, ends = bounds[:-1], bounds[1:]
     action = turns.field("action")
     trained = np.asarray(pc.and_(pc.equal(turns.field("role"), "assistant"), turns.field("loss")))
     trained_at = np.flatnonzero(trained)
@@ -244,17 +286,14 @@ def step_label_table(records: pa.Table, parents: list[dict], negatives: list[lis
     negatives' (`negative_steps`). The messages are made column-wise: each is a trajectory's turn
     (role and content taken from `records`) or a negative's own turn, with its label."""
     schema = arrow_schema("step_labels")
-    column = records["conversations"]
-    conversations = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()  # the chunk uncopied
-    starts = conversations.offsets.to_numpy()[:-1] - conversations.offsets[0].as_py()
-    turns = conversations.flatten()
+    turns, bounds = _batch_turns(records)
     # Every turn of the batch's trajectories, then the negatives' own turns (`own`): the messages are
     # taken from them, each row's as two ranges (of its parent's turns, of its own).
     labels: list[tuple[int | None, str | None]] = []
     own: list[tuple[str, str, int | None, str | None]] = []
     rows: list[dict] = []
     ranges: list[tuple[int, int, int, int]] = []
-    for parent, start, its_negatives in zip(parents, starts.tolist(), negatives):
+    for parent, start, its_negatives in zip(parents, bounds[:-1].tolist(), negatives):
         parent_labels = turn_labels(parent)
         labels += parent_labels
         if any(label is not None for label, _ in parent_labels):
@@ -276,8 +315,7 @@ def step_label_table(records: pa.Table, parents: list[dict], negatives: list[lis
          pa.concat_arrays([turns.field("content"), pa.array(own_columns[1], pa.string())]),
          pa.array([label for label, _ in labels] + list(own_columns[2]), pa.int64()),
          pa.array([source for _, source in labels] + list(own_columns[3]), pa.string())], fields=fields)
-    bounds = np.asarray(ranges, dtype=np.int64).reshape(-1, 4) + [0, 0, len(turns), len(turns)]
-    at, offsets = _ranges(bounds[:, 0::2].ravel(), bounds[:, 1::2].ravel())
-    messages = pa.ListArray.from_arrays(offsets[::2], pool.take(at), type=schema.field("messages").type)
+    spans = (np.asarray(ranges, dtype=np.int64).reshape(-1, 4) + [0, 0, len(turns), len(turns)]).reshape(-1, 2, 2)
+    messages = _lists(pool, spans, schema.field("messages").type)
     columns = {name: pa.array([row[name] for row in rows], pa.string()) for name in schema.names[:-1]}
     return pa.Table.from_arrays([*columns.values(), messages], schema=schema)
