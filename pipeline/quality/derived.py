@@ -34,14 +34,11 @@ from trajforge.schemas import arrow_schema
 
 
 def _divergence(parent: list[dict], negative: list[dict]) -> int | None:
-    for k, turn in enumerate(negative):
-        if k >= len(parent):
-            return k
+    for k, (turn, other) in enumerate(zip(negative, parent)):
         # A negative shares its parent's turns up to its change (the same dicts): no comparison there.
-        other = parent[k]
         if turn is not other and (turn["role"] != other["role"] or turn["content"] != other["content"]):
             return k
-    return None
+    return len(parent) if len(negative) > len(parent) else None
 
 
 @functools.lru_cache(maxsize=16)
@@ -52,10 +49,10 @@ def record_meta(meta: str) -> dict:
     return json.loads(meta)
 
 
-def _names(meta: str, *keys: str) -> bool:
-    """Whether a meta (its JSON text) may have one of `keys`: the text of an object names its keys in
-    quotes. Most metas have none of the keys the step makers look for, and are not parsed for them."""
-    return any(f'"{key}"' in meta for key in keys)
+def _names(meta: str, key: str) -> bool:
+    """Whether a meta (its JSON text) may have `key`: the text of an object names its keys in quotes.
+    Most metas have none of the keys the step makers look for, and are not parsed for them."""
+    return f'"{key}"' in meta
 
 
 def _chosen_reply(meta: str) -> str | None:
@@ -202,49 +199,49 @@ def record_task(record: dict) -> Task | None:
 GOOD, BAD = 1, 0  # step labels
 
 
-def _masked_turns(meta: dict) -> set[int]:
-    """Turns validation masked because the environment refused them (meta `masked_steps`)."""
-    return {step["turn"] for step in meta.get("masked_steps", [])}
+# The sources of the labels: good steps of a trajectory, bad ones (`step_label_table` adds `negative`).
+LABEL_SOURCES = pa.array(["refused", "critical", "salvage", "trajectory"])
+REFUSED, CRITICAL, SALVAGE, TRAJECTORY = range(4)
 
 
-def _beneficial_turns(conversations: list[dict], meta: dict) -> set[int]:
-    """Turns of a salvaged record's replayed prefix (meta `beneficial_steps`: indexes of its actions)."""
-    steps = set(meta.get("beneficial_steps", []))
-    if not steps:
-        return set()
-    actions = [i for i, t in enumerate(conversations) if t["role"] == "assistant" and t["action"]]
-    return {turn for k, turn in enumerate(actions) if k in steps}
+def turn_labels(turns: pa.StructArray, bounds: np.ndarray, metas: list[str]) -> tuple[pa.Array, pa.Array]:
+    """The step label of each of `turns` (the turns of trajectories the build keeps: they succeeded,
+    or show the right behaviour; trajectory i's are turns[bounds[i]:bounds[i + 1]], its meta metas[i]),
+    and its source: a trained step is good, named `critical` when select-steps flagged it, `salvage`
+    when it came from a failed run's prefix that a salvage continuation completed, else
+    `trajectory`; a step validation masked because the env refused it (meta `masked_steps`) is bad
+    (`refused`); the rest is context (null)."""
+    assistant = np.asarray(pc.equal(turns.field("role"), "assistant"), dtype=bool)
+    trained = assistant & np.asarray(pc.fill_null(turns.field("loss"), False), dtype=bool)
+    critical = np.asarray(pc.fill_null(turns.field("critical"), False), dtype=bool)
+    refused, salvaged = np.zeros(len(turns), dtype=bool), np.zeros(len(turns), dtype=bool)
+    for i, text in enumerate(metas):
+        if _names(text, "masked_steps") or _names(text, "beneficial_steps"):
+            start, end = bounds[i], bounds[i + 1]
+            meta = record_meta(text)
+            masked = [start + step["turn"] for step in meta.get("masked_steps", []) if 0 <= step["turn"] < end - start]
+            refused[masked] = True
+            # beneficial_steps: indexes of the salvaged record's actions in its replayed prefix
+            actions = start + np.flatnonzero(assistant[start:end] & np.asarray(
+                pc.fill_null(pc.not_equal(turns.field("action").slice(start, end - start), ""), False), dtype=bool))
+            steps = [k for k in set(meta.get("beneficial_steps", [])) if 0 <= k < len(actions)]
+            salvaged[actions[steps]] = True
+    refused &= assistant
+    trained &= ~refused
+    source = np.select([refused, trained & critical, trained & salvaged, trained], [REFUSED, CRITICAL, SALVAGE, TRAJECTORY], -1)
+    labelled = source >= 0
+    label = pa.array(np.where(refused, BAD, GOOD), mask=~labelled)
+    return label, LABEL_SOURCES.take(pa.array(source, mask=~labelled))
 
 
-UNLABELLED = (None, None)
-
-
-def turn_labels(record: dict) -> list[tuple[int | None, str | None]]:
-    """The step label of each turn of a trajectory the build keeps (it succeeded, or shows the right
-    behaviour), with its source: a trained step is good, named `critical` when select-steps flagged
-    it, `salvage` when it came from a failed run's prefix that a salvage continuation completed, else
-    `trajectory`; a step validation masked because the env refused it is bad (`refused`); the rest
-    is context (UNLABELLED)."""
-    meta = record_meta(record["meta"]) if _names(record["meta"], "masked_steps", "beneficial_steps") else {}
-    refused, beneficial = _masked_turns(meta), _beneficial_turns(record["conversations"], meta)
-    labels = []
-    for i, turn in enumerate(record["conversations"]):
-        if turn["role"] != "assistant":
-            labels.append(UNLABELLED)
-        elif i in refused:
-            labels.append((BAD, "refused"))
-        elif not turn["loss"]:
-            labels.append(UNLABELLED)
-        elif turn.get("critical") is True:
-            labels.append((GOOD, "critical"))
-        else:
-            labels.append((GOOD, "salvage" if i in beneficial else "trajectory"))
-    return labels
+_TURN = arrow_schema("trajectory").field("conversations").type.value_type
 
 
 def labelled_messages(record: dict) -> list[dict]:
     """The step_labels messages of a kept trajectory: its turns with their `turn_labels`."""
-    return _labelled(record["conversations"], turn_labels(record))
+    turns = pa.array(record["conversations"], _TURN)
+    label, source = turn_labels(turns, np.array([0, len(turns)]), [record["meta"]])
+    return _labelled(record["conversations"], zip(label.to_pylist(), source.to_pylist()))
 
 
 def _labelled(turns: list[dict], labels) -> list[dict]:
@@ -257,13 +254,16 @@ def step_labels_of(record: dict) -> dict | None:
     messages = labelled_messages(record)
     if all(m["label"] is None for m in messages):
         return None
-    return {**_step_row(record, record, "positive"), "messages": messages}
+    return {**dict(zip(STEP_ROW, _step_row(record, record, "positive"))), "messages": messages}
 
 
-def _step_row(of: dict, parent: dict, kind: str) -> dict:
-    """A step_labels row but its messages: those of the trajectory `of` (a kept one or a negative of `parent`)."""
-    return {"id": f"{of['id']}#steps", "record_id": of["id"], "kind": kind, "negative_type": of["negative_type"],
-            "source": parent["source"], "domain": parent["domain"], "env": parent["env"]}
+STEP_ROW = ("id", "record_id", "kind", "negative_type", "source", "domain", "env")
+
+
+def _step_row(of: dict, parent: dict, kind: str) -> tuple:
+    """The fields of a step_labels row (STEP_ROW) but its messages, those of the trajectory `of` (a
+    kept one or a negative of `parent`)."""
+    return f"{of['id']}#steps", of["id"], kind, of["negative_type"], parent["source"], parent["domain"], parent["env"]
 
 
 def negative_steps(negative: dict, parent: dict) -> tuple[int, int] | None:
@@ -287,18 +287,17 @@ def step_label_table(records: pa.Table, parents: list[dict], negatives: list[lis
     (role and content taken from `records`) or a negative's own turn, with its label."""
     schema = arrow_schema("step_labels")
     turns, bounds = _batch_turns(records)
+    label, source = turn_labels(turns, bounds, [parent["meta"] for parent in parents])
+    labelled = np.concatenate([[0], np.cumsum(np.asarray(label.is_valid(), dtype=bool))])
     # Every turn of the batch's trajectories, then the negatives' own turns (`own`): the messages are
     # taken from them, each row's as two ranges (of its parent's turns, of its own).
-    labels: list[tuple[int | None, str | None]] = []
     own: list[tuple[str, str, int | None, str | None]] = []
-    rows: list[dict] = []
+    rows: list[tuple] = []
     ranges: list[tuple[int, int, int, int]] = []
-    for parent, start, its_negatives in zip(parents, bounds[:-1].tolist(), negatives):
-        parent_labels = turn_labels(parent)
-        labels += parent_labels
-        if any(label is not None for label, _ in parent_labels):
+    for parent, start, end, its_negatives in zip(parents, bounds[:-1].tolist(), bounds[1:].tolist(), negatives):
+        if labelled[end] > labelled[start]:
             rows.append(_step_row(parent, parent, "positive"))
-            ranges.append((start, start + len(parent_labels), len(own), len(own)))
+            ranges.append((start, end, len(own), len(own)))
         for negative in its_negatives:
             steps = negative_steps(negative, parent)
             if steps is None:
@@ -306,16 +305,15 @@ def step_label_table(records: pa.Table, parents: list[dict], negatives: list[lis
             same, bad = steps
             rows.append(_step_row(negative, parent, "negative"))
             ranges.append((start, start + same, len(own), len(own) + bad + 1 - same))
-            own += [(t["role"], t["content"], *UNLABELLED) for t in negative["conversations"][same:bad]]
+            own += [(t["role"], t["content"], None, None) for t in negative["conversations"][same:bad]]
             own.append((negative["conversations"][bad]["role"], negative["conversations"][bad]["content"], BAD, "negative"))
-    fields = list(schema.field("messages").type.value_type)
-    own_columns = list(zip(*own)) if own else [[], [], [], []]
+    roles, contents, labels, sources = zip(*own) if own else ((), (), (), ())
     pool = pa.StructArray.from_arrays(
-        [pa.concat_arrays([turns.field("role"), pa.array(own_columns[0], pa.string())]),
-         pa.concat_arrays([turns.field("content"), pa.array(own_columns[1], pa.string())]),
-         pa.array([label for label, _ in labels] + list(own_columns[2]), pa.int64()),
-         pa.array([source for _, source in labels] + list(own_columns[3]), pa.string())], fields=fields)
+        [pa.concat_arrays([turns.field("role"), pa.array(roles, pa.string())]),
+         pa.concat_arrays([turns.field("content"), pa.array(contents, pa.string())]),
+         pa.concat_arrays([label, pa.array(labels, pa.int64())]),
+         pa.concat_arrays([source, pa.array(sources, pa.string())])], fields=list(schema.field("messages").type.value_type))
     spans = (np.asarray(ranges, dtype=np.int64).reshape(-1, 4) + [0, 0, len(turns), len(turns)]).reshape(-1, 2, 2)
     messages = _lists(pool, spans, schema.field("messages").type)
-    columns = {name: pa.array([row[name] for row in rows], pa.string()) for name in schema.names[:-1]}
-    return pa.Table.from_arrays([*columns.values(), messages], schema=schema)
+    columns = zip(*rows) if rows else [()] * len(STEP_ROW)
+    return pa.Table.from_arrays([*(pa.array(column, pa.string()) for column in columns), messages], schema=schema)
