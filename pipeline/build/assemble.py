@@ -12,8 +12,8 @@ per record the dedup keys (dedup_table.record_keys), and the fields the report c
 3. fills the bounded per-env pools of the negative makers, one pool per unit of its kept positives
    (`unit_pools`, merged in unit order; pools.py);
 4. streams each unit's staged records once more (`write_unit`), skipping the dropped ones: each
-   kept record goes through the row makers of the outputs (pipeline/build/outputs.py: `sft`, its
-   negatives, their preference pairs, its GRPO prompt, its grpo_env row, step labels) into the
+   staged batch's kept records go through the makers of the outputs (pipeline/build/outputs.py:
+   `sft`, their negatives, preference pairs, GRPO prompts, grpo_env rows, step labels) into the
    unit's file of each. Shards are cut from those files in unit order (shards.plan_split);
    the report, the card and the manifest come from the key table and the tallies already in memory.
 
@@ -280,6 +280,20 @@ def _made_rows(records: list[dict], makers: list[Output], unit: UnitContext) -> 
     return rows
 
 
+def _write_batch(output: Output, table: pa.Table, records: list[dict], made: dict[str, list[list[dict]]],
+                 writer: StreamingTable, counts: dict[str, Counter]) -> None:
+    """What `output` makes of a staged batch (its kept records as `table` and as `records`, what the
+    row makers `made` of each): its table maker's table, or its row maker's rows of each record in turn."""
+    if output.table is not None:
+        rows = output.table(table, records, made)
+        writer.append_table(rows)
+    else:
+        rows = [row for of_record in made[output.name] for row in of_record]
+        writer.extend(rows)
+    if output.count is not None:
+        counts[output.name].update(output.count(rows))
+
+
 def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: dict[int, int],
                quarantined: dict[int, tuple[str, str]], pools: EnvPools, negatives: NegativesConfig) -> UnitOutputs:
     """Stream one unit's staged records once: each kept record (their ids made unique, `repeats`)
@@ -299,14 +313,7 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
         for table, records in _kept_records(records_path, kept_rows, repeats, quarantined, out):
             made = _made_rows(records, makers, unit)
             for output in written:
-                if output.table is not None:
-                    rows = output.table(table, records, made)
-                    writers[output.name].append_table(rows)
-                else:
-                    rows = [row for of_record in made[output.name] for row in of_record]
-                    writers[output.name].extend(rows)
-                if output.count is not None:
-                    counts[output.name].update(output.count(rows))
+                _write_batch(output, table, records, made, writers[output.name], counts)
     for name, writer in writers.items():
         writer.close()
         out.paths[name], out.nbytes[name], out.rows[name] = str(writer.path), writer.nbytes, writer.count
