@@ -43,9 +43,9 @@ def _divergence(parent: list[dict], negative: list[dict]) -> int | None:
 
 @functools.lru_cache(maxsize=16)
 def record_meta(meta: str) -> dict:
-    """A record's meta (its JSON text) parsed, shared by the row makers that read it (a positive's
-    negatives and step labels, a negative's pair and step labels ask for the same text): never
-    change the dict in place."""
+    """A record's meta (its JSON text) parsed, shared by the makers that read it (a positive's
+    negatives, a negative's pair and step labels ask for the same text): never change the dict in
+    place."""
     return json.loads(meta)
 
 
@@ -115,8 +115,8 @@ def preference_table(records: pa.Table, parents: list[dict], negatives: list[lis
 
 
 def _batch_turns(records: pa.Table) -> tuple[pa.StructArray, np.ndarray]:
-    """The turns of every trajectory of `records` in one array, and where each trajectory's start
-    (its `bounds`: the list offsets from 0)."""
+    """The turns of every trajectory of `records` in one array, and the bounds of each trajectory's
+    turns in it (the list offsets, from 0)."""
     column = records["conversations"]
     conversations = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()  # the chunk uncopied
     offsets = conversations.offsets.to_numpy()
