@@ -12,8 +12,8 @@ per record the dedup keys (dedup_table.record_keys), and the fields the report c
 3. fills the bounded per-env pools of the negative makers, one pool per unit of its kept positives
    (`unit_pools`, merged in unit order; pools.py);
 4. streams each unit's staged records once more (`write_unit`), skipping the dropped ones: each
-   kept record goes through the row makers of the outputs (pipeline/build/outputs.py: `sft`, its
-   negatives, their preference pairs, its GRPO prompt, its grpo_env row, step labels) into the
+   staged batch's kept records go through the makers of the outputs (pipeline/build/outputs.py:
+   `sft`, their negatives, preference pairs, GRPO prompts, grpo_env rows, step labels) into the
    unit's file of each. Shards are cut from those files in unit order (shards.plan_split);
    the report, the card and the manifest come from the key table and the tallies already in memory.
 
@@ -269,45 +269,51 @@ def _quarantine_row(record: dict, reason: str, detail: str) -> dict:
                             record["source_id"], reason, detail, shown(record))
 
 
-def _made_rows(records: list[dict], makers: list[Output], unit: UnitContext) -> dict[str, list[dict]]:
-    """Per output, the rows its maker made of `records`, in their order."""
-    rows: dict[str, list[dict]] = {output.name: [] for output in makers}
+def _made_rows(records: list[dict], makers: list[Output], unit: UnitContext) -> dict[str, list[list[dict]]]:
+    """Per row maker, the rows it made of each of `records`, in their order."""
+    rows: dict[str, list[list[dict]]] = {output.name: [] for output in makers}
     for record in records:
         made: dict[str, list[dict]] = {}
         for output in makers:
             made[output.name] = output.rows(record, made, unit)
-            rows[output.name] += made[output.name]
+            rows[output.name].append(made[output.name])
     return rows
 
 
-def _write_rows(output: Output, rows: list[dict], writer: StreamingTable, counts: dict[str, Counter]) -> None:
-    writer.extend(rows)
+def _write_batch(output: Output, table: pa.Table, records: list[dict], made: dict[str, list[list[dict]]],
+                 writer: StreamingTable, counts: dict[str, Counter]) -> None:
+    """What `output` makes of a staged batch (its kept records as `table` and as `records`, what the
+    row makers `made` of each): its table maker's table, or its row maker's rows of each record in turn."""
+    if output.table is not None:
+        rows = output.table(table, records, made)
+        writer.append_table(rows)
+    else:
+        rows = [row for of_record in made[output.name] for row in of_record]
+        writer.extend(rows)
     if output.count is not None:
-        counts[output.name].update(item for row in rows for item in output.count(row))
+        counts[output.name].update(output.count(rows))
 
 
 def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: dict[int, int],
                quarantined: dict[int, tuple[str, str]], pools: EnvPools, negatives: NegativesConfig) -> UnitOutputs:
-    """Stream one unit's staged records once: each staged batch's kept records (their ids made
-    unique, `repeats`) go through the table maker of every output that has one, and each kept
-    record through the row maker of every other (pipeline/build/outputs.py, in the registry's
-    order), into the unit's file of that output; the records a global stage quarantined
+    """Stream one unit's staged records once: each kept record (their ids made unique, `repeats`)
+    goes through the row maker of every output that has one, then each staged batch's kept records
+    and those rows through the table maker of every other (pipeline/build/outputs.py, in the
+    registry's order), into the unit's file of that output; the records a global stage quarantined
     (`quarantined`: row -> reason, detail) become quarantine rows."""
-    tables = [output for output in OUTPUTS.values() if output.table is not None]
-    makers = [output for output in OUTPUTS.values() if output.rows is not None]
+    written = [output for output in OUTPUTS.values() if output.table is not None or output.rows is not None]
+    makers = [output for output in written if output.rows is not None]
     # Read once by this run, into the shards (which compress), and deleted: Arrow IPC files, not fsynced.
     writers = {o.name: StreamingTable(Path(staged) / f"{o.name}.arrow", arrow_schema(o.schema), durable=False)
-               for o in OUTPUTS.values() if o.table is not None or o.rows is not None}
-    counts: dict[str, Counter] = {o.name: Counter() for o in makers if o.count is not None}
+               for o in written}
+    counts: dict[str, Counter] = {o.name: Counter() for o in written if o.count is not None}
     unit = UnitContext(pools, negatives)
     out = UnitOutputs()
     with cyclic_gc_paused():
         for table, records in _kept_records(records_path, kept_rows, repeats, quarantined, out):
-            for output in tables:
-                writers[output.name].append_table(output.table(table))
             made = _made_rows(records, makers, unit)
-            for output in makers:
-                _write_rows(output, made[output.name], writers[output.name], counts)
+            for output in written:
+                _write_batch(output, table, records, made, writers[output.name], counts)
     for name, writer in writers.items():
         writer.close()
         out.paths[name], out.nbytes[name], out.rows[name] = str(writer.path), writer.nbytes, writer.count

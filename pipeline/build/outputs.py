@@ -5,14 +5,15 @@ line in the dataset card, and how its rows are made:
 
 - `rows`, per kept record: `write_unit` (pipeline/build/assemble.py) calls it on each record the
   global stages kept, in the registry's order, with what the outputs before it made of that record
-  (`made`: preference pairs and step labels read the record's negatives), and stages the rows per
-  unit; shards are cut from those files in unit order. Or `table`, per staged batch: its rows
-  made column-wise from the Arrow table of the batch's kept records, never converted to Python
-  (`sft` is that table).
+  (`made`), and stages the rows per unit; shards are cut from those files in unit order. Or
+  `table`, per staged batch: its rows made column-wise from the Arrow table of the batch's kept
+  records (`sft` is that table), with the records as dicts and what the row makers made of each
+  (preference pairs and step labels read the negatives).
 - `parts`, once per build: the staged files (path, Arrow bytes, rows) the shards are cut from, made
   from the units' staged files or from elsewhere (`grpo_env` adds the task files' tasks; the tree-search
   configs read the synthetic source's search outputs). None: the output is not written by this build.
-- `count`, what of each row the report counts, and `report`, the output's sections of report.json.
+- `count`, what of a batch's rows (a row maker's dicts, a table maker's table) the report counts,
+  and `report`, the output's sections of report.json.
 
 `finalize` writes, reports and lists every output in this registry, and the card's table of configs
 takes its notes from it; adding an output is one `Output` here (and its schema).
@@ -20,7 +21,7 @@ takes its notes from it; adding an output is one `Output` here (and its schema).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -34,11 +35,11 @@ from trajforge.pipeline.envs.tasks import Task, load_tasks
 from trajforge.pipeline.quality.derived import (
     grpo_env_row,
     grpo_prompts,
-    preference_pair,
+    preference_table,
     record_meta,
     record_task,
     reference_answer,
-    step_label_rows,
+    step_label_table,
 )
 from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
@@ -104,7 +105,8 @@ class BuildOutputs:
 
 
 RowMaker = Callable[[dict, dict[str, list[dict]], UnitContext], list[dict]]
-TableMaker = Callable[[pa.Table], pa.Table]
+# (the batch's kept records in Arrow, the same as dicts, per row maker what it made of each record)
+TableMaker = Callable[[pa.Table, list[dict], dict[str, list[list[dict]]]], pa.Table]
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class Output:
     rows: RowMaker | None = None
     table: TableMaker | None = None
     parts: Callable[[BuildOutputs], list[Part] | None] | None = None
-    count: Callable[[dict], Iterable] | None = None
+    count: Callable[[list[dict] | pa.Table], Iterable | Mapping] | None = None
     report: Callable[[BuildOutputs], dict] | None = None
 
     def staged_parts(self, build: BuildOutputs) -> list[Part] | None:
@@ -125,17 +127,21 @@ class Output:
 
 # -- row makers (per kept record) and table makers (per staged batch) ---------------------------
 
-def _the_records(kept: pa.Table) -> pa.Table:
+def _the_records(kept: pa.Table, records: list[dict], made: dict) -> pa.Table:
     return kept
+
+
+def _grpo_prompts(kept: pa.Table, records: list[dict], made: dict) -> pa.Table:
+    return grpo_prompts(kept)
 
 
 def _negatives(record: dict, made: dict, unit: UnitContext) -> list[dict]:
     return negatives_of(record, unit.pools, unit.negatives)
 
 
-def _preference_pairs(record: dict, made: dict, unit: UnitContext) -> list[dict]:
-    """A pair per negative of the record (the parent is the record at hand), where they differ on a reply."""
-    return [pair for negative in made["negatives"] for pair in [preference_pair(negative, record)] if pair is not None]
+def _preference_pairs(kept: pa.Table, records: list[dict], made: dict) -> pa.Table:
+    """A pair per negative of each record (its parent), where they differ on a reply."""
+    return preference_table(kept, records, made["negatives"])
 
 
 def _grpo_env_task(record: dict, made: dict, unit: UnitContext) -> list[dict]:
@@ -152,8 +158,8 @@ def _grpo_env_task(record: dict, made: dict, unit: UnitContext) -> list[dict]:
     return [grpo_env_row(task, record["source"], row_id=task.id, env=record["env"], answer=record["answer"])]
 
 
-def _step_labels(record: dict, made: dict, unit: UnitContext) -> list[dict]:
-    return step_label_rows(record, made["negatives"])
+def _step_labels(kept: pa.Table, records: list[dict], made: dict) -> pa.Table:
+    return step_label_table(kept, records, made["negatives"])
 
 
 # -- staged parts (per build) ------------------------------------------------------------------
@@ -192,12 +198,14 @@ def _search_step_parts(name: str) -> Callable[[BuildOutputs], list[Part] | None]
 
 # -- counts and report sections ----------------------------------------------------------------
 
-def _negative_type(row: dict) -> list[str]:
-    return [row["negative_type"]]
+def _negative_types(rows: list[dict]) -> list[str]:
+    return [row["negative_type"] for row in rows]
 
 
-def _labelled_steps(row: dict) -> list[tuple[str, int]]:
-    return [(m["label_source"], m["label"]) for m in row["messages"] if m["label"] is not None]
+def _labelled_steps(rows: pa.Table) -> Counter:
+    messages = rows["messages"].combine_chunks().flatten()
+    label = messages.field("label")
+    return Counter(zip(messages.field("label_source").filter(label.is_valid()).to_pylist(), label.drop_null().to_pylist()))
 
 
 def _negatives_report(build: BuildOutputs) -> dict:
@@ -230,13 +238,13 @@ OUTPUTS: Registry[Output] = Registry("output", {output.name: output for output i
     Output("sft", "trajectory", "positive trajectories for supervised fine-tuning (loss on assistant turns)",
            table=_the_records),
     Output("negatives", "trajectory", "trajectories with a known defect (`negative_type`, `parent_id`)",
-           rows=_negatives, count=_negative_type, report=_negatives_report),
-    Output("preference", "preference", "chosen/rejected pairs for DPO", rows=_preference_pairs),
-    Output("grpo", "grpo", "prompts with reference answers for GRPO", table=grpo_prompts, report=_grpo_report),
+           rows=_negatives, count=_negative_types, report=_negatives_report),
+    Output("preference", "preference", "chosen/rejected pairs for DPO", table=_preference_pairs),
+    Output("grpo", "grpo", "prompts with reference answers for GRPO", table=_grpo_prompts, report=_grpo_report),
     Output("grpo_env", "grpo_env", "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",
            rows=_grpo_env_task, parts=_grpo_env_parts, report=_grpo_env_report),
     Output("step_labels", "step_labels", "assistant steps labelled good/bad for process reward models",
-           rows=_step_labels, count=_labelled_steps, report=_step_labels_report),
+           table=_step_labels, count=_labelled_steps, report=_step_labels_report),
     Output("step_pairs", "step_pairs", "step-level DPO pairs from tree searches: at a shared prefix, a step that "
            "led to success vs one that did not", parts=_search_step_parts("step_pairs"), report=_search_steps_report),
     Output("step_values", "step_values", "process-reward labels from tree searches: per step, the share of "

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajforge.pipeline.atomic import StreamingTable, remove_stale_temp_files, write_json, write_parquet
@@ -133,7 +134,7 @@ def _quarantined(runs: list[StageRun], units: int) -> list[dict[int, tuple[str, 
 
 
 def _quarantine_bytes(units: list[UnitResult]) -> int:
-    """The Arrow bytes of the units' quarantine rows (what `write_quarantine` copies, a row at a time)."""
+    """The Arrow bytes of the units' quarantine rows (what `write_quarantine` copies)."""
     metas = [pq.read_metadata(unit.quarantine_path) for unit in units]
     return sum(meta.row_group(g).total_byte_size for meta in metas for g in range(meta.num_row_groups))
 
@@ -181,15 +182,15 @@ def write_duplicates(out: Path, runs: list[StageRun], repeats: pl.DataFrame) -> 
 
 
 def write_quarantine(out: Path, unit_quarantine: list[str], global_quarantine: list[list[dict]]) -> None:
-    """The units' quarantine rows (their files, in unit order), then those of the global stages."""
-    with StreamingTable(out / QUARANTINE_FILE, arrow_schema("quarantine")) as quarantine:
+    """The units' quarantine rows (their files, in unit order, a batch at a time, never through
+    Python), then those of the global stages."""
+    schema = arrow_schema("quarantine")
+    with StreamingTable(out / QUARANTINE_FILE, schema) as quarantine:
         for path in unit_quarantine:
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=1000):
-                for entry in batch.to_pylist():
-                    quarantine.append(entry)
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=quarantine.batch_rows):
+                quarantine.append_table(pa.Table.from_batches([batch]).cast(schema))
         for entries in global_quarantine:
-            for entry in entries:
-                quarantine.append(entry)
+            quarantine.append_table(pa.Table.from_pylist(entries, schema=schema))
 
 
 def build_report(units: list[UnitResult], runs: list[StageRun], kept_keys: pl.DataFrame, outputs: WrittenOutputs,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import json
-from itertools import repeat
 
 import numpy as np
 import pyarrow as pa
@@ -33,55 +32,95 @@ from trajforge.pipeline.envs import recorded_in, spec
 from trajforge.pipeline.envs.tasks import Task
 from trajforge.schemas import arrow_schema
 
-_TURNS = arrow_schema("trajectory").field("conversations").type
-
-
-def _messages(turns: list[dict]) -> list[dict]:
-    return [{"role": t["role"], "content": t["content"]} for t in turns]
-
 
 def _divergence(parent: list[dict], negative: list[dict]) -> int | None:
-    for k, turn in enumerate(negative):
-        if k >= len(parent):
-            return k
+    for k, (turn, other) in enumerate(zip(negative, parent)):
         # A negative shares its parent's turns up to its change (the same dicts): no comparison there.
-        other = parent[k]
         if turn is not other and (turn["role"] != other["role"] or turn["content"] != other["content"]):
             return k
-    return None
+    return len(parent) if len(negative) > len(parent) else None
 
 
 @functools.lru_cache(maxsize=16)
 def record_meta(meta: str) -> dict:
-    """A record's meta (its JSON text) parsed, shared by the row makers that read it (a positive's
-    negatives and step labels, a negative's pair and step labels ask for the same text): never
-    change the dict in place."""
+    """A record's meta (its JSON text) parsed, shared by the makers that read it (a positive's
+    negatives, a negative's pair and step labels ask for the same text): never change the dict in
+    place."""
     return json.loads(meta)
+
+
+def _names(meta: str, key: str) -> bool:
+    """Whether a meta (its JSON text) may have `key`: the text of an object names its keys in quotes.
+    Most metas have none of the keys the step makers look for, and are not parsed for them."""
+    return f'"{key}"' in meta
 
 
 def _chosen_reply(meta: str) -> str | None:
     """The right reply a negative's meta carries (`chosen`), if any."""
-    return record_meta(meta).get("chosen")
+    return record_meta(meta).get("chosen") if _names(meta, "chosen") else None
 
 
-def preference_pair(negative: dict, parent: dict) -> dict | None:
-    """The DPO pair of a negative and its parent, or None when they never differ on a reply."""
+def pair_of(negative: dict, parent: dict) -> tuple[int, str | None] | None:
+    """Where the DPO pair of a negative and its parent is, as (k, chosen): its prompt is the first k
+    turns, of the parent's, or the negative's own when it carries the right reply (`chosen`); its
+    chosen reply `chosen`, else the parent's turn k; its rejected reply the negative's turn k. None
+    when they never differ on a reply."""
     neg, par = negative["conversations"], parent["conversations"]
     chosen = _chosen_reply(negative["meta"])
     if chosen is not None:
         k = len(neg) - 1
-        prompt, chosen_turn, rejected_turn = neg[:k], {"role": "assistant", "content": chosen}, neg[k]
     else:
         k = _divergence(par, neg)
-        if k is None or k >= len(par) or neg[k]["role"] != "assistant" or par[k]["role"] != "assistant":
+        if k is None or k >= len(par) or par[k]["role"] != "assistant":
             return None
-        prompt, chosen_turn, rejected_turn = par[:k], par[k], neg[k]
-    if not prompt or rejected_turn["role"] != "assistant":
+    if k == 0 or neg[k]["role"] != "assistant":
         return None
-    return {"id": f"{negative['id']}#pair", "parent_id": parent["id"], "negative_id": negative["id"],
-            "negative_type": negative["negative_type"], "source": parent["source"], "domain": parent["domain"],
-            "env": parent["env"], "prompt": _messages(prompt), "chosen": _messages([chosen_turn]),
-            "rejected": _messages([rejected_turn])}
+    return k, chosen
+
+
+def preference_table(records: pa.Table, parents: list[dict], negatives: list[list[dict]]) -> pa.Table:
+    """The DPO pairs (`pair_of`) of a batch's kept trajectories (`records`, and as dicts `parents`) and
+    their `negatives` (per trajectory), in order, made column-wise: a prompt of the parent's turns and
+    its chosen reply are taken from `records`, the rest from the negative's turns."""
+    schema = arrow_schema("preference")
+    turns, bounds = _batch_turns(records)
+    new: list[tuple[str, str]] = []  # messages not of the parents' turns, after them
+    rows: list[dict] = []
+    spans: list[tuple[int, int, int, int, int, int]] = []  # per pair: prompt, chosen, rejected
+    for parent, start, its_negatives in zip(parents, bounds[:-1].tolist(), negatives):
+        for negative in its_negatives:
+            pair = pair_of(negative, parent)
+            if pair is None:
+                continue
+            k, chosen = pair
+            neg, at = negative["conversations"], len(turns) + len(new)
+            if chosen is None:
+                spans.append((start, start + k, start + k, start + k + 1, at, at + 1))
+            else:
+                new += [(t["role"], t["content"]) for t in neg[:k]] + [("assistant", chosen)]
+                spans.append((at, at + k, at + k, at + k + 1, at + k + 1, at + k + 2))
+            new.append((neg[k]["role"], neg[k]["content"]))
+            rows.append({"id": f"{negative['id']}#pair", "parent_id": parent["id"], "negative_id": negative["id"],
+                         "negative_type": negative["negative_type"], "source": parent["source"],
+                         "domain": parent["domain"], "env": parent["env"]})
+    roles, contents = zip(*new) if new else ((), ())
+    pool = pa.StructArray.from_arrays([pa.concat_arrays([turns.field("role"), pa.array(roles, pa.string())]),
+                                       pa.concat_arrays([turns.field("content"), pa.array(contents, pa.string())])],
+                                      fields=list(schema.field("prompt").type.value_type))
+    spans_at = np.asarray(spans, dtype=np.int64).reshape(-1, 3, 2)
+    lists = {name: _lists(pool, spans_at[:, [i]], schema.field(name).type)
+             for i, name in enumerate(("prompt", "chosen", "rejected"))}
+    return pa.Table.from_arrays([lists[name] if name in lists else pa.array([row[name] for row in rows], pa.string())
+                                 for name in schema.names], schema=schema)
+
+
+def _batch_turns(records: pa.Table) -> tuple[pa.StructArray, np.ndarray]:
+    """The turns of every trajectory of `records` in one array, and the bounds of each trajectory's
+    turns in it (the list offsets, from 0)."""
+    column = records["conversations"]
+    conversations = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()  # the chunk uncopied
+    offsets = conversations.offsets.to_numpy()
+    return conversations.flatten(), offsets - offsets[0]
 
 
 def _ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -91,35 +130,40 @@ def _ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return np.arange(offsets[-1]) + np.repeat(starts - offsets[:-1], lengths), offsets
 
 
+def _lists(pool: pa.StructArray, spans: np.ndarray, messages: pa.ListType) -> pa.ListArray:
+    """One list of `pool`'s messages per row of `spans` (rows x ranges x [start, end)): its ranges in turn."""
+    at, offsets = _ranges(spans[:, :, 0].ravel(), spans[:, :, 1].ravel())
+    return pa.ListArray.from_arrays(offsets[::spans.shape[1]], pool.take(at), type=messages)
+
+
 def grpo_prompts(records: pa.Table) -> pa.Table:
     """The RL prompts of the positive trajectories of `records` (trajectory rows), made column-wise:
     each positive's conversation up to its first trained assistant turn, with its reference answer
     and actions (those of the trained turns from there on); none for a positive without a trained
     assistant turn after its first turn."""
     schema = arrow_schema("grpo")
-    positives = records.filter(pc.equal(records["kind"], "positive")).combine_chunks()
-    conversations = positives["conversations"].chunk(0) if positives.num_rows else pa.array([], _TURNS)
-    bounds = conversations.offsets.to_numpy()
-    starts, ends = bounds[:-1] - bounds[0], bounds[1:] - bounds[0]
-    turns = conversations.flatten()
+    # Ranges over every record's turns, the positives picked by `has`: filtering the records first
+    # would copy every column of theirs, the turns' texts included.
+    turns, bounds = _batch_turns(records)
+    starts, ends = bounds[:-1], bounds[1:]
     action = turns.field("action")
     trained = np.asarray(pc.and_(pc.equal(turns.field("role"), "assistant"), turns.field("loss")))
     trained_at = np.flatnonzero(trained)
     after = np.searchsorted(trained_at, starts)
     first = np.append(trained_at, ends[-1] if len(ends) else 0)[after]
-    has = (first > starts) & (first < ends)
+    has = (first > starts) & (first < ends) & np.asarray(pc.equal(records["kind"], "positive"), dtype=bool)
     starts, ends, first = starts[has], ends[has], first[has]
     prompt_at, prompt_offsets = _ranges(starts, first)
     messages = pa.StructArray.from_arrays([turns.field("role").take(prompt_at), turns.field("content").take(prompt_at)],
                                           fields=list(schema.field("prompt").type.value_type))
     acted = np.flatnonzero(trained & np.asarray(pc.fill_null(pc.not_equal(action, ""), False)))
     actions_at, actions_offsets = _ranges(np.searchsorted(acted, first), np.searchsorted(acted, ends))
-    kept = positives.filter(pa.array(has))
     columns = {
         "prompt": pa.ListArray.from_arrays(prompt_offsets, messages, type=schema.field("prompt").type),
         "expected_actions": pa.ListArray.from_arrays(actions_offsets, action.take(acted[actions_at]),
                                                      type=schema.field("expected_actions").type),
         "first_action": action.take(first), "dialect": turns.field("dialect").take(first)}
+    kept = records.select([name for name in schema.names if name not in columns]).filter(pa.array(has))
     return pa.Table.from_arrays([columns[name] if name in columns else kept[name] for name in schema.names],
                                 schema=schema)
 
@@ -155,42 +199,49 @@ def record_task(record: dict) -> Task | None:
 GOOD, BAD = 1, 0  # step labels
 
 
-def _masked_turns(meta: dict) -> set[int]:
-    """Turns validation masked because the environment refused them (meta `masked_steps`)."""
-    return {step["turn"] for step in meta.get("masked_steps", [])}
+# The sources of the labels: good steps of a trajectory, bad ones (`step_label_table` adds `negative`).
+LABEL_SOURCES = pa.array(["refused", "critical", "salvage", "trajectory"])
+REFUSED, CRITICAL, SALVAGE, TRAJECTORY = range(4)
 
 
-def _beneficial_turns(conversations: list[dict], meta: dict) -> set[int]:
-    """Turns of a salvaged record's replayed prefix (meta `beneficial_steps`: indexes of its actions)."""
-    steps = set(meta.get("beneficial_steps", []))
-    if not steps:
-        return set()
-    actions = [i for i, t in enumerate(conversations) if t["role"] == "assistant" and t["action"]]
-    return {turn for k, turn in enumerate(actions) if k in steps}
+def turn_labels(turns: pa.StructArray, bounds: np.ndarray, metas: list[str]) -> tuple[pa.Array, pa.Array]:
+    """The step label of each of `turns` (the turns of trajectories the build keeps: they succeeded,
+    or show the right behaviour; trajectory i's are turns[bounds[i]:bounds[i + 1]], its meta metas[i]),
+    and its source: a trained step is good, named `critical` when select-steps flagged it, `salvage`
+    when it came from a failed run's prefix that a salvage continuation completed, else
+    `trajectory`; a step validation masked because the env refused it (meta `masked_steps`) is bad
+    (`refused`); the rest is context (null)."""
+    assistant = np.asarray(pc.equal(turns.field("role"), "assistant"), dtype=bool)
+    trained = assistant & np.asarray(pc.fill_null(turns.field("loss"), False), dtype=bool)
+    critical = np.asarray(pc.fill_null(turns.field("critical"), False), dtype=bool)
+    refused, salvaged = np.zeros(len(turns), dtype=bool), np.zeros(len(turns), dtype=bool)
+    for i, text in enumerate(metas):
+        if _names(text, "masked_steps") or _names(text, "beneficial_steps"):
+            start, end = bounds[i], bounds[i + 1]
+            meta = record_meta(text)
+            masked = [start + step["turn"] for step in meta.get("masked_steps", []) if 0 <= step["turn"] < end - start]
+            refused[masked] = True
+            # beneficial_steps: indexes of the salvaged record's actions in its replayed prefix
+            actions = start + np.flatnonzero(assistant[start:end] & np.asarray(
+                pc.fill_null(pc.not_equal(turns.field("action").slice(start, end - start), ""), False), dtype=bool))
+            steps = [k for k in set(meta.get("beneficial_steps", [])) if 0 <= k < len(actions)]
+            salvaged[actions[steps]] = True
+    refused &= assistant
+    trained &= ~refused
+    source = np.select([refused, trained & critical, trained & salvaged, trained], [REFUSED, CRITICAL, SALVAGE, TRAJECTORY], -1)
+    labelled = source >= 0
+    label = pa.array(np.where(refused, BAD, GOOD), mask=~labelled)
+    return label, LABEL_SOURCES.take(pa.array(source, mask=~labelled))
+
+
+_TURN = arrow_schema("trajectory").field("conversations").type.value_type
 
 
 def labelled_messages(record: dict) -> list[dict]:
-    """The step_labels messages of a trajectory the build keeps (it succeeded, or shows the right
-    behaviour), each turn with its label and its source: a trained step is good, named `critical` when
-    select-steps flagged it, `salvage` when it came from a failed run's prefix that a salvage
-    continuation completed, else `trajectory`; a step validation masked because the env refused it
-    is bad (`refused`); the rest is context (no label)."""
-    meta = record_meta(record["meta"])
-    refused, beneficial = _masked_turns(meta), _beneficial_turns(record["conversations"], meta)
-    messages = []
-    for i, turn in enumerate(record["conversations"]):
-        if turn["role"] != "assistant":
-            label, source = None, None
-        elif i in refused:
-            label, source = BAD, "refused"
-        elif not turn["loss"]:
-            label, source = None, None
-        elif turn.get("critical") is True:
-            label, source = GOOD, "critical"
-        else:
-            label, source = GOOD, "salvage" if i in beneficial else "trajectory"
-        messages.append({"role": turn["role"], "content": turn["content"], "label": label, "label_source": source})
-    return messages
+    """The step_labels messages of a kept trajectory: its turns with their `turn_labels`."""
+    turns = pa.array(record["conversations"], _TURN)
+    label, source = turn_labels(turns, np.array([0, len(turns)]), [record["meta"]])
+    return _labelled(record["conversations"], zip(label.to_pylist(), source.to_pylist()))
 
 
 def _labelled(turns: list[dict], labels) -> list[dict]:
@@ -198,41 +249,71 @@ def _labelled(turns: list[dict], labels) -> list[dict]:
             for t, (label, source) in zip(turns, labels)]
 
 
-def step_label_rows(record: dict, negatives: list[dict]) -> list[dict]:
-    """The step_labels rows of a kept trajectory and of its `negatives`, those with a labelled
-    step; the trajectory's labelled messages are made once for all of them."""
-    messages = labelled_messages(record)
-    rows = [_labelled_row(record, messages), *(negative_step_labels(negative, record, messages) for negative in negatives)]
-    return [row for row in rows if row is not None]
-
-
 def step_labels_of(record: dict) -> dict | None:
     """The step_labels row of a kept trajectory, or None when no step of it is labelled."""
-    return _labelled_row(record, labelled_messages(record))
-
-
-def _labelled_row(record: dict, messages: list[dict]) -> dict | None:
+    messages = labelled_messages(record)
     if all(m["label"] is None for m in messages):
         return None
-    return {"id": f"{record['id']}#steps", "record_id": record["id"], "kind": "positive",
-            "negative_type": record["negative_type"], "source": record["source"], "domain": record["domain"],
-            "env": record["env"], "messages": messages}
+    return {**dict(zip(STEP_ROW, _step_row(record, record, "positive"))), "messages": messages}
 
 
-def negative_step_labels(negative: dict, parent: dict, parent_messages: list[dict]) -> dict | None:
-    """The step_labels row of a negative: its turns up to the step where it goes wrong (the
-    rejected turn of its preference pair), that step bad (`negative`), the steps before it labelled
-    as in the parent (`parent_messages`: its `labelled_messages`, whose dicts it shares) where the
-    context is still the parent's. Nothing after the first error is labelled: what follows a wrong
-    step says nothing about the steps themselves."""
+STEP_ROW = ("id", "record_id", "kind", "negative_type", "source", "domain", "env")
+
+
+def _step_row(of: dict, parent: dict, kind: str) -> tuple:
+    """The fields of a step_labels row (STEP_ROW) but its messages, those of the trajectory `of` (a
+    kept one or a negative of `parent`)."""
+    return f"{of['id']}#steps", of["id"], kind, of["negative_type"], parent["source"], parent["domain"], parent["env"]
+
+
+def negative_steps(negative: dict, parent: dict) -> tuple[int, int] | None:
+    """Where a negative's step_labels row stops, as (same, bad): it is its turns up to the step where
+    it goes wrong (`bad`: the rejected turn of its preference pair), that step bad (`negative`), the
+    `same` first of them labelled as in the parent (the context is still the parent's), those
+    between unlabelled; None when the wrong step is no assistant turn. Nothing after the first error
+    is labelled: what follows a wrong step says nothing about the steps themselves."""
     neg, par = negative["conversations"], parent["conversations"]
     diverged = _divergence(par, neg)
     bad = len(neg) - 1 if _chosen_reply(negative["meta"]) is not None else diverged
     if bad is None or neg[bad]["role"] != "assistant":
         return None
-    same = bad if diverged is None else min(diverged, bad)
-    messages = (parent_messages[:same] + _labelled(neg[same:bad], repeat((None, None)))
-                + _labelled(neg[bad:bad + 1], [(BAD, "negative")]))
-    return {"id": f"{negative['id']}#steps", "record_id": negative["id"], "kind": "negative",
-            "negative_type": negative["negative_type"], "source": parent["source"], "domain": parent["domain"],
-            "env": parent["env"], "messages": messages}
+    return (bad if diverged is None else min(diverged, bad)), bad
+
+
+def step_label_table(records: pa.Table, parents: list[dict], negatives: list[list[dict]]) -> pa.Table:
+    """The step_labels rows of a batch's kept trajectories (`records`, and as dicts `parents`) and of
+    their `negatives` (per trajectory), those with a labelled step: a trajectory's row, then its
+    negatives' (`negative_steps`). The messages are made column-wise: each is a trajectory's turn
+    (role and content taken from `records`) or a negative's own turn, with its label."""
+    schema = arrow_schema("step_labels")
+    turns, bounds = _batch_turns(records)
+    label, source = turn_labels(turns, bounds, [parent["meta"] for parent in parents])
+    labelled = np.concatenate([[0], np.cumsum(np.asarray(label.is_valid(), dtype=bool))])
+    # Every turn of the batch's trajectories, then the negatives' own turns (`own`): the messages are
+    # taken from them, each row's as two ranges (of its parent's turns, of its own).
+    own: list[tuple[str, str, int | None, str | None]] = []
+    rows: list[tuple] = []
+    ranges: list[tuple[int, int, int, int]] = []
+    for parent, start, end, its_negatives in zip(parents, bounds[:-1].tolist(), bounds[1:].tolist(), negatives):
+        if labelled[end] > labelled[start]:
+            rows.append(_step_row(parent, parent, "positive"))
+            ranges.append((start, end, len(own), len(own)))
+        for negative in its_negatives:
+            steps = negative_steps(negative, parent)
+            if steps is None:
+                continue
+            same, bad = steps
+            rows.append(_step_row(negative, parent, "negative"))
+            ranges.append((start, start + same, len(own), len(own) + bad + 1 - same))
+            own += [(t["role"], t["content"], None, None) for t in negative["conversations"][same:bad]]
+            own.append((negative["conversations"][bad]["role"], negative["conversations"][bad]["content"], BAD, "negative"))
+    roles, contents, labels, sources = zip(*own) if own else ((), (), (), ())
+    pool = pa.StructArray.from_arrays(
+        [pa.concat_arrays([turns.field("role"), pa.array(roles, pa.string())]),
+         pa.concat_arrays([turns.field("content"), pa.array(contents, pa.string())]),
+         pa.concat_arrays([label, pa.array(labels, pa.int64())]),
+         pa.concat_arrays([source, pa.array(sources, pa.string())])], fields=list(schema.field("messages").type.value_type))
+    spans = (np.asarray(ranges, dtype=np.int64).reshape(-1, 4) + [0, 0, len(turns), len(turns)]).reshape(-1, 2, 2)
+    messages = _lists(pool, spans, schema.field("messages").type)
+    columns = zip(*rows) if rows else [()] * len(STEP_ROW)
+    return pa.Table.from_arrays([*(pa.array(column, pa.string()) for column in columns), messages], schema=schema)

@@ -8,10 +8,10 @@ import pytest
 from datasets import load_dataset
 
 from tests.support.oracles import grpo_prompts as grpo_prompts_by_record
-from tests.support.oracles import make_negatives, preference_pairs
+from tests.support.oracles import make_negatives, preference_pair, preference_pairs
 from trajforge.pipeline.ingest.dialects import parse_turn
 from trajforge.pipeline.ingest.validate import validate_record
-from trajforge.pipeline.quality.derived import grpo_prompts, preference_pair
+from trajforge.pipeline.quality.derived import grpo_prompts
 from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig
 from trajforge.schemas import arrow_schema, validator
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.quality.derived import labelled_messages, negative_step_labels, step_labels_of
+from trajforge.pipeline.quality.derived import step_labels_of
 
 
 def read(build: Path, config: str) -> list[dict]:
@@ -40,15 +40,15 @@ def test_every_kept_trajectory_and_negative_has_its_step_labels(fixtures_build):
 
 
 def test_a_negative_is_labelled_up_to_its_first_wrong_step(fixtures_build):
-    by_id = {r["id"]: r for r in read(fixtures_build, "sft")}
+    rows = {r["record_id"]: r for r in read(fixtures_build, "step_labels")}
     pairs = {p["negative_id"]: p for p in read(fixtures_build, "preference")}
     for negative in read(fixtures_build, "negatives"):
-        parent = by_id[negative["parent_id"]]
-        row = negative_step_labels(negative, parent, labelled_messages(parent))
+        row = rows.get(negative["id"])
         if row is None:
             assert negative["id"] not in pairs
             continue
         pair = pairs[negative["id"]]
+        assert (row["kind"], row["negative_type"], row["env"]) == ("negative", negative["negative_type"], negative["env"])
         *before, bad = row["messages"]
         assert (bad["label"], bad["label_source"]) == (0, "negative")
         assert bad["content"] == pair["rejected"][0]["content"]

@@ -42,9 +42,10 @@ from trajforge.pipeline.quality.dedup import (
     signatures,
 )
 from trajforge.pipeline.quality.dedup_table import duplicates_table, near_matrices, record_keys, shingle_set_hashes
-from trajforge.pipeline.quality.derived import grpo_env_row, preference_pair, record_task, reference_answer
+from trajforge.pipeline.quality.derived import grpo_env_row, preference_table, record_task, reference_answer
 from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
+from trajforge.schemas import arrow_schema
 from trajforge.sources import keep_rank as source_keep_rank
 
 # --- dedup (pipeline/quality/dedup.py, dedup_table.py) -------------------------------------------
@@ -158,6 +159,12 @@ def deduplicate_in_memory(records: list[dict], config: DedupConfig = DedupConfig
 
 
 # --- derived sets (pipeline/quality/derived.py) ---------------------------------------------------
+
+
+def preference_pair(negative: dict, parent: dict) -> dict | None:
+    """The DPO pair of a negative and its parent, as the build makes it, or None."""
+    table = preference_table(pa.Table.from_pylist([parent], schema=arrow_schema("trajectory")), [parent], [[negative]])
+    return table.to_pylist()[0] if table.num_rows else None
 
 
 def preference_pairs(negatives: list[dict], records: list[dict]) -> tuple[list[dict], int]:
