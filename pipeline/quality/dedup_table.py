@@ -118,11 +118,14 @@ def sketches(sizes: np.ndarray, hashed: np.ndarray) -> np.ndarray:
 def sketch_similarity(sketch: np.ndarray, a: np.ndarray, b: np.ndarray, chunk: int = 1 << 13) -> np.ndarray:
     """Estimated Jaccard of rows a[i] and b[i]: agreeing bins among those either set fills."""
     out = np.empty(len(a), dtype=np.float64)
+    # Each row's empty bins as bits, once (8 words a row): a pair's bins empty in both are their AND.
+    empty = np.packbits(sketch == 0, axis=1).view(np.uint64)
     for start in range(0, len(a), chunk):
-        left, right = sketch[a[start:start + chunk]], sketch[b[start:start + chunk]]
-        same = left == right
-        both_empty = (same & (left == 0)).sum(axis=1)
-        out[start:start + chunk] = (same.sum(axis=1) - both_empty) / np.maximum(1, sketch.shape[1] - both_empty)
+        left, right = a[start:start + chunk], b[start:start + chunk]
+        # A bool is a byte of 0 or 1: the bits set in 8 bools read as one word are how many are True.
+        same = np.bitwise_count((sketch[left] == sketch[right]).view(np.uint64)).sum(axis=1, dtype=np.int64)
+        both_empty = np.bitwise_count(empty[left] & empty[right]).sum(axis=1, dtype=np.int64)
+        out[start:start + chunk] = (same - both_empty) / np.maximum(1, sketch.shape[1] - both_empty)
     return out
 
 
@@ -314,17 +317,26 @@ class NearTable:
         """`sketch_rows(rows)`: the sketches of the sorted `rows`, read through one mapping of the
         file (unmapped with the reader) whose pages leave this process every SKETCH_ROWS_MAPPED rows
         (a read maps the cached pages around it too: kept mapped, the whole file would count in its
-        memory)."""
+        memory). The rows of the last call are held: the chunks of pairs of a large bucket need
+        the same rows again and again."""
         with open(Path(self.folder) / "sketch.npy", "rb") as file:
             shape, dtype, offset = _npy_layout(file)
             mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         sketch = np.frombuffer(mapping, dtype=dtype, count=shape[0] * shape[1], offset=offset).reshape(shape)
+        held_rows, held = np.empty(0, dtype=np.int64), np.empty((0, shape[1]), dtype=dtype)
 
         def sketch_rows(rows: np.ndarray) -> np.ndarray:
+            nonlocal held_rows, held
             out = np.empty((len(rows), shape[1]), dtype=dtype)
-            for start in range(0, len(rows), SKETCH_ROWS_MAPPED):
-                out[start:start + SKETCH_ROWS_MAPPED] = sketch[rows[start:start + SKETCH_ROWS_MAPPED]]
+            at = np.searchsorted(held_rows, rows).clip(max=max(0, len(held_rows) - 1))
+            found = held_rows[at] == rows if len(held_rows) else np.zeros(len(rows), dtype=bool)
+            out[found] = held[at[found]]
+            missing = np.flatnonzero(~found)
+            for start in range(0, len(missing), SKETCH_ROWS_MAPPED):
+                part = missing[start:start + SKETCH_ROWS_MAPPED]
+                out[part] = sketch[rows[part]]
                 mapping.madvise(mmap.MADV_DONTNEED)
+            held_rows, held = rows, out
             return out
 
         return sketch_rows
@@ -403,9 +415,8 @@ def screen_band(table: NearTable, band: int, threshold: float) -> np.ndarray:
         for start in range(0, len(a), SCREEN_CHUNK):
             left, right = a[start:start + SCREEN_CHUNK], b[start:start + SCREEN_CHUNK]
             # Only the sketches this chunk compares (a sorted, distinct set of rows) are read.
-            needed = np.union1d(left, right)
-            likely = sketch_similarity(sketch_rows(needed), np.searchsorted(needed, left),
-                                       np.searchsorted(needed, right)) >= threshold - SKETCH_MARGIN
+            needed, at = np.unique(np.concatenate((left, right)), return_inverse=True)
+            likely = sketch_similarity(sketch_rows(needed), at[:len(left)], at[len(left):]) >= threshold - SKETCH_MARGIN
             kept.append(np.stack([left[likely], right[likely]], axis=1))
     return table.rows()[np.concatenate(kept)]
 
