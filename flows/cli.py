@@ -276,7 +276,7 @@ def _builds_in_process(run: BuildRun) -> bool:
 
 def _start_prefect_server() -> Callable[[], None]:
     """Start Prefect's temporary server now, in a thread, unless a Prefect API is set: its process
-    takes seconds to start, which it spends while this one loads the stages and the flow. Returns
+    takes seconds to start, which it spends while this one loads the flow. Returns
     a wait for it (raising what its start raised); the flow's client then finds it running (Prefect
     starts one temporary server per process)."""
     if _prefect_server_set():
@@ -305,10 +305,10 @@ def _start_prefect_server() -> Callable[[], None]:
 def _run_build(args: argparse.Namespace) -> int:
     run = _build_run(args)
     _check_build_args(run)
-    in_process = _builds_in_process(run)
-    server_started = (lambda: None) if in_process else _start_prefect_server()
     # The stages' settings, checked before Prefect loads (the stages load in a few seconds, Prefect in more).
     config = stage_config(run.stages, args.config if "config" in args else "options")
+    in_process = _builds_in_process(run)
+    server_started = (lambda: None) if in_process else _start_prefect_server()
     if in_process:
         from trajforge.pipeline.build import build_in_process, summary_lines
 
