@@ -107,12 +107,11 @@ def make_task_runner(runner: str = "processes", address: str | None = None, work
 
 
 def step_tasks(runner: str, address: str | None, workers: int) -> int | None:
-    """Tasks per step of the second half: one per worker on a local runner, the calls dealt by their
-    sizes (`deal`; each task run costs Prefect ~0.1-0.3 s of CPU, in the worker, the flow and the
-    server), a task per unit on a cluster at an address (its size is not known here)."""
+    """Tasks per step of the second half: two per worker on a local runner (a slow unit does not hold
+    the others back), a task per unit on a cluster at an address (its size is not known here)."""
     if address:
         return None
-    return process_workers(workers) if runner == "processes" else workers
+    return 2 * (process_workers(workers) if runner == "processes" else workers)
 
 
 def _worth_retrying(task, task_run, state) -> bool:
