@@ -13,8 +13,6 @@ import json
 import logging
 import os
 import sys
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 from trajforge.flows.config import (
@@ -274,42 +272,12 @@ def _builds_in_process(run: BuildRun) -> bool:
     return size <= SMALL_INPUT_BYTES and not _prefect_server_set()
 
 
-def _start_prefect_server() -> Callable[[], None]:
-    """Start Prefect's temporary server now, in a thread, unless a Prefect API is set: its process
-    takes seconds to start, which it spends while this one loads the flow. Returns
-    a wait for it (raising what its start raised); the flow's client then finds it running (Prefect
-    starts one temporary server per process)."""
-    if _prefect_server_set():
-        return lambda: None
-    failed: list[Exception] = []
-
-    def start() -> None:
-        try:
-            from prefect.server.api.server import SubprocessASGIServer
-
-            SubprocessASGIServer().start()
-        except Exception as exc:  # raised by the wait, in the command's thread
-            failed.append(exc)
-
-    # A daemon: a stop signal during start-up ends the command without waiting for the server.
-    thread = threading.Thread(target=start, name="prefect-server-start", daemon=True)
-    thread.start()
-
-    def wait() -> None:
-        thread.join()
-        if failed:
-            raise failed[0]
-    return wait
-
-
 def _run_build(args: argparse.Namespace) -> int:
     run = _build_run(args)
     _check_build_args(run)
     # The stages' settings, checked before Prefect loads (the stages load in a few seconds, Prefect in more).
     config = stage_config(run.stages, args.config if "config" in args else "options")
-    in_process = _builds_in_process(run)
-    server_started = (lambda: None) if in_process else _start_prefect_server()
-    if in_process:
+    if _builds_in_process(run):
         from trajforge.pipeline.build import build_in_process, summary_lines
 
         if args.verbose:  # Prefect, when loaded, has its console handler; here nothing else shows the logs
@@ -319,7 +287,6 @@ def _run_build(args: argparse.Namespace) -> int:
         from trajforge.flows.build import build_dataset
         from trajforge.pipeline.build import summary_lines
 
-        server_started()
         report = build_dataset(config=dataclasses.asdict(run))
     print("\n".join(summary_lines(report)))
     print(f"dataset: {run.out}/data  quarantine: {run.out}/quarantine  report: {run.out}/report.json")
