@@ -1,0 +1,77 @@
+"""What one Prefect task run costs in CPU, outside the task's own work, on the build's task runner.
+
+Usage: python bench/prefect_task_cost.py [--tasks N ...] [--workers W]
+
+A flow on `ProcessPoolTaskRunner(W)` (as the build's `processes` runner, against Prefect's temporary
+server) submits N no-op tasks, for each N given, after two warm-up tasks have started the workers.
+It prints the CPU (user + system, from psutil) that the flow process, its workers and the server
+spent on the N task runs, and per task the difference between the largest and the smallest N:
+the flow's submission (the context it sends, settings included), the worker's (a client, settings
+and TLS context per task run, the task engine) and the server's (the task run's events and logs).
+CPU rather than wall: on a shared machine it moves far less with the load.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import psutil
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import ProcessPoolTaskRunner
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def noop(calls: list) -> list:
+    return [len(call) for call in calls]
+
+
+def _cpu(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def _role(process: psutil.Process) -> str:
+    line = " ".join(process.cmdline())
+    return "server" if "uvicorn" in line else "worker" if "spawn_main" in line else "other"
+
+
+def task_cost(tasks: int) -> dict[str, float]:
+    """CPU seconds per role (flow, worker, server) that `tasks` no-op task runs cost."""
+    me = psutil.Process()
+    noop.submit([()]).result()
+    noop.submit([()]).result()
+    before = {p.pid: _cpu(p) for p in [me, *me.children(recursive=True)]}
+    for future in [noop.submit([(1, 2)] * 4) for _ in range(tasks)]:
+        future.result()
+    time.sleep(3)  # the server records the last events
+    spent = {"flow": _cpu(me) - before[me.pid], "worker": 0.0, "server": 0.0}
+    for child in me.children(recursive=True):
+        role = _role(child)
+        if role != "other" and child.pid in before:
+            spent[role] += _cpu(child) - before[child.pid]
+    return spent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", type=int, nargs="+", default=[10, 40])
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+
+    @flow(task_runner=ProcessPoolTaskRunner(max_workers=args.workers))
+    def submit_tasks(tasks: int) -> dict[str, float]:
+        return task_cost(tasks)
+
+    results = {n: submit_tasks(n) for n in sorted(args.tasks)}
+    for n, spent in results.items():
+        print(f"{n:4d} tasks: " + ", ".join(f"{role} {s:.2f} s" for role, s in spent.items()))
+    low, high = min(results), max(results)
+    if high > low:
+        per = {role: (results[high][role] - results[low][role]) / (high - low) for role in results[high]}
+        print("per task: " + ", ".join(f"{role} {s * 1000:.0f} ms" for role, s in per.items())
+              + f", in all {sum(per.values()) * 1000:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
