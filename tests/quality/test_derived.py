@@ -11,7 +11,7 @@ from tests.support.oracles import grpo_prompts as grpo_prompts_by_record
 from tests.support.oracles import make_negatives, preference_pair, preference_pairs
 from trajforge.pipeline.ingest.dialects import parse_turn
 from trajforge.pipeline.ingest.validate import validate_record
-from trajforge.pipeline.quality.derived import grpo_prompts
+from trajforge.pipeline.quality.derived import grpo_prompts, preference_table
 from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig
 from trajforge.schemas import arrow_schema, validator
 
@@ -49,6 +49,16 @@ def test_every_negative_has_a_pair_of_its_type(all_pairs):
         assert pair["chosen"] != pair["rejected"]
         assert pair["chosen"][0]["role"] == pair["rejected"][0]["role"] == "assistant"
         assert pair["prompt"][-1]["role"] == "user"
+
+
+def test_the_build_makes_the_same_pairs_column_wise(all_pairs, positives):
+    negatives, pairs, _ = all_pairs
+    of_parent: dict[str, list[dict]] = {}
+    for negative in negatives:
+        of_parent.setdefault(negative["parent_id"], []).append(negative)
+    table = preference_table(pa.Table.from_pylist(positives, schema=arrow_schema("trajectory")), positives,
+                             [of_parent.get(p["id"], []) for p in positives])
+    assert sorted(table.to_pylist(), key=lambda p: p["id"]) == sorted(pairs, key=lambda p: p["id"])
 
 
 def test_pair_is_cut_where_the_trajectories_diverge(all_pairs, positives):

@@ -42,10 +42,9 @@ from trajforge.pipeline.quality.dedup import (
     signatures,
 )
 from trajforge.pipeline.quality.dedup_table import duplicates_table, near_matrices, record_keys, shingle_set_hashes
-from trajforge.pipeline.quality.derived import grpo_env_row, preference_table, record_task, reference_answer
+from trajforge.pipeline.quality.derived import grpo_env_row, record_task, reference_answer
 from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
-from trajforge.schemas import arrow_schema
 from trajforge.sources import keep_rank as source_keep_rank
 
 # --- dedup (pipeline/quality/dedup.py, dedup_table.py) -------------------------------------------
@@ -161,10 +160,38 @@ def deduplicate_in_memory(records: list[dict], config: DedupConfig = DedupConfig
 # --- derived sets (pipeline/quality/derived.py) ---------------------------------------------------
 
 
+def _divergence(parent: list[dict], negative: list[dict]) -> int | None:
+    for k, turn in enumerate(negative):
+        if k >= len(parent):
+            return k
+        if turn["role"] != parent[k]["role"] or turn["content"] != parent[k]["content"]:
+            return k
+    return None
+
+
+def _messages(turns: list[dict]) -> list[dict]:
+    return [{"role": t["role"], "content": t["content"]} for t in turns]
+
+
 def preference_pair(negative: dict, parent: dict) -> dict | None:
-    """The DPO pair of a negative and its parent, as the build makes it, or None."""
-    table = preference_table(pa.Table.from_pylist([parent], schema=arrow_schema("trajectory")), [parent], [[negative]])
-    return table.to_pylist()[0] if table.num_rows else None
+    """The DPO pair of a negative and its parent, row by row (the build makes them column-wise,
+    `derived.preference_table`), or None when they never differ on a reply."""
+    neg, par = negative["conversations"], parent["conversations"]
+    chosen = json.loads(negative["meta"]).get("chosen")
+    if chosen is not None:
+        k = len(neg) - 1
+        prompt, chosen_turn, rejected_turn = neg[:k], {"role": "assistant", "content": chosen}, neg[k]
+    else:
+        k = _divergence(par, neg)
+        if k is None or k >= len(par) or neg[k]["role"] != "assistant" or par[k]["role"] != "assistant":
+            return None
+        prompt, chosen_turn, rejected_turn = par[:k], par[k], neg[k]
+    if not prompt or rejected_turn["role"] != "assistant":
+        return None
+    return {"id": f"{negative['id']}#pair", "parent_id": parent["id"], "negative_id": negative["id"],
+            "negative_type": negative["negative_type"], "source": parent["source"], "domain": parent["domain"],
+            "env": parent["env"], "prompt": _messages(prompt), "chosen": _messages([chosen_turn]),
+            "rejected": _messages([rejected_turn])}
 
 
 def preference_pairs(negatives: list[dict], records: list[dict]) -> tuple[list[dict], int]:
