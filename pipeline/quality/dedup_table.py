@@ -419,6 +419,15 @@ def chunk_similarities(records, refs: list[tuple[int, int]], pairs: np.ndarray, 
     return [hashed_jaccard(sets[a], sets[b]) for a, b in pairs.tolist()]
 
 
+def screened_pairs(table: NearTable, config: DedupConfig, map_units=in_order) -> np.ndarray:
+    """(m, 2) rows (a, b) of the distinct candidate pairs of every band that pass the screen, by b
+    then a; the band steps go through `map_units`."""
+    steps = [(table, band, config.threshold) for band in range(band_params(config)[0])]
+    # A pair that shares several bands came from each of them.
+    pairs = np.unique(np.concatenate(map_units(screen_band, steps)), axis=0)
+    return pairs[np.lexsort((pairs[:, 0], pairs[:, 1]))]
+
+
 def near_duplicates_table(unique: pl.DataFrame, table: NearTable, records, config: DedupConfig,
                           map_units=in_order) -> dict[int, tuple[int, float]]:
     """Near duplicates among `unique` (the records the exact stage kept, sorted by `pos`, with
@@ -429,11 +438,7 @@ def near_duplicates_table(unique: pl.DataFrame, table: NearTable, records, confi
     """
     if len(table.rows()) < 2:
         return {}
-    bands = band_params(config)[0]
-    # A pair that shares several bands came from each of them.
-    pairs = np.unique(np.concatenate(map_units(screen_band, [(table, band, config.threshold) for band in range(bands)])),
-                      axis=0)
-    pairs = pairs[np.lexsort((pairs[:, 0], pairs[:, 1]))]
+    pairs = screened_pairs(table, config, map_units)
     units, unit_rows = unique["unit"].to_numpy(), unique["row"].to_numpy()
     chunks = list(verify_chunks(pairs))
     similarities = map_units(chunk_similarities, [(records, list(zip(units[rows].tolist(), unit_rows[rows].tolist())),
