@@ -43,7 +43,7 @@ from trajforge.pipeline.quality.dedup_table import (  # noqa: E402
     band_keys,
     band_params,
     resolve,
-    screen_band,
+    screened_pairs,
     sketches,
     write_near_table,
 )
@@ -110,7 +110,7 @@ def run_table(sets, groups, config: DedupConfig) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         table = write_near_table(Path(folder), pl.DataFrame({"group": groups}),
                                  [(np.arange(len(sets)), keys, sketch)], config)
-        pairs = np.concatenate([screen_band(table, band, config.threshold) for band in range(bands)])
+        pairs = screened_pairs(table, config)
     found = resolve(((a, b, jaccard(sets[a], sets[b])) for a, b in pairs.tolist()), config.threshold)
     t2 = time.perf_counter()
     return {"backend": "table", "signature_s": t1 - t0, "total_s": t2 - t0,

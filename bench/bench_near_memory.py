@@ -7,7 +7,9 @@ then runs every band step (`screen_band`) one after the other in a child process
 the build's task runner does, and samples /proc/self/smaps_rollup every few milliseconds. Prints,
 per N, the table's size on disk, the peak PSS above the process's own start while writing, and
 the highest peak of the band steps, in MiB and in bytes a row (with its anonymous and
-file-backed parts), and the CPU seconds of each (the rows are made before, into files).
+file-backed parts), and the CPU seconds of each (the rows are made before, into files). The first
+band step also loads the compiled screen (numba and LLVM: ~65 MiB of heap and ~115 MiB of shared
+library pages, which a build's worker processes share).
 
 The rows (default mix): 60 % alone (keys and sketch of their own), 10 % in pairs of planted near
 copies (Jaccard ~0.9: a band agrees with probability 0.9^rows, a sketch bin with 0.9), 30 % in
@@ -124,13 +126,14 @@ def band_steps(folder: str, bands: int, threshold: float, out) -> None:
     from trajforge.pipeline.quality.dedup_table import NearTable
 
     table = NearTable(folder)
-    peaks, pairs = [], 0
+    peaks, pairs = [], []
     cpu = time.process_time()
     for band in range(bands):
         with PeakPss() as peak:
-            pairs += len(screen_band(table, band, threshold))
+            pairs.append(screen_band(table, band, threshold))
         peaks.append(peak.above_start)
-    out.send((peaks, pairs, time.process_time() - cpu))
+    # A pair that shares several bands passes in each: counted once, as the near stage keeps it.
+    out.send((peaks, len(np.unique(np.concatenate(pairs), axis=0)), time.process_time() - cpu))
 
 
 def measure(n: int, config: DedupConfig) -> dict:

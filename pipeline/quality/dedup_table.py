@@ -9,18 +9,19 @@ same signatures, same keep preference, same verification by the true shingle Jac
   bytes (512 of them the sketch); records and shingle sets are not kept.
 - Exact (`exact_duplicates`): a group-by on (group, hash); the preferred record of each group is kept.
 - Near (`near_duplicates_table`), among the records the exact stage kept: candidate pairs are
-  records of the same group that share a band key, made band by band and bucket by bucket in
-  batches of at most `PAIR_BATCH` pairs (`band_pairs`), each pair once (in the first band it
-  shares). Each batch is screened by the sketches (numpy, `sketch_similarity`): only pairs that
-  may reach the threshold get their shingle sets re-computed (`shingles_of`, from the staged
-  records, a bounded number of records at a time) for the true Jaccard. The keep choice walks the
-  verified pairs in preference order: a record is dropped for the most similar better-ranked
-  record that is itself kept (ties: the better-ranked), so a dropped record always points at a
-  kept record with similarity >= the threshold (no chaining).
+  records of the same group that share a band key, screened band by band (`screen_band`), bucket
+  by bucket in batches of about SCREEN_ROWS rows (a larger bucket block by block). The screen
+  (sketch_screen.py, compiled, ~10 ns a pair) keeps the pairs whose sketches may reach the
+  threshold; a pair that shares several bands is screened in each (siblings at Jaccard ~0.7 share
+  a given band with p ~ 0.06) and kept once. Only the kept pairs get their shingle sets re-computed (`shingles_of`,
+  from the staged records, a bounded number of records at a time) for the true Jaccard. The keep
+  choice walks the verified pairs in preference order: a record is dropped for the most similar
+  better-ranked record that is itself kept (ties: the better-ranked), so a dropped record always
+  points at a kept record with similarity >= the threshold (no chaining).
 
-Memory is the key table plus, for the near stage, one batch of pairs and what a band step reads of
-the near table on disk (`NearTable`: only the records that share a band key in their group): two
-bands' keys and the groups (~20 bytes a record) and the sketches of one chunk of pairs. Templated
+Memory is the key table plus, for the near stage, what a band step reads of the near table on
+disk (`NearTable`: only the records that share a band key in their group): the band's keys and the
+groups (~12 bytes a record), and the sketches of one batch of rows. Templated
 trajectories make large buckets whose members are alike but below the threshold (siblings at
 Jaccard ~0.7 give tens of millions of pairs per million records): the sketch screen is what keeps
 them from being verified.
@@ -68,14 +69,13 @@ SKETCH_BINS = 512
 # the sketch, and smaller for smaller sets (nearly every shingle has a bin of its own): a pair at
 # the threshold is screened out with a probability under 1e-6; siblings at 0.7 pass with ~1e-4.
 SKETCH_MARGIN = 0.08
-# Candidate pairs screened at once (two int64 indices and 2 x 512 sketch bytes each, in chunks).
-PAIR_BATCH = 1 << 21
 # Rows of the near table written through one mapping of its arrays (each row dirties a page: <= 32 MB).
 NEAR_WRITE_ROWS = 8192
-# Candidate pairs whose sketches a band step reads at once (<= 2 x 8 MB of sketch rows).
-SCREEN_CHUNK = 1 << 13
-# Sketch rows read through the mapping before its pages are dropped (each read maps up to 64 KB
-# of cached pages around it: <= 32 MB).
+# Rows of a band's buckets screened at once, with their sketches in memory (512 bytes a row: 8 MB);
+# a larger bucket is screened in blocks of half as many rows.
+SCREEN_ROWS = 1 << 14
+# Rows read through the near table's mappings before their pages are dropped (each read maps up to
+# 64 KB of cached pages around it: <= 32 MB).
 SKETCH_ROWS_MAPPED = 512
 # Records whose shingle sets are held at once while verifying (a few KB to a few hundred KB each).
 VERIFY_BATCH = 10_000
@@ -113,20 +113,6 @@ def sketches(sizes: np.ndarray, hashed: np.ndarray) -> np.ndarray:
     out = (smallest % np.uint32(255) + 1).astype(np.uint8)
     out[smallest == np.iinfo(np.uint32).max] = 0
     return out.reshape(n, SKETCH_BINS)
-
-
-def sketch_similarity(sketch: np.ndarray, a: np.ndarray, b: np.ndarray, chunk: int = 1 << 13) -> np.ndarray:
-    """Estimated Jaccard of rows a[i] and b[i]: agreeing bins among those either set fills."""
-    out = np.empty(len(a), dtype=np.float64)
-    # Each row's empty bins as bits, once (8 words a row): a pair's bins empty in both are their AND.
-    empty = np.packbits(sketch == 0, axis=1).view(np.uint64)
-    for start in range(0, len(a), chunk):
-        left, right = a[start:start + chunk], b[start:start + chunk]
-        # A bool is a byte of 0 or 1: the bits set in 8 bools read as one word are how many are True.
-        same = np.bitwise_count((sketch[left] == sketch[right]).view(np.uint64)).sum(axis=1, dtype=np.int64)
-        both_empty = np.bitwise_count(empty[left] & empty[right]).sum(axis=1, dtype=np.int64)
-        out[start:start + chunk] = (same - both_empty) / np.maximum(1, sketch.shape[1] - both_empty)
-    return out
 
 
 def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig = DedupConfig()) -> pl.DataFrame:
@@ -184,32 +170,6 @@ def exact_duplicates(ranked: pl.DataFrame) -> pl.DataFrame:
             .filter(pl.col("pos") != pl.col("kept_pos")).sort("pos"))
 
 
-def _bucket_pairs(members: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Every (a, b), a < b, of one bucket's sorted members; a large bucket in blocks of rows of
-    about PAIR_BATCH pairs each."""
-    size = len(members)
-    rows = max(1, PAIR_BATCH // size)
-    for top in range(0, size - 1, rows):
-        block = np.arange(top, min(top + rows, size - 1))
-        counts = size - 1 - block
-        starts = np.cumsum(counts) - counts
-        left = np.repeat(block, counts)
-        right = np.repeat(block + 1, counts) + np.arange(int(counts.sum())) - np.repeat(starts, counts)
-        yield members[left], members[right]
-
-
-def _first_shared_band(bands, band: int, a: np.ndarray, b: np.ndarray, chunk: int = 1 << 13) -> np.ndarray:
-    """Which pairs share no band before `band` (so `band` is the first they share); `bands[j]` is
-    band j's keys of every row, read one band at a time."""
-    first = np.ones(len(a), dtype=bool)
-    for earlier in range(band):
-        keys = bands[earlier]
-        for start in range(0, len(a), chunk):
-            end = start + chunk
-            first[start:end] &= keys[a[start:end]] != keys[b[start:end]]
-    return first
-
-
 def _buckets(groups: np.ndarray, keys: np.ndarray) -> Iterator[np.ndarray]:
     """The rows (sorted) of each bucket of rows of the same group and key that holds more than one,
     in the order of their first rows. A sort (~30 bytes a row), not a group-by (polars': ~200)."""
@@ -225,30 +185,6 @@ def _buckets(groups: np.ndarray, keys: np.ndarray) -> Iterator[np.ndarray]:
     by_first_row = np.argsort(order[first])
     for start, stop in zip(first[by_first_row].tolist(), end[by_first_row].tolist()):
         yield order[start:stop]
-
-
-def band_pairs(groups: np.ndarray, bands, band: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Batches of (a, b) row indices, a < b, of rows of the same group whose key in `band` is the
-    same and that share no earlier band (those pairs came from it); `bands[j]` is band j's keys of
-    every row (a (bands, rows) array, or a NearTable's `BandKeys`). A batch holds at most about
-    PAIR_BATCH pairs (a bucket larger than that comes in blocks of rows)."""
-    pending: list[tuple[np.ndarray, np.ndarray]] = []
-    held = 0
-    for members in _buckets(np.asarray(groups), np.asarray(bands[band])):
-        for a, b in _bucket_pairs(members):
-            pending.append((a, b))
-            held += len(a)
-            if held >= PAIR_BATCH:
-                yield _first_in(bands, band, pending)
-                pending, held = [], 0
-    if pending:
-        yield _first_in(bands, band, pending)
-
-
-def _first_in(bands, band: int, pending: list[tuple[np.ndarray, np.ndarray]]):
-    a, b = np.concatenate([p[0] for p in pending]), np.concatenate([p[1] for p in pending])
-    first = _first_shared_band(bands, band, a, b)
-    return a[first], b[first]
 
 
 def resolve(pairs: Iterable[tuple[int, int, float]], threshold: float) -> dict[int, tuple[int, float]]:
@@ -300,7 +236,7 @@ class NearTable:
     generated 20k corpus's rows): their row indices in the table they came from, group codes, band keys
     (bands x rows: a band's keys are contiguous) and sketches, as .npy files. Band steps in other
     processes or on cluster workers read them instead of receiving copies: the groups and one
-    band's keys at a time, the sketch rows of one chunk of pairs at a time."""
+    band's keys at a time, the sketch rows of one batch of buckets at a time."""
     folder: str
 
     def rows(self) -> np.ndarray:
@@ -314,32 +250,24 @@ class NearTable:
         return BandKeys(str(Path(self.folder) / "bands.npy"))
 
     def sketch_reader(self) -> Callable[[np.ndarray], np.ndarray]:
-        """`sketch_rows(rows)`: the sketches of the sorted `rows`, read through one mapping of the
-        file (unmapped with the reader) whose pages leave this process every SKETCH_ROWS_MAPPED rows
-        (a read maps the cached pages around it too: kept mapped, the whole file would count in its
-        memory). The rows of the last call are held: the chunks of pairs of a large bucket need
-        the same rows again and again."""
+        """`words_of(rows)`: the sketches of `rows` as 64-bit words ((len(rows), SKETCH_BINS / 8)),
+        read through one mapping of the file (unmapped with the reader) whose pages leave this
+        process every SKETCH_ROWS_MAPPED rows (a read maps the cached pages around it too: kept
+        mapped, the whole file would count in its memory)."""
         with open(Path(self.folder) / "sketch.npy", "rb") as file:
             shape, dtype, offset = _npy_layout(file)
             mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         sketch = np.frombuffer(mapping, dtype=dtype, count=shape[0] * shape[1], offset=offset).reshape(shape)
-        held_rows, held = np.empty(0, dtype=np.int64), np.empty((0, shape[1]), dtype=dtype)
 
-        def sketch_rows(rows: np.ndarray) -> np.ndarray:
-            nonlocal held_rows, held
-            out = np.empty((len(rows), shape[1]), dtype=dtype)
-            at = np.searchsorted(held_rows, rows).clip(max=max(0, len(held_rows) - 1))
-            found = held_rows[at] == rows if len(held_rows) else np.zeros(len(rows), dtype=bool)
-            out[found] = held[at[found]]
-            missing = np.flatnonzero(~found)
-            for start in range(0, len(missing), SKETCH_ROWS_MAPPED):
-                part = missing[start:start + SKETCH_ROWS_MAPPED]
-                out[part] = sketch[rows[part]]
+        def words_of(rows: np.ndarray) -> np.ndarray:
+            words = np.empty((len(rows), shape[1] // 8), dtype=np.uint64)
+            for start in range(0, len(rows), SKETCH_ROWS_MAPPED):
+                part = rows[start:start + SKETCH_ROWS_MAPPED]
+                words[start:start + len(part)] = sketch[part].view(np.uint64)
                 mapping.madvise(mmap.MADV_DONTNEED)
-            held_rows, held = rows, out
-            return out
+            return words
 
-        return sketch_rows
+        return words_of
 
 
 def _write_rows(path: Path, at, values: np.ndarray, columns: bool = False) -> None:
@@ -406,18 +334,53 @@ def write_near_table(folder: Path, table: pl.DataFrame, rows, config: DedupConfi
     return NearTable(str(folder))
 
 
+def _bucket_batches(buckets: Iterable[np.ndarray]) -> Iterator[list[np.ndarray]]:
+    """The buckets in batches of about SCREEN_ROWS rows; a bucket larger than that alone."""
+    batch: list[np.ndarray] = []
+    held = 0
+    for members in buckets:
+        if held and held + len(members) > SCREEN_ROWS:
+            yield batch
+            batch, held = [], 0
+        batch.append(members)
+        held += len(members)
+    if batch:
+        yield batch
+
+
+def _screen_batch(words_of, batch: list[np.ndarray], min_similarity: float) -> np.ndarray:
+    """(m, 2) rows of the pairs of a batch of buckets that pass the screen."""
+    from trajforge.pipeline.quality.sketch_screen import pairs_within
+
+    members = np.concatenate(batch)
+    bounds = np.cumsum([0] + [len(bucket) for bucket in batch])
+    return members[pairs_within(words_of(members), bounds, min_similarity)]
+
+
+def _screen_large_bucket(words_of, members: np.ndarray, min_similarity: float) -> Iterator[np.ndarray]:
+    """The pairs of one bucket larger than SCREEN_ROWS that pass the screen, block against block."""
+    from trajforge.pipeline.quality.sketch_screen import pairs_across, pairs_within
+
+    blocks = [members[start:start + SCREEN_ROWS // 2] for start in range(0, len(members), SCREEN_ROWS // 2)]
+    for at, left in enumerate(blocks):
+        words = words_of(left)
+        yield left[pairs_within(words, np.array([0, len(left)]), min_similarity)]
+        for right in blocks[at + 1:]:
+            local = pairs_across(words, words_of(right), min_similarity)
+            yield np.stack([left[local[:, 0]], right[local[:, 1]]], axis=1)
+
+
 def screen_band(table: NearTable, band: int, threshold: float) -> np.ndarray:
-    """(m, 2) rows (of the table the NearTable came from) of the candidate pairs of one band whose
-    sketches may reach the threshold."""
+    """(m, 2) rows (of the table the NearTable came from), a < b, of the candidate pairs of one
+    band (rows of the same group with the same key in it) whose sketches may reach the threshold."""
+    words_of = table.sketch_reader()
+    min_similarity = threshold - SKETCH_MARGIN
     kept = [np.empty((0, 2), dtype=np.int64)]
-    sketch_rows = table.sketch_reader()
-    for a, b in band_pairs(table.groups(), table.bands, band):
-        for start in range(0, len(a), SCREEN_CHUNK):
-            left, right = a[start:start + SCREEN_CHUNK], b[start:start + SCREEN_CHUNK]
-            # Only the sketches this chunk compares (a sorted, distinct set of rows) are read.
-            needed, at = np.unique(np.concatenate((left, right)), return_inverse=True)
-            likely = sketch_similarity(sketch_rows(needed), at[:len(left)], at[len(left):]) >= threshold - SKETCH_MARGIN
-            kept.append(np.stack([left[likely], right[likely]], axis=1))
+    for batch in _bucket_batches(_buckets(table.groups(), table.bands[band])):
+        if len(batch[0]) > SCREEN_ROWS:
+            kept.extend(_screen_large_bucket(words_of, batch[0], min_similarity))
+        else:
+            kept.append(_screen_batch(words_of, batch, min_similarity))
     return table.rows()[np.concatenate(kept)]
 
 
@@ -456,6 +419,15 @@ def chunk_similarities(records, refs: list[tuple[int, int]], pairs: np.ndarray, 
     return [hashed_jaccard(sets[a], sets[b]) for a, b in pairs.tolist()]
 
 
+def screened_pairs(table: NearTable, config: DedupConfig, map_units=in_order) -> np.ndarray:
+    """(m, 2) rows (a, b) of the distinct candidate pairs of every band that pass the screen, by b
+    then a; the band steps go through `map_units`."""
+    steps = [(table, band, config.threshold) for band in range(band_params(config)[0])]
+    # A pair that shares several bands came from each of them.
+    pairs = np.unique(np.concatenate(map_units(screen_band, steps)), axis=0)
+    return pairs[np.lexsort((pairs[:, 0], pairs[:, 1]))]
+
+
 def near_duplicates_table(unique: pl.DataFrame, table: NearTable, records, config: DedupConfig,
                           map_units=in_order) -> dict[int, tuple[int, float]]:
     """Near duplicates among `unique` (the records the exact stage kept, sorted by `pos`, with
@@ -466,9 +438,7 @@ def near_duplicates_table(unique: pl.DataFrame, table: NearTable, records, confi
     """
     if len(table.rows()) < 2:
         return {}
-    bands = band_params(config)[0]
-    pairs = np.concatenate(map_units(screen_band, [(table, band, config.threshold) for band in range(bands)]))
-    pairs = pairs[np.lexsort((pairs[:, 0], pairs[:, 1]))]
+    pairs = screened_pairs(table, config, map_units)
     units, unit_rows = unique["unit"].to_numpy(), unique["row"].to_numpy()
     chunks = list(verify_chunks(pairs))
     similarities = map_units(chunk_similarities, [(records, list(zip(units[rows].tolist(), unit_rows[rows].tolist())),

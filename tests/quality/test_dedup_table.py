@@ -7,22 +7,28 @@ import numpy as np
 import polars as pl
 import pytest
 
-from tests.support.oracles import deduplicate, deduplicate_in_memory, jaccard, make_negatives
+from tests.support.oracles import (
+    band_pairs,
+    deduplicate,
+    deduplicate_in_memory,
+    jaccard,
+    make_negatives,
+    sketch_similarity,
+)
 from trajforge.pipeline.quality import dedup_table
 from trajforge.pipeline.quality.dedup import DedupConfig, dedup_texts, shingles
 from trajforge.pipeline.quality.dedup_table import (
     band_keys,
-    band_pairs,
     near_matrices,
     record_keys,
     resolve,
     screen_band,
-    sketch_similarity,
     verify_chunks,
     write_near_table,
 )
 from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig
 from trajforge.pipeline.quality.pools import EnvPools
+from trajforge.pipeline.quality.sketch_screen import pairs_across, pairs_within
 
 
 @pytest.mark.parametrize("threshold", [0.85, 0.6, 0.4])
@@ -51,37 +57,38 @@ def test_band_keys_equal_exactly_when_the_band_values_do():
     assert keys[3, 0] != keys[0, 0] and keys[3, 1] != keys[0, 1]
 
 
-def candidate_pairs(groups, bands):
-    """Every band's candidate batches, as the build's band steps make them from (rows, bands) keys."""
-    by_band = np.ascontiguousarray(bands.T)
-    for band in range(len(by_band)):
-        yield from band_pairs(groups, by_band, band)
+def _screened(folder, groups, bands, sketch, threshold: float) -> list[list[tuple[int, int]]]:
+    """Each band step's pairs, (rows, bands) keys, through a near table."""
+    config = DedupConfig(bands=bands.shape[1], rows=1)
+    parts = [(np.arange(len(groups)), bands, sketch)]
+    table = write_near_table(folder, pl.DataFrame({"group": [f"g{g}" for g in groups]}), parts, config)
+    return [sorted(map(tuple, screen_band(table, band, threshold).tolist())) for band in range(bands.shape[1])]
 
 
-def _pairs(groups: list[int], bands: list[list[int]]) -> list[tuple[int, int]]:
-    return [pair for a, b in candidate_pairs(np.array(groups), np.array(bands, dtype=np.uint64))
-            for pair in zip(a.tolist(), b.tolist())]
+def _every_pair(folder, groups, bands) -> list[list[tuple[int, int]]]:
+    """The candidate pairs of each band: at threshold = SKETCH_MARGIN the screen keeps every pair."""
+    bands = np.array(bands, dtype=np.uint64)
+    sketch = np.zeros((len(groups), dedup_table.SKETCH_BINS), dtype=np.uint8)
+    return _screened(folder, groups, bands, sketch, dedup_table.SKETCH_MARGIN)
 
 
-def test_band_grouping_pairs_records_that_share_a_band_within_a_group_once():
-    pairs = _pairs([0, 0, 0, 1, 0], [[1, 2], [1, 2], [5, 2], [1, 2], [7, 8]])
-    # 0-1 share both bands but appear once; 3 has the same keys in another group; 4 shares nothing.
-    assert sorted(pairs) == [(0, 1), (0, 2), (1, 2)]
+def test_band_grouping_pairs_records_that_share_a_band_within_a_group(tmp_path):
+    pairs = _every_pair(tmp_path / "near", [0, 0, 0, 1, 0], [[1, 2], [1, 2], [5, 2], [1, 2], [7, 8]])
+    # 0-1 share both bands (the near stage keeps the pair once); 3 has the same keys in another group; 4 shares nothing.
+    assert pairs == [[(0, 1)], [(0, 1), (0, 2), (1, 2)]]
 
 
-def test_a_bucket_larger_than_a_batch_comes_in_blocks_with_every_pair_once(monkeypatch):
-    monkeypatch.setattr(dedup_table, "PAIR_BATCH", 50)
-    batches = list(candidate_pairs(np.zeros(40, dtype=np.int64), np.full((40, 1), 7, dtype=np.uint64)))
-    assert len(batches) > 10 and max(len(a) for a, _ in batches) <= 50 + 40
-    pairs = [pair for a, b in batches for pair in zip(a.tolist(), b.tolist())]
-    assert sorted(pairs) == [(a, b) for a in range(40) for b in range(a + 1, 40)]
+def test_a_bucket_larger_than_a_batch_is_screened_in_blocks_with_every_pair_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(dedup_table, "SCREEN_ROWS", 8)
+    pairs = _every_pair(tmp_path / "near", [0] * 40 + [1] * 3, [[7]] * 43)
+    assert pairs == [[(a, b) for a in range(40) for b in range(a + 1, 40)] + [(40, 41), (40, 42), (41, 42)]]
 
 
 def test_the_near_table_keeps_the_rows_that_share_a_band_and_screens_as_the_whole_arrays(tmp_path, monkeypatch):
     """Written in scattered parts and read in small chunks, the near table gives each band step the
     pairs the whole in-memory arrays give, as rows of the table it came from; it holds only the rows
     that share some band key with a row of their group."""
-    for name, value in [("NEAR_WRITE_ROWS", 4), ("SCREEN_CHUNK", 5), ("SKETCH_ROWS_MAPPED", 3)]:
+    for name, value in [("NEAR_WRITE_ROWS", 4), ("SCREEN_ROWS", 6), ("SKETCH_ROWS_MAPPED", 3)]:
         monkeypatch.setattr(dedup_table, name, value)
     rng = np.random.default_rng(3)
     config = DedupConfig(bands=3, rows=2)
@@ -98,11 +105,33 @@ def test_the_near_table_keeps_the_rows_that_share_a_band_and_screens_as_the_whol
                                             for b in range(3))]
     assert alone and sorted(set(range(n)) - set(table.rows().tolist())) == alone
     threshold = 0.3
-    for band in range(3):
-        a, b = (np.concatenate(side) for side in zip(*band_pairs(groups, np.ascontiguousarray(bands.T), band)))
+    for band, candidates in enumerate(band_pairs(groups, bands)):
+        a, b = np.array(candidates).T
         likely = sketch_similarity(sketch, a, b) >= threshold - dedup_table.SKETCH_MARGIN
-        expected = np.stack([a[likely], b[likely]], axis=1)
-        assert len(expected) and np.array_equal(screen_band(table, band, threshold), expected)
+        expected = sorted(zip(a[likely].tolist(), b[likely].tolist()))
+        screened = screen_band(table, band, threshold)
+        assert len(expected) and sorted(map(tuple, screened.tolist())) == expected and len(screened) == len(expected)
+
+
+def test_the_compiled_screen_keeps_exactly_the_pairs_whose_estimate_reaches_the_bound():
+    """The kernel's bit counting against the sketch similarity computed bin by bin: for bounds
+    that some pairs meet exactly, within blocks and across them, with empty bins, identical rows
+    and empty rows."""
+    rng = np.random.default_rng(7)
+    n = 90
+    sketch = rng.integers(0, 6, (n, dedup_table.SKETCH_BINS)).astype(np.uint8)
+    sketch[::9] = sketch[1]  # identical rows
+    sketch[5::11] = 0  # rows with every bin empty
+    sketch[:, rng.random(dedup_table.SKETCH_BINS) < 0.2] = 0  # bins no row fills
+    words = sketch.view(np.uint64)
+    a, b = np.triu_indices(n, 1)
+    similarity = sketch_similarity(sketch, a, b)
+    for bound in [0.0, *np.quantile(similarity, [0.2, 0.5, 0.9, 0.99], method="nearest"), 1.0]:
+        expected = sorted(zip(a[similarity >= bound].tolist(), b[similarity >= bound].tolist()))
+        assert expected and ((similarity == bound).any() or bound == 0.0)
+        within = pairs_within(words, np.array([0, 40, n]), bound)
+        across = pairs_across(words[:40], words[40:], bound) + [0, 40]
+        assert sorted(map(tuple, np.concatenate([within, across]).tolist())) == expected
 
 
 def test_sketches_estimate_the_jaccard_of_the_fixture_pairs(merged):
@@ -118,7 +147,7 @@ def test_sketches_estimate_the_jaccard_of_the_fixture_pairs(merged):
                if len(sets[i] & sets[j]) * 2 > len(sets[i])]
     a = np.concatenate([a, [i for i, _ in similar]]).astype(np.int64)
     b = np.concatenate([b, [j for _, j in similar]]).astype(np.int64)
-    estimate = sketch_similarity(sketch, a, b)
+    estimate = sketch_similarity(sketch, a, b)  # the screen keeps a pair when this reaches the bound (above)
     true = np.array([jaccard(sets[i], sets[j]) for i, j in zip(a.tolist(), b.tolist())])
     assert (true >= 0.85).sum() > 10, "the fixtures hold near duplicates"
     assert np.abs(estimate - true).mean() < 0.01
@@ -150,7 +179,7 @@ def test_candidates_are_verified_by_the_true_jaccard(merged):
     keys = record_keys(merged, 0, loose)
     bands, _ = near_matrices(keys, loose)
     groups = keys["group"].rank("dense").to_numpy()
-    assert sum(len(a) for a, _ in candidate_pairs(groups, bands)) > 5 * len(dups)
+    assert len(set().union(*band_pairs(groups, bands))) > 5 * len(dups)
 
 
 def test_pools_give_the_same_negatives_as_the_full_scan(merged):

@@ -88,6 +88,23 @@ def near_duplicates(sets: Sequence[set[str]], groups: Sequence[str], config: Ded
     return result
 
 
+def band_pairs(groups: Sequence[int], bands: np.ndarray) -> list[list[tuple[int, int]]]:
+    """Per band, the pairs (a, b), a < b, of rows of the same group whose key in that band is the
+    same (the band's candidate pairs), by comparing every pair."""
+    a, b = np.triu_indices(len(groups), 1)
+    same_group = np.asarray(groups)[a] == np.asarray(groups)[b]
+    return [list(zip(a[mask].tolist(), b[mask].tolist()))
+            for mask in (same_group & (bands[a, band] == bands[b, band]) for band in range(bands.shape[1]))]
+
+
+def sketch_similarity(sketch: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Estimated Jaccard of sketch rows a[i] and b[i]: the bins both fill with the same value among
+    the bins either fills (dedup_table.py's one-permutation sketch), row by row in numpy."""
+    left, right = sketch[a], sketch[b]
+    both_empty = ((left == 0) & (right == 0)).sum(axis=1)
+    return ((left == right).sum(axis=1) - both_empty) / np.maximum(1, sketch.shape[1] - both_empty)
+
+
 def keep_rank(record: dict, order: int) -> tuple:
     """Sort key of the keep preference (smaller is kept); see dedup.py's module docstring."""
     known = sum(record[k] is not None for k in ("answer", "reward", "success"))
