@@ -112,7 +112,25 @@ class _Turns:
 
     @classmethod
     def of(cls, row: dict) -> _Turns:
-        return cls(*zip(*[_turn(i, turn) for i, turn in enumerate(_raw_turns(row))]))
+        raw_turns = _raw_turns(row)
+        roles, contents, losses = [], [], []
+        # `_turn`'s checks in one loop, for turns of exactly the types it takes (nearly all): a call
+        # and a tuple per turn less. At the first other turn, `_turn` takes every turn, and says why not.
+        for turn in raw_turns:
+            if type(turn) is not dict or not turn.keys() <= TURN_KEYS:
+                break
+            role = turn["role"] if "role" in turn else turn.get("from")
+            content = turn["content"] if "content" in turn else turn.get("value")
+            loss = turn.get("loss")
+            if type(role) is not str or role not in ROLE_NAMES or type(content) is not str or not (
+                    loss is None or type(loss) is bool):
+                break
+            roles.append(ROLE_NAMES[role])
+            contents.append(content)
+            losses.append(loss)
+        else:
+            return cls(tuple(roles), tuple(contents), tuple(losses))
+        return cls(*zip(*[_turn(i, turn) for i, turn in enumerate(raw_turns)]))
 
     def cleaned(self, max_chars: int) -> list[str]:
         """Each content cleaned (`clean_text`); too long or empty after it is an error, of the first

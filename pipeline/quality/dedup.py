@@ -109,9 +109,10 @@ def _part(text: str) -> str:
     return text
 
 
-def _record_text(record: dict) -> str:
-    """The record's folded texts (`DedupText`'s), joined by the turn markers."""
-    parts = [record["task"]]  # texts and markers in turn
+def _record_parts(record: dict) -> list[str]:
+    """The record's texts (`DedupText`'s) and the turn markers between them, in turn: texts at
+    even indices, markers at odd ones."""
+    parts = [record["task"]]
     turns = record["conversations"]
     start = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), len(turns))
     for turn in turns[start:]:
@@ -119,12 +120,32 @@ def _record_text(record: dict) -> str:
             parts += [_TURN, turn["thought"] or "", _THOUGHT_END, turn["action"] or ""]
         else:
             parts += [_TURN, turn["content"]]
+    return parts
+
+
+def _record_text(record: dict) -> str:
+    """The record's folded texts (`DedupText`'s), joined by the turn markers."""
+    parts = _record_parts(record)
     joined = "".join(parts)
     # Folded at once unless a text holds an escape code or a marker of its own: the markers keep
     # the literal escapes and the lowercasing (its final sigma) from reaching across texts.
     if "\x1b" in joined or "\x07" in joined or joined.count(_TURN) + joined.count(_THOUGHT_END) > len(parts) // 2:
         return "".join(part if i % 2 else _part(part) for i, part in enumerate(parts))
     return _LITERAL_ESCAPE.sub(" ", joined).lower()
+
+
+def _unlowered_text(record: dict) -> tuple[str, int]:
+    """(text, the markers it holds): `_record_text`, less the lowercasing of an ASCII text, which
+    `_joined_tokens` does over the batch's bytes (`_byte_tables`: a translate it makes anyway, where a
+    `str.lower` per record is a pass of its own); assuming no text holds a marker of its own, which
+    `dedup_tokens` checks over the batch at once."""
+    parts = _record_parts(record)
+    joined = "".join(parts)
+    if "\x1b" in joined or "\x07" in joined:
+        return _record_text(record), len(parts) // 2
+    if "\\" in joined:
+        joined = _LITERAL_ESCAPE.sub(" ", joined)
+    return joined if joined.isascii() else joined.lower(), len(parts) // 2
 
 
 # Per code point, its class among the tokens' characters: a word character (`re`'s \w), whitespace
@@ -165,13 +186,16 @@ class DedupTokens(NamedTuple):
 
 
 @functools.cache
-def _byte_tables() -> tuple[bytes, bytes, bytes]:
+def _byte_tables(lower: bool = False) -> tuple[bytes, bytes, bytes, bytes | None]:
     """For `bytes.translate` (C loops over the bytes): each ASCII byte to its class; every ASCII
     byte but a word character to a space; the ASCII whitespace, to delete. The bytes of multi-byte
-    characters (>= 0x80) are left to `_multibyte`."""
+    characters (>= 0x80) are left to `_multibyte`. With `lower`, the second table and the fourth
+    (for the bytes kept after the deletion; None: as they are) also make the upper case ASCII
+    letters lower case, `str.lower` on ASCII text, in a translate made anyway."""
     classes = bytes(_classes()[:128].tolist()) + bytes([_OTHER] * 128)
-    return (classes, bytes(c if c >= 128 or classes[c] == _WORD else 0x20 for c in range(256)),
-            bytes(c for c in range(128) if classes[c] == _SPACE))
+    cased = bytes(range(256)).lower() if lower else bytes(range(256))
+    return (classes, bytes(cased[c] if c >= 128 or classes[c] == _WORD else 0x20 for c in range(256)),
+            bytes(c for c in range(128) if classes[c] == _SPACE), cased if lower else None)
 
 
 def _multibyte(data: np.ndarray, classes: np.ndarray, gaps: np.ndarray) -> None:
@@ -199,18 +223,33 @@ def _segment_counts(mask: np.ndarray, bounds: list[int]) -> np.ndarray:
 
 def dedup_tokens(records: Sequence[dict]) -> DedupTokens:
     """The `DedupTokens` of a batch of records."""
-    return _tokens([_record_text(record) for record in records])
+    texts, markers = zip(*map(_unlowered_text, records)) if records else ((), ())
+    joined, bounds = _joined(texts)
+    data = np.frombuffer(joined, dtype=np.uint8)
+    if np.count_nonzero((data == ord(_TURN)) | (data == ord(_THOUGHT_END))) != sum(markers):
+        # A text holds a marker of its own (each record holds its markers at least): folded text by text.
+        return _tokens([_record_text(record) for record in records])
+    return _joined_tokens(joined, bounds, lower=True)
+
+
+def _joined(texts: Sequence[str]) -> tuple[bytes, list[int]]:
+    """The texts as one UTF-8 buffer, a newline after each (whitespace, so no token changes, and a
+    gap, so every text's last word ends), and where each starts (and the end)."""
+    encoded = [text.encode() for text in texts]
+    return b"\n".join([*encoded, b""]), np.cumsum([0, *(len(text) + 1 for text in encoded)]).tolist()
 
 
 def _tokens(folded: Sequence[str]) -> DedupTokens:
-    """The `DedupTokens` of folded texts, tokenized over one buffer of them all (numpy over its
-    bytes, `bytes.translate` for the ASCII ones): no work per token in Python."""
-    texts = [text.encode() for text in folded]
-    # A newline after each text: whitespace, so no token changes, and a gap, so every text's last word ends.
-    joined = b"\n".join([*texts, b""])
-    bounds = np.cumsum([0, *(len(text) + 1 for text in texts)]).tolist()
+    """The `DedupTokens` of folded texts."""
+    return _joined_tokens(*_joined(folded))
+
+
+def _joined_tokens(joined: bytes, bounds: list[int], lower: bool = False) -> DedupTokens:
+    """The `DedupTokens` of folded texts as `_joined` puts them (with `lower`, texts folded but for
+    the lowercasing of ASCII letters, which `_byte_tables` does), tokenized over that one buffer
+    (numpy over its bytes, `bytes.translate` for the ASCII ones): no work per token in Python."""
     data = np.frombuffer(joined, dtype=np.uint8)
-    to_class, gaps_to_space, ascii_space = _byte_tables()
+    to_class, gaps_to_space, ascii_space, cased = _byte_tables(lower)
     classes = np.frombuffer(joined.translate(to_class), dtype=np.uint8)
     gaps = data
     if not joined.isascii():
@@ -221,9 +260,9 @@ def _tokens(folded: Sequence[str]) -> DedupTokens:
     keep = word.copy()
     keep[1:] |= word[:-1]
     space = classes == _SPACE
-    bare = joined.translate(None, ascii_space)
+    bare = joined.translate(cased, ascii_space)
     if len(bare) != len(joined) - np.count_nonzero(space):  # multi-byte whitespace, which that leaves
-        bare = data[~space].tobytes()
+        bare = data[~space].tobytes().translate(cased)
     return DedupTokens(gaps[keep].tobytes().translate(gaps_to_space), _segment_counts(keep, bounds),
                        bare, np.asarray(bounds) - _segment_counts(space, bounds))
 
@@ -361,15 +400,17 @@ def hash_halves(hashed: np.ndarray) -> np.ndarray:
 
 
 def _numpy_signatures(sets: Sequence[set[str]], num_perm: int, seed: int,
-                      hashes: tuple[np.ndarray, np.ndarray] | None = None, chunk_shingles: int = 3 << 10) -> np.ndarray:
+                      hashes: tuple[np.ndarray, np.ndarray] | None = None, chunk_shingles: int = 6 << 10) -> np.ndarray:
     """MinHash of many sets at once: one vectorized 64-bit hash of every shingle (polars), then
     `num_perm` affine permutations of its 32 high bits, (a*x + b) mod 2^32 with odd `a` (a
     bijection, the scheme datasketch calls affine32), and a per-set minimum (numpy).
 
-    The work runs in chunks of whole sets through one reused buffer of about 1.5 MB (128
+    The work runs in chunks of whole sets through one reused buffer of about 3 MB (128
     permutations), a row per permutation: each minimum then reads contiguous memory, several
-    times faster than a row per shingle. The buffer stays within a core's L2 cache, and its rows
-    are not a power of two apart (rows 8 KB apart measured 3x slower, as if they shared cache sets).
+    times faster than a row per shingle. Its rows are not a power of two apart (rows 8 KB apart
+    measured 3x slower, as if they shared cache sets). Chunks of 3072 shingles (a 1.5 MB buffer)
+    cost ~15 % more than of 5120 to 16384, which measured alike (a build's key batches, 2000
+    records, on a 2-core EPYC with 1 MB of L2 a core): fewer chunks, fewer numpy calls.
     """
     sizes, hashed = hashes or shingle_hashes(sets, seed)
     hashed = np.ascontiguousarray(hash_halves(hashed)[:, 1])

@@ -130,8 +130,8 @@ def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig =
         # The keep preference (dedup.py's docstring), as columns (smaller is kept).
         "not_upstream": pl.Series([r["loss_flags"] != "upstream" for r in records], dtype=pl.Boolean),
         "source_rank": pl.Series([int(keep_rank(r["source"])) for r in records], dtype=pl.Int8),
-        "unknown": pl.Series([-sum(r[k] is not None for k in ("answer", "reward", "success")) for r in records],
-                             dtype=pl.Int8),
+        "unknown": pl.Series([-((r["answer"] is not None) + (r["reward"] is not None) + (r["success"] is not None))
+                              for r in records], dtype=pl.Int8),
         **{name: pl.Series([r[name] for r in records], dtype=pl.String)
            for name in ("id", "source", "source_id", "source_file")},
         **{f"band{b}": pl.Series(keys[:, b], dtype=pl.UInt64) for b in range(bands)},
