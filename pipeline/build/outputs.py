@@ -203,9 +203,17 @@ def _negative_types(rows: list[dict]) -> list[str]:
 
 
 def _labelled_steps(rows: pa.Table) -> Counter:
-    messages = rows["messages"].combine_chunks().flatten()
-    label = messages.field("label")
-    return Counter(zip(messages.field("label_source").filter(label.is_valid()).to_pylist(), label.drop_null().to_pylist()))
+    """(label source, label) of every labelled message, counted in Arrow: the messages are neither
+    copied into one chunk nor converted to Python (3 % of the unit writers' instructions at 20k)."""
+    found: Counter = Counter()
+    for chunk in rows["messages"].chunks:
+        messages = chunk.flatten()
+        label = messages.field("label")
+        pairs = pa.table({"source": messages.field("label_source"), "label": label}).filter(label.is_valid())
+        counted = pairs.group_by(["source", "label"], use_threads=False).aggregate([([], "count_all")])
+        found.update(dict(zip(zip(counted["source"].to_pylist(), counted["label"].to_pylist()),
+                              counted["count_all"].to_pylist())))
+    return found
 
 
 def _negatives_report(build: BuildOutputs) -> dict:
