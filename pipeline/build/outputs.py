@@ -33,6 +33,7 @@ from trajforge.pipeline.atomic import StreamingTable, read_batches
 from trajforge.pipeline.build.config import BuildConfig
 from trajforge.pipeline.envs.tasks import Task, load_tasks
 from trajforge.pipeline.quality.derived import (
+    differences,
     grpo_env_row,
     grpo_prompts,
     preference_table,
@@ -139,9 +140,17 @@ def _negatives(record: dict, made: dict, unit: UnitContext) -> list[dict]:
     return negatives_of(record, unit.pools, unit.negatives)
 
 
+def _differences(records: list[dict], made: dict) -> list:
+    """Where each negative of the batch differs from its parent (`derived.differences`): read by the
+    preference pairs and the step labels, found once a batch (kept in `made`)."""
+    if "negatives:differences" not in made:
+        made["negatives:differences"] = differences(records, made["negatives"])
+    return made["negatives:differences"]
+
+
 def _preference_pairs(kept: pa.Table, records: list[dict], made: dict) -> pa.Table:
     """A pair per negative of each record (its parent), where they differ on a reply."""
-    return preference_table(kept, records, made["negatives"])
+    return preference_table(kept, records, made["negatives"], _differences(records, made))
 
 
 def _grpo_env_task(record: dict, made: dict, unit: UnitContext) -> list[dict]:
@@ -159,7 +168,7 @@ def _grpo_env_task(record: dict, made: dict, unit: UnitContext) -> list[dict]:
 
 
 def _step_labels(kept: pa.Table, records: list[dict], made: dict) -> pa.Table:
-    return step_label_table(kept, records, made["negatives"])
+    return step_label_table(kept, records, made["negatives"], _differences(records, made))
 
 
 # -- staged parts (per build) ------------------------------------------------------------------
@@ -203,9 +212,17 @@ def _negative_types(rows: list[dict]) -> list[str]:
 
 
 def _labelled_steps(rows: pa.Table) -> Counter:
-    messages = rows["messages"].combine_chunks().flatten()
-    label = messages.field("label")
-    return Counter(zip(messages.field("label_source").filter(label.is_valid()).to_pylist(), label.drop_null().to_pylist()))
+    """(label source, label) of every labelled message, counted in Arrow: the messages are neither
+    copied into one chunk nor converted to Python (1.4 % of the unit writers' instructions at 20k)."""
+    found: Counter = Counter()
+    for chunk in rows["messages"].chunks:
+        messages = chunk.flatten()
+        label = messages.field("label")
+        pairs = pa.table({"source": messages.field("label_source"), "label": label}).filter(label.is_valid())
+        counted = pairs.group_by(["source", "label"], use_threads=False).aggregate([([], "count_all")])
+        found.update(dict(zip(zip(counted["source"].to_pylist(), counted["label"].to_pylist()),
+                              counted["count_all"].to_pylist())))
+    return found
 
 
 def _negatives_report(build: BuildOutputs) -> dict:

@@ -60,17 +60,33 @@ def _chosen_reply(meta: str) -> str | None:
     return record_meta(meta).get("chosen") if _names(meta, "chosen") else None
 
 
-def pair_of(negative: dict, parent: dict) -> tuple[int, str | None] | None:
+# Of a negative and its parent: the first turn where they differ (`_divergence`), and the right reply
+# the negative's meta carries (`chosen`), if any. Both the pair and the step labels read it.
+Difference = tuple[int | None, str | None]
+
+
+def difference_of(negative: dict, parent: dict) -> Difference:
+    return _divergence(parent["conversations"], negative["conversations"]), _chosen_reply(negative["meta"])
+
+
+def differences(parents: list[dict], negatives: list[list[dict]]) -> list[list[Difference]]:
+    """`difference_of` each of `negatives` (per parent) and its parent: found once for a batch's pairs
+    and step labels (`preference_table`, `step_label_table`)."""
+    return [[difference_of(negative, parent) for negative in its_negatives]
+            for parent, its_negatives in zip(parents, negatives)]
+
+
+def pair_of(negative: dict, parent: dict, difference: Difference | None = None) -> tuple[int, str | None] | None:
     """Where the DPO pair of a negative and its parent is, as (k, chosen): its prompt is the first k
     turns, of the parent's, or the negative's own when it carries the right reply (`chosen`); its
     chosen reply `chosen`, else the parent's turn k; its rejected reply the negative's turn k. None
-    when they never differ on a reply."""
+    when they never differ on a reply. `difference`: theirs, when already found."""
     neg, par = negative["conversations"], parent["conversations"]
-    chosen = _chosen_reply(negative["meta"])
+    diverged, chosen = difference or difference_of(negative, parent)
     if chosen is not None:
         k = len(neg) - 1
     else:
-        k = _divergence(par, neg)
+        k = diverged
         if k is None or k >= len(par) or par[k]["role"] != "assistant":
             return None
     if k == 0 or neg[k]["role"] != "assistant":
@@ -78,18 +94,21 @@ def pair_of(negative: dict, parent: dict) -> tuple[int, str | None] | None:
     return k, chosen
 
 
-def preference_table(records: pa.Table, parents: list[dict], negatives: list[list[dict]]) -> pa.Table:
+def preference_table(records: pa.Table, parents: list[dict], negatives: list[list[dict]],
+                     found: list[list[Difference]] | None = None) -> pa.Table:
     """The DPO pairs (`pair_of`) of a batch's kept trajectories (`records`, and as dicts `parents`) and
     their `negatives` (per trajectory), in order, made column-wise: a prompt of the parent's turns and
-    its chosen reply are taken from `records`, the rest from the negative's turns."""
+    its chosen reply are taken from `records`, the rest from the negative's turns. `found`: their
+    `differences`, when already found."""
     schema = arrow_schema("preference")
     turns, bounds = _batch_turns(records)
     new: list[tuple[str, str]] = []  # messages not of the parents' turns, after them
     rows: list[dict] = []
     spans: list[tuple[int, int, int, int, int, int]] = []  # per pair: prompt, chosen, rejected
-    for parent, start, its_negatives in zip(parents, bounds[:-1].tolist(), negatives):
-        for negative in its_negatives:
-            pair = pair_of(negative, parent)
+    for parent, start, its_negatives, its_differences in zip(parents, bounds[:-1].tolist(), negatives,
+                                                             found or differences(parents, negatives)):
+        for negative, difference in zip(its_negatives, its_differences):
+            pair = pair_of(negative, parent, difference)
             if pair is None:
                 continue
             k, chosen = pair
@@ -266,25 +285,28 @@ def _step_row(of: dict, parent: dict, kind: str) -> tuple:
     return f"{of['id']}#steps", of["id"], kind, of["negative_type"], parent["source"], parent["domain"], parent["env"]
 
 
-def negative_steps(negative: dict, parent: dict) -> tuple[int, int] | None:
+def negative_steps(negative: dict, parent: dict, difference: Difference | None = None) -> tuple[int, int] | None:
     """Where a negative's step_labels row stops, as (same, bad): it is its turns up to the step where
     it goes wrong (`bad`: the rejected turn of its preference pair), that step bad (`negative`), the
     `same` first of them labelled as in the parent (the context is still the parent's), those
     between unlabelled; None when the wrong step is no assistant turn. Nothing after the first error
-    is labelled: what follows a wrong step says nothing about the steps themselves."""
-    neg, par = negative["conversations"], parent["conversations"]
-    diverged = _divergence(par, neg)
-    bad = len(neg) - 1 if _chosen_reply(negative["meta"]) is not None else diverged
+    is labelled: what follows a wrong step says nothing about the steps themselves. `difference`:
+    theirs, when already found."""
+    neg = negative["conversations"]
+    diverged, chosen = difference or difference_of(negative, parent)
+    bad = len(neg) - 1 if chosen is not None else diverged
     if bad is None or neg[bad]["role"] != "assistant":
         return None
     return (bad if diverged is None else min(diverged, bad)), bad
 
 
-def step_label_table(records: pa.Table, parents: list[dict], negatives: list[list[dict]]) -> pa.Table:
+def step_label_table(records: pa.Table, parents: list[dict], negatives: list[list[dict]],
+                     found: list[list[Difference]] | None = None) -> pa.Table:
     """The step_labels rows of a batch's kept trajectories (`records`, and as dicts `parents`) and of
     their `negatives` (per trajectory), those with a labelled step: a trajectory's row, then its
     negatives' (`negative_steps`). The messages are made column-wise: each is a trajectory's turn
-    (role and content taken from `records`) or a negative's own turn, with its label."""
+    (role and content taken from `records`) or a negative's own turn, with its label. `found`: the
+    negatives' `differences`, when already found."""
     schema = arrow_schema("step_labels")
     turns, bounds = _batch_turns(records)
     label, source = turn_labels(turns, bounds, [parent["meta"] for parent in parents])
@@ -294,12 +316,13 @@ def step_label_table(records: pa.Table, parents: list[dict], negatives: list[lis
     own: list[tuple[str, str, int | None, str | None]] = []
     rows: list[tuple] = []
     ranges: list[tuple[int, int, int, int]] = []
-    for parent, start, end, its_negatives in zip(parents, bounds[:-1].tolist(), bounds[1:].tolist(), negatives):
+    for parent, start, end, its_negatives, its_differences in zip(
+            parents, bounds[:-1].tolist(), bounds[1:].tolist(), negatives, found or differences(parents, negatives)):
         if labelled[end] > labelled[start]:
             rows.append(_step_row(parent, parent, "positive"))
             ranges.append((start, end, len(own), len(own)))
-        for negative in its_negatives:
-            steps = negative_steps(negative, parent)
+        for negative, difference in zip(its_negatives, its_differences):
+            steps = negative_steps(negative, parent, difference)
             if steps is None:
                 continue
             same, bad = steps

@@ -24,6 +24,7 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from json.encoder import c_make_encoder, encode_basestring_ascii
 
 from trajforge.pipeline.envs.grammar import action_name, break_action
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn, render_turn
@@ -71,15 +72,26 @@ class NegativesConfig:
         return self.seed, tuple(self.rates.items())
 
 
+# What a positive must have for a type's maker to make anything of it, where that is cheap to see
+# (`_can_make`): a type's draw is not hashed for a positive without it (the maker would return None).
+_NEEDS = {"invented_tool": "tool", "irrelevant_tools": "tool", "wrong_answer": "answer", "premature_answer": "answer"}
+
+
 @functools.lru_cache(maxsize=16)
-def _draws(key: tuple[int, tuple[tuple[str, float], ...]]) -> tuple[tuple[Callable, object, bytes], ...]:
+def _draws(key: tuple[int, tuple[tuple[str, float], ...]]) -> tuple[tuple[Callable, object, bytes, str | None], ...]:
     """Of a config's `draw_key` (seed, rates): (maker, hash of the (seed, type) prefix, `_draw_bound` of
-    the rate) per type in MAKERS' order whose rate can choose a positive: the prefix is hashed once and
-    copied for each positive's draw."""
+    the rate, what it needs: `_NEEDS`) per type in MAKERS' order whose rate can choose a positive: the
+    prefix is hashed once and copied for each positive's draw."""
     seed, rates = key
     rate_of = dict(rates)
-    return tuple((maker, hashlib.sha256(f"{seed}\x1f{kind}\x1f".encode()), _draw_bound(rate_of.get(kind, 0.0)))
-                 for kind, maker in MAKERS.items() if rate_of.get(kind, 0.0) > 0)
+    return tuple((maker, hashlib.sha256(f"{seed}\x1f{kind}\x1f".encode()), _draw_bound(rate_of.get(kind, 0.0)),
+                  _NEEDS.get(kind)) for kind, maker in MAKERS.items() if rate_of.get(kind, 0.0) > 0)
+
+
+def _can_make(record: dict) -> dict[str | None, bool]:
+    """Which of `_NEEDS` a positive has: a tool env (invented_tool's, irrelevant_tools' first test),
+    an expected answer (`_final_answer`'s)."""
+    return {None: True, "tool": record["domain"] == "tool", "answer": record["answer"] is not None}
 
 
 def _draw_bound(rate: float) -> bytes:
@@ -128,14 +140,25 @@ def _is_word_of(text: str, word: str) -> bool:
             and re.search(rf"(?<![\w.\-]){re.escape(word)}(?![\w.\-])", text) is not None)
 
 
-# `json.dumps(..., sort_keys=True)` builds an encoder per call: half its time on a small meta.
-_SORTED_JSON = json.JSONEncoder(sort_keys=True)
+def _sorted_json() -> Callable[[dict], str]:
+    """`json.dumps(..., sort_keys=True)` of a dict. It builds an encoder per call, and so does the
+    `encode` of a `JSONEncoder`: half and then 60 % of its time on a small meta. Its C encoder is made
+    once here, without the check for circular references (a meta is parsed JSON): the same text."""
+    encoder = json.JSONEncoder(sort_keys=True)
+    if c_make_encoder is None:
+        return encoder.encode
+    make = c_make_encoder(None, encoder.default, encode_basestring_ascii, encoder.indent, encoder.key_separator,
+                          encoder.item_separator, encoder.sort_keys, encoder.skipkeys, encoder.allow_nan)
+    return lambda value: "".join(make(value, 0))
+
+
+_SORTED_JSON = _sorted_json()
 
 
 @functools.lru_cache(maxsize=16)
 def _negative_meta(parent_meta: str, extra: tuple[tuple[str, str], ...]) -> str:
     """A negative's meta: its parent's with `extra`; a positive's negatives without extra share it."""
-    return _SORTED_JSON.encode({**record_meta(parent_meta), **dict(extra)})
+    return _SORTED_JSON({**record_meta(parent_meta), **dict(extra)})
 
 
 def _negative(parent: dict, kind: str, conversations: list[dict], extra: dict | None = None) -> dict:
@@ -381,10 +404,14 @@ def negatives_of(record: dict, pools: EnvPools, config: NegativesConfig = Negati
     if record["kind"] != "positive":
         return []
     key = record["id"].encode()
+    can = _can_make(record)
     out = []
     # A type is drawn when the hash of (seed, type, id) falls under its rate; one loop over the types
-    # with the id encoded once (~6 us of ~12 a positive less than a call per type).
-    for maker, prefix, bound in _draws(config.draw_key):
+    # with the id encoded once (~6 us of ~12 a positive less than a call per type). A type the positive
+    # cannot show is not drawn (~1 us a draw; 2 of 8 types need a tool env).
+    for maker, prefix, bound, needs in _draws(config.draw_key):
+        if not can[needs]:
+            continue
         digest = prefix.copy()
         digest.update(key)
         # 32 bytes against 8: below when the first 8 are, not when they are equal (longer is greater).

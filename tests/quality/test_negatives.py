@@ -12,7 +12,16 @@ import pytest
 from tests.support.oracles import make_negatives
 from tests.support.paths import AGENT_FLAN
 from trajforge.pipeline.ingest.validate import validate_record
-from trajforge.pipeline.quality.negatives import EXPECTED_VIOLATION, NEGATIVE_TYPES, NegativesConfig, _draw_bound
+from trajforge.pipeline.quality.negatives import (
+    _SORTED_JSON,
+    EXPECTED_VIOLATION,
+    MAKERS,
+    NEGATIVE_TYPES,
+    NegativesConfig,
+    _draw_bound,
+    negatives_of,
+)
+from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.schemas import validator
 
 ALL = NegativesConfig(rates=dict.fromkeys(NEGATIVE_TYPES, 1.0))
@@ -100,6 +109,21 @@ def test_draw_bound_is_where_the_draw_starts_to_fail(rate):
     assert not bound / 2**64 < rate
     assert bound == 0 or (bound - 1) / 2**64 < rate
     assert (b"\xff" * 32 < _draw_bound(rate)) is False and (bytes(32) < _draw_bound(rate)) is (bound > 0)
+
+
+def test_a_type_left_undrawn_for_what_a_positive_lacks_would_make_nothing(positives):
+    # negatives_of does not draw a type whose maker needs what the positive lacks (a tool env, an
+    # answer): with every type drawn, it makes what every maker makes.
+    pools = EnvPools.of(positives)
+    for record in positives + [{**r, "answer": None} for r in positives[:40]]:
+        made = [m for maker in MAKERS.values() if (m := maker(record, pools, ALL.seed)) is not None]
+        assert negatives_of(record, pools, ALL) == made
+
+
+@pytest.mark.parametrize("meta", [{}, {"b": 1, "a": [1.5, None, True, "\u00e9\u2028"], "c": {"z": 1, "y": float("nan")}},
+                                  {"x": "line\nbreak", "n": 10**30, "e": -0.0}])
+def test_the_meta_encoder_writes_what_json_dumps_writes(meta):
+    assert _SORTED_JSON(meta) == json.dumps(meta, sort_keys=True)
 
 
 def test_negatives_are_made_per_parent_whatever_the_order(positives):
