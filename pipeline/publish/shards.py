@@ -94,27 +94,39 @@ def _rows_of(staged: list[str], offset: int, length: int, batch_rows: int):
                     return
 
 
+def _row_groups(pieces, length: int, group_rows: int):
+    """The pieces of each row group of `group_rows` rows (the last one shorter) of the first
+    `length` rows of `pieces`: the pieces as they come, the one across a group's end cut in two."""
+    group: list[pa.RecordBatch] = []
+    need = min(length, group_rows)
+    for piece in pieces:
+        while piece.num_rows and need:
+            head = piece.slice(0, need)
+            group.append(head)
+            need -= head.num_rows
+            length -= head.num_rows
+            piece = piece.slice(head.num_rows)
+            if not need:
+                yield group
+                group, need = [], min(length, group_rows)
+    if need:
+        raise ValueError(f"the staged files end {length} rows short of the shard's last row")
+
+
 def write_shard_from_files(path: str, staged: list[str], offset: int, length: int, schema: pa.Schema,
                            config: ShardConfig) -> None:
     """One shard: rows [offset, offset + length) of the staged files, in row groups of
-    `config.row_group_rows` counted from the shard's first row."""
-    pending: list[pa.RecordBatch] = []
-    buffered = 0
+    `config.row_group_rows` counted from the shard's first row. A row group is written as the
+    pieces that hold it (a shard's bytes depend on them), cast only where the staged schema is not
+    the shard's (at 100k, a cast of equal schemas took ~4 % of the step's CPU)."""
     with atomic_path(Path(path)) as tmp, pq.ParquetWriter(tmp, schema, compression="zstd",
                                                           compression_level=config.compression_level) as writer:
-        batches = _rows_of(staged, offset, length, config.row_group_rows)
-        left = length
-        while left:
-            while buffered < min(left, config.row_group_rows):
-                batch = next(batches)
-                pending.append(batch)
-                buffered += batch.num_rows
-            table = pa.Table.from_batches(pending)
-            take = min(left, config.row_group_rows)
-            writer.write_table(table.slice(0, take).cast(schema), row_group_size=config.row_group_rows)
-            rest = table.slice(take)
-            pending, buffered = rest.to_batches(), rest.num_rows
-            left -= take
+        pieces = _rows_of(staged, offset, length, config.row_group_rows)
+        for group in _row_groups(pieces, length, config.row_group_rows):
+            table = pa.Table.from_batches(group)
+            if not table.schema.equals(schema, check_metadata=True):
+                table = table.cast(schema)
+            writer.write_table(table, row_group_size=config.row_group_rows)
 
 
 @dataclass(frozen=True)

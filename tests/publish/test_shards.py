@@ -65,6 +65,24 @@ def test_shards_cut_from_staged_files_are_those_of_the_whole_table(sft_table, tm
         assert (tmp_path / "streamed" / rel).read_bytes() == (tmp_path / "whole" / rel).read_bytes(), rel
 
 
+def test_a_shard_takes_its_schema_and_its_rows_from_staged_files(sft_table, tmp_path):
+    """Staged without the schema's metadata, the rows are cast to the shard's schema; staged files
+    that end before the shard's last row are an error, not a short shard."""
+    bare = sft_table.schema.remove_metadata()
+    assert not bare.equals(sft_table.schema, check_metadata=True)
+    with StreamingTable(tmp_path / "staged.arrow", bare, batch_rows=5) as part:
+        part.append_table(sft_table.cast(bare))
+    config = ShardConfig(row_group_rows=4)
+    write_shard_from_files(str(tmp_path / "a.parquet"), [str(part.path)], 3, 10, sft_table.schema, config)
+    back = pq.read_table(tmp_path / "a.parquet")
+    assert back.schema.equals(sft_table.schema, check_metadata=True)
+    assert back.to_pylist() == sft_table.slice(3, 10).to_pylist()
+    with pytest.raises(ValueError, match="short"):
+        write_shard_from_files(str(tmp_path / "b.parquet"), [str(part.path)], 3, sft_table.num_rows, sft_table.schema,
+                               config)
+    assert not (tmp_path / "b.parquet").exists()
+
+
 def test_bytes_target_bounds_each_shard(sft_table):
     target = sft_table.nbytes // 5
     plan = plan_shards(sft_table.num_rows, sft_table.nbytes, ShardConfig(max_bytes=target))
