@@ -277,7 +277,14 @@ def _run_build(args: argparse.Namespace) -> int:
     _check_build_args(run)
     # The stages' settings, checked before Prefect loads (the stages load in a few seconds, Prefect in more).
     config = stage_config(run.stages, args.config if "config" in args else "options")
-    if _builds_in_process(run):
+    in_process = _builds_in_process(run)
+    if not in_process and run.runner in (AUTO, "processes"):
+        from trajforge.flows.workers import start_fork_server
+
+        # The workers' imports, on another core while this process loads Prefect and the temporary
+        # server starts (flows/workers.py).
+        start_fork_server()
+    if in_process:
         from trajforge.pipeline.build import build_in_process, summary_lines
 
         if args.verbose:  # Prefect, when loaded, has its console handler; here nothing else shows the logs
