@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
+import signal
 
 # What a worker runs: the build's tasks and the stages they call, and Prefect's task engine.
 PRELOAD = ["trajforge.flows.build", "prefect.task_engine"]
@@ -34,3 +36,13 @@ def start_fork_server() -> None:
     if fork_server_available():
         preload()
         multiprocessing.forkserver.ensure_running()
+
+
+def stop_fork_server() -> None:
+    """End the fork server now, at the end of the build: left to see this process exit, it would
+    unload Prefect and the stages (~0.6 s, more on a busy machine) with the console's output still
+    open (a pipe such as `| tee` would wait for it). It holds nothing to save; a later pool starts a
+    new one."""
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid if fork_server_available() else None
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)  # not reaped here: ensure_running reaps it, or this process's exit
