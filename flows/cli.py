@@ -277,7 +277,15 @@ def _run_build(args: argparse.Namespace) -> int:
     _check_build_args(run)
     # The stages' settings, checked before Prefect loads (the stages load in a few seconds, Prefect in more).
     config = stage_config(run.stages, args.config if "config" in args else "options")
-    if _builds_in_process(run):
+    in_process = _builds_in_process(run)
+    fork_server = not in_process and run.runner in (AUTO, "processes")
+    if fork_server:
+        from trajforge.flows.workers import start_fork_server
+
+        # The workers' imports, on another core while this process loads Prefect and the temporary
+        # server starts (flows/workers.py).
+        start_fork_server()
+    if in_process:
         from trajforge.pipeline.build import build_in_process, summary_lines
 
         if args.verbose:  # Prefect, when loaded, has its console handler; here nothing else shows the logs
@@ -287,7 +295,13 @@ def _run_build(args: argparse.Namespace) -> int:
         from trajforge.flows.build import build_dataset
         from trajforge.pipeline.build import summary_lines
 
-        report = build_dataset(config=dataclasses.asdict(run))
+        try:
+            report = build_dataset(config=dataclasses.asdict(run))
+        finally:
+            if fork_server:
+                from trajforge.flows.workers import stop_fork_server
+
+                stop_fork_server()
     print("\n".join(summary_lines(report)))
     print(f"dataset: {run.out}/data  quarantine: {run.out}/quarantine  report: {run.out}/report.json")
     return 0
