@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from trajforge.pipeline.atomic import StreamingTable, read_batches
 from trajforge.pipeline.build.config import BuildConfig
@@ -214,15 +215,12 @@ def _negative_types(rows: list[dict]) -> list[str]:
 def _labelled_steps(rows: pa.Table) -> Counter:
     """(label source, label) of every labelled message, counted in Arrow: the messages are neither
     copied into one chunk nor converted to Python (1.4 % of the unit writers' instructions at 20k)."""
-    found: Counter = Counter()
-    for chunk in rows["messages"].chunks:
-        messages = chunk.flatten()
-        label = messages.field("label")
-        pairs = pa.table({"source": messages.field("label_source"), "label": label}).filter(label.is_valid())
-        counted = pairs.group_by(["source", "label"], use_threads=False).aggregate([([], "count_all")])
-        found.update(dict(zip(zip(counted["source"].to_pylist(), counted["label"].to_pylist()),
-                              counted["count_all"].to_pylist())))
-    return found
+    messages = pc.list_flatten(rows["messages"])
+    label = pc.struct_field(messages, "label")
+    pairs = pa.table({"source": pc.struct_field(messages, "label_source"), "label": label}).filter(pc.is_valid(label))
+    counted = pairs.group_by(["source", "label"], use_threads=False).aggregate([([], "count_all")])
+    return Counter(dict(zip(zip(counted["source"].to_pylist(), counted["label"].to_pylist()),
+                            counted["count_all"].to_pylist())))
 
 
 def _negatives_report(build: BuildOutputs) -> dict:
