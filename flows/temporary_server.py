@@ -89,7 +89,7 @@ class TemporaryServer:
 
     @contextlib.contextmanager
     def api(self) -> Iterator[None]:
-        """Prefect's API set to this server (flow runs without heartbeats) once it answers: in this
+        """Prefect's API set to this server (flow runs without heartbeats, no UI link) once it answers: in this
         thread's settings, and in the environment and the process-wide settings, which Prefect's
         threads without a context of their own (the process pool's message forwarder) read."""
         from prefect.context import refresh_global_settings_context
@@ -98,6 +98,7 @@ class TemporaryServer:
             PREFECT_API_URL,
             PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
             PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+            PREFECT_UI_URL,
             temporary_settings,
         )
 
@@ -107,7 +108,9 @@ class TemporaryServer:
         os.environ["PREFECT_API_URL"] = self.url
         refresh_global_settings_context()
         try:
-            with temporary_settings(updates={PREFECT_API_URL: self.url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            # No UI link in the logs either: the server serves no UI, and ends with the command.
+            with temporary_settings(updates={PREFECT_API_URL: self.url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
+                                             PREFECT_UI_URL: ""}):
                 yield
         finally:
             if earlier is None:

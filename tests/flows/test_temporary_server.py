@@ -27,12 +27,12 @@ def _logs_in_a_worker(x: int) -> int:
 
 
 @flow
-def _on_the_api(x: int) -> tuple[int, str | None, int | None]:
+def _on_the_api(x: int) -> tuple[int, str | None, int | None, str | None]:
     # The task runs in a worker process; its logs and events reach the server through the parent's
     # message forwarder, a thread without this run's settings context.
     result = _logs_in_a_worker.with_options(task_run_name="in-worker").submit(x).result()
     settings = get_current_settings()
-    return result, settings.api.url, settings.flows.heartbeat_frequency
+    return result, settings.api.url, settings.flows.heartbeat_frequency, settings.ui_url
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_a_flow_runs_on_the_temporary_server_and_only_there(prefect_home):
         with server.api():
             assert os.environ["PREFECT_API_URL"] == server.url
             state = _on_the_api.with_options(task_runner=make_task_runner("processes", workers=1))(1, return_state=True)
-            result, api_url, heartbeat = state.result()
+            result, api_url, heartbeat, ui_url = state.result()
             # Every Prefect server this process has is this one: the worker's forwarded logs started none.
             assert {p.pid for p in _uvicorn_children()} - before == {server.process.pid}
 
@@ -59,7 +59,7 @@ def test_a_flow_runs_on_the_temporary_server_and_only_there(prefect_home):
             import asyncio
 
             run = asyncio.run(recorded())
-        assert (result, api_url, heartbeat) == (2, server.url, None)
+        assert (result, api_url, heartbeat, ui_url) == (2, server.url, None, "")
         assert run.state.is_completed()
         assert "PREFECT_API_URL" not in os.environ
         assert get_current_settings().api.url != server.url
