@@ -2,8 +2,9 @@
 
 Usage: python bench/prefect_task_cost.py [--tasks N ...] [--workers W]
 
-A flow on `ProcessPoolTaskRunner(W)` (as the build's `processes` runner, against Prefect's temporary
-server) submits N no-op tasks, for each N given, after two warm-up tasks have started the workers.
+A flow on the build's `processes` runner (`make_task_runner("processes", W)`: Prefect's
+ProcessPoolTaskRunner, its workers forked from the fork server), against a temporary server as the CLI
+starts it (flows/temporary_server.py), submits N no-op tasks, for each N given, after two warm-up tasks have started the workers.
 It prints the CPU (user + system, from psutil) that the flow process, its workers and the server
 spent on the N task runs, and per task the difference between the largest and the smallest N:
 the flow's submission (the context it sends, settings included), the worker's (a client, settings
@@ -18,7 +19,9 @@ import time
 import psutil
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
-from prefect.task_runners import ProcessPoolTaskRunner
+
+from trajforge.flows.build import make_task_runner
+from trajforge.flows.temporary_server import TemporaryServer
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
@@ -33,7 +36,7 @@ def _cpu(process: psutil.Process) -> float:
 
 def _role(process: psutil.Process) -> str:
     line = " ".join(process.cmdline())
-    return "server" if "uvicorn" in line else "worker" if "spawn_main" in line else "other"
+    return "server" if "uvicorn" in line else "worker" if "forkserver" in line else "other"
 
 
 def task_cost(tasks: int) -> dict[str, float]:
@@ -59,11 +62,16 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
 
-    @flow(task_runner=ProcessPoolTaskRunner(max_workers=args.workers))
+    @flow(task_runner=make_task_runner("processes", workers=args.workers))
     def submit_tasks(tasks: int) -> dict[str, float]:
         return task_cost(tasks)
 
-    results = {n: submit_tasks(n) for n in sorted(args.tasks)}
+    server = TemporaryServer().start()
+    try:
+        with server.api():
+            results = {n: submit_tasks(n) for n in sorted(args.tasks)}
+    finally:
+        server.stop()
     for n, spent in results.items():
         print(f"{n:4d} tasks: " + ", ".join(f"{role} {s:.2f} s" for role, s in spent.items()))
     low, high = min(results), max(results)

@@ -259,6 +259,22 @@ def _prefect_server_set() -> bool:
     return bool(get_current_settings().api.url)
 
 
+@contextlib.contextmanager
+def _flow_api():
+    """Yields the context to run a flow in: the Prefect API that is set, or else a temporary server
+    started here, before the body's imports (flows/temporary_server.py), and stopped after the body."""
+    if _prefect_server_set():
+        yield contextlib.nullcontext
+        return
+    from trajforge.flows.temporary_server import TemporaryServer
+
+    server = TemporaryServer().start()
+    try:
+        yield server.api
+    finally:
+        server.stop()
+
+
 def _builds_in_process(run: BuildRun) -> bool:
     """`--runner auto` on local files small enough that the build takes seconds: it runs in this
     process, without Prefect unless a Prefect server is set (starting a temporary one and worker
@@ -292,16 +308,18 @@ def _run_build(args: argparse.Namespace) -> int:
             logging.basicConfig(format="%(asctime)s | %(levelname)-7s | %(name)s - %(message)s")
         report = build_in_process(run.sources, Path(run.out), config)
     else:
-        from trajforge.flows.build import build_dataset
-        from trajforge.pipeline.build import summary_lines
+        with _flow_api() as on_api:
+            from trajforge.flows.build import build_dataset
+            from trajforge.pipeline.build import summary_lines
 
-        try:
-            report = build_dataset(config=dataclasses.asdict(run))
-        finally:
-            if fork_server:
-                from trajforge.flows.workers import stop_fork_server
+            try:
+                with on_api():
+                    report = build_dataset(config=dataclasses.asdict(run))
+            finally:
+                if fork_server:
+                    from trajforge.flows.workers import stop_fork_server
 
-                stop_fork_server()
+                    stop_fork_server()
     print("\n".join(summary_lines(report)))
     print(f"dataset: {run.out}/data  quarantine: {run.out}/quarantine  report: {run.out}/report.json")
     return 0

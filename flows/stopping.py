@@ -71,12 +71,15 @@ def _resource_tracker() -> set[int]:
 
 
 def _prefect_servers() -> set[int]:
-    """The temporary Prefect servers this process started, on which a run can be marked Crashed."""
+    """The temporary Prefect servers this process started (Prefect's, or the CLI's:
+    flows/temporary_server.py), on which a run can be marked Crashed."""
+    from trajforge.flows.temporary_server import running_pids
+
     server = sys.modules.get("prefect.server.api.server")
     if server is None:
-        return set()
-    return {instance.server_process.pid for instance in list(server.SubprocessASGIServer._instances.values())
-            if instance.server_process is not None}
+        return running_pids()
+    return running_pids() | {instance.server_process.pid for instance in list(server.SubprocessASGIServer._instances.values())
+                             if instance.server_process is not None}
 
 
 def _children(spared: set[int]) -> list[psutil.Process]:

@@ -18,8 +18,8 @@ import multiprocessing.forkserver
 import os
 import signal
 
-# What a worker runs: the build's tasks and the stages they call, and Prefect's task engine.
-PRELOAD = ["trajforge.flows.build", "prefect.task_engine"]
+# What a worker runs, loaded once in the fork server (flows/worker_preload.py).
+PRELOAD = ["trajforge.flows.worker_preload"]
 
 
 def fork_server_available() -> bool:

@@ -86,3 +86,12 @@ def pairs_across(words_left, words_right, min_similarity):
                 out = _append(out, count, i, j)
                 count += 1
     return out[:count]
+
+
+def warm() -> None:
+    """Load both loops (from numba's cache, or compiled) now, for the argument types the screen
+    passes: a process that forks workers (the `processes` runner's fork server) loads them once for
+    every worker it starts."""
+    words = np.zeros((2, 1), dtype=np.uint64)
+    pairs_within(words, np.array([0, 2], dtype=np.int64), 0.5)
+    pairs_across(words, words, 0.5)

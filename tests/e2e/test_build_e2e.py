@@ -32,6 +32,11 @@ def test_trajforge_build_on_the_fixtures(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Progress while running and a summary at the end.
     assert "units done:" in proc.stdout + proc.stderr
+    # One temporary server, started and stopped by the CLI (flows/temporary_server.py), and no link to
+    # a UI it does not serve.
+    logs = proc.stdout + proc.stderr
+    assert logs.count("Starting temporary server") == logs.count("Stopping temporary server") == 1, logs[-3000:]
+    assert "View at" not in logs
     assert "total" in proc.stdout and "quarantine" in proc.stdout
 
     report = json.loads((out / "report.json").read_text())

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import multiprocessing.forkserver
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
 from trajforge.flows.build import ForkedProcessPoolTaskRunner, make_task_runner
-from trajforge.flows.workers import fork_server_available
+from trajforge.flows.workers import fork_server_available, start_fork_server
 
 
 @pytest.mark.skipif(not fork_server_available(), reason="no fork server on this platform")
@@ -20,3 +21,18 @@ def test_processes_runner_and_its_copies_fork_their_workers_from_the_fork_server
         assert entered._executor._max_workers == runner._max_workers
     # Entering starts nothing: only a first submit starts the fork server and its workers.
     assert multiprocessing.forkserver._forkserver._forkserver_pid == server
+
+
+def _screen_loops_loaded() -> list[int]:
+    from trajforge.pipeline.quality import sketch_screen
+
+    return [len(sketch_screen.pairs_within.signatures), len(sketch_screen.pairs_across.signatures)]
+
+
+@pytest.mark.skipif(not fork_server_available(), reason="no fork server on this platform")
+def test_a_forked_worker_starts_with_the_screen_loops_loaded():
+    """The fork server loaded the compiled loops (flows/worker_preload.py): a worker has them
+    before its first screen."""
+    start_fork_server()
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("forkserver")) as pool:
+        assert pool.submit(_screen_loops_loaded).result() == [1, 1]

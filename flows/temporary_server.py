@@ -1,0 +1,145 @@
+"""Prefect's temporary server for a flow run from the CLI, started as the command starts.
+
+With no Prefect API configured, Prefect starts a temporary server at a flow's first API call: the
+flow's process first imports Prefect's server package to launch it (~3 s on a 2-core machine, on
+the critical path), then waits for it to answer (~4 s). `TemporaryServer.start` launches the same
+server (Prefect's ASGI app factory under uvicorn, with the environment Prefect gives its temporary
+server: no UI, the services of an ephemeral server) as soon as a command's arguments are checked,
+without that import, so that its start overlaps the command's own imports; the flow then runs
+within `api()`, which waits until the server answers and sets Prefect's API to it: Prefect starts
+none. Flow-run heartbeats are off there: they let a server notice a crashed run later, and this
+server ends with the command.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+# uvicorn's exit status when it cannot start (the port was taken since it was chosen): Prefect's
+# own temporary server then tries another port, as `api` does.
+UVICORN_STARTUP_FAILURE = 3
+# Starts before a server that keeps failing to start is an error (uvicorn gives the same status when
+# Prefect's app fails to start).
+STARTS = 3
+# Prefect's environment for its temporary server (prefect.server.api.server.SubprocessASGIServer).
+SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+# Seconds to wait for Prefect to send its queued logs and events before the server stops.
+DRAIN_TIMEOUT_S = 5
+# The temporary servers of this process, for flows/stopping.py (it spares them while a stopped run
+# is marked Crashed).
+RUNNING: dict[int, TemporaryServer] = {}
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class TemporaryServer:
+    """One temporary Prefect server: `start`, then run flows within `api()`, then `stop`."""
+
+    def __init__(self):
+        self.port = 0
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def start(self) -> TemporaryServer:
+        self.port = _free_port()
+        prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent), "--factory",
+             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
+             "--log-level", "error", "--lifespan", "on"],
+            env={**os.environ, **SERVER_ENV})
+        RUNNING[self.process.pid] = self
+        return self
+
+    def wait_until_ready(self, timeout_s: float) -> None:
+        """Until the server answers its health check; a server that could not start (its port
+        taken since it was chosen) is started again on another port, up to `STARTS` times."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        starts = 1
+        with httpx.Client() as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    if self.process.returncode != UVICORN_STARTUP_FAILURE or starts == STARTS:
+                        raise RuntimeError(f"the temporary Prefect server exited with status {self.process.returncode}"
+                                           " (its error is above)")
+                    RUNNING.pop(self.process.pid, None)
+                    self.start()
+                    starts += 1
+                with contextlib.suppress(httpx.TransportError):
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                time.sleep(0.05)
+        raise RuntimeError(f"the temporary Prefect server did not answer within {timeout_s:.0f} s")
+
+    @contextlib.contextmanager
+    def api(self) -> Iterator[None]:
+        """Prefect's API set to this server (flow runs without heartbeats, no UI link) once it answers: in this
+        thread's settings, and in the environment and the process-wide settings, which Prefect's
+        threads without a context of their own (the process pool's message forwarder) read."""
+        from prefect.context import refresh_global_settings_context
+        from prefect.logging import get_logger
+        from prefect.settings import (
+            PREFECT_API_URL,
+            PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+            PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+            PREFECT_UI_URL,
+            temporary_settings,
+        )
+
+        get_logger().info(f"Starting temporary server on {self.url.removesuffix('/api')}")
+        self.wait_until_ready(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+        earlier = os.environ.get("PREFECT_API_URL")
+        os.environ["PREFECT_API_URL"] = self.url
+        refresh_global_settings_context()
+        try:
+            # No UI link in the logs either: the server serves no UI, and ends with the command.
+            with temporary_settings(updates={PREFECT_API_URL: self.url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
+                                             PREFECT_UI_URL: ""}):
+                yield
+        finally:
+            if earlier is None:
+                os.environ.pop("PREFECT_API_URL", None)
+            else:
+                os.environ["PREFECT_API_URL"] = earlier
+            refresh_global_settings_context()
+
+    def stop(self) -> None:
+        """Stop the server, once Prefect has sent it the logs and events still queued (as Prefect's
+        test harness does before stopping its server): sent later, they would fail and be retried."""
+        if self.process is None:
+            return
+        from prefect.events.worker import EventsWorker
+        from prefect.logging import get_logger
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
+        EventsWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
+        get_logger().info(f"Stopping temporary server on {self.url.removesuffix('/api')}")
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        RUNNING.pop(self.process.pid, None)
+        self.process = None
+
+
+def running_pids() -> set[int]:
+    return set(RUNNING)

@@ -1,0 +1,100 @@
+"""The CLI's temporary Prefect server (flows/temporary_server.py): a real uvicorn server with Prefect's
+app, a real flow run on it, with a task in a worker process whose logs the parent forwards."""
+from __future__ import annotations
+
+import os
+import socket
+
+import psutil
+import pytest
+from prefect import flow, get_run_logger, task
+from prefect.client.orchestration import get_client
+from prefect.settings import get_current_settings
+
+from trajforge.flows import temporary_server
+from trajforge.flows.build import make_task_runner
+from trajforge.flows.temporary_server import TemporaryServer
+
+
+def _uvicorn_children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if "uvicorn" in " ".join(p.cmdline())]
+
+
+@task
+def _logs_in_a_worker(x: int) -> int:
+    get_run_logger().info("from a worker process")
+    return x + 1
+
+
+@flow
+def _on_the_api(x: int) -> tuple[int, str | None, int | None, str | None]:
+    # The task runs in a worker process; its logs and events reach the server through the parent's
+    # message forwarder, a thread without this run's settings context.
+    result = _logs_in_a_worker.with_options(task_run_name="in-worker").submit(x).result()
+    settings = get_current_settings()
+    return result, settings.api.url, settings.flows.heartbeat_frequency, settings.ui_url
+
+
+@pytest.fixture
+def prefect_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect_home"))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+
+
+def test_a_flow_runs_on_the_temporary_server_and_only_there(prefect_home):
+    before = {p.pid for p in _uvicorn_children()}
+    server = TemporaryServer().start()
+    try:
+        with server.api():
+            assert os.environ["PREFECT_API_URL"] == server.url
+            state = _on_the_api.with_options(task_runner=make_task_runner("processes", workers=1))(1, return_state=True)
+            result, api_url, heartbeat, ui_url = state.result()
+            # Every Prefect server this process has is this one: the worker's forwarded logs started none.
+            assert {p.pid for p in _uvicorn_children()} - before == {server.process.pid}
+
+            async def recorded():
+                async with get_client() as client:
+                    return await client.read_flow_run(state.state_details.flow_run_id)
+
+            import asyncio
+
+            run = asyncio.run(recorded())
+        assert (result, api_url, heartbeat, ui_url) == (2, server.url, None, "")
+        assert run.state.is_completed()
+        assert "PREFECT_API_URL" not in os.environ
+        assert get_current_settings().api.url != server.url
+    finally:
+        process = server.process
+        server.stop()
+    assert process.poll() is not None
+    assert server.process is None and not temporary_server.running_pids()
+
+
+def test_a_server_that_cannot_take_its_port_starts_again_on_another(prefect_home, monkeypatch):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    free = temporary_server._free_port
+    monkeypatch.setattr(temporary_server, "_free_port", lambda: next(ports, None) or free())
+    server = TemporaryServer().start()
+    try:
+        first = server.process
+        server.wait_until_ready(120)
+        assert first.returncode == temporary_server.UVICORN_STARTUP_FAILURE
+        assert server.port != taken.getsockname()[1] and server.process.poll() is None
+        assert first.pid not in temporary_server.running_pids()
+    finally:
+        server.stop()
+        taken.close()
+
+
+def test_a_server_that_fails_otherwise_is_an_error(prefect_home, monkeypatch):
+    monkeypatch.setattr(temporary_server.sys, "executable", "/bin/false")
+    server = TemporaryServer().start()
+    try:
+        with pytest.raises(RuntimeError, match="exited with status 1"):
+            server.wait_until_ready(120)
+    finally:
+        server.stop()
+    assert not temporary_server.running_pids()
