@@ -399,6 +399,17 @@ def hash_halves(hashed: np.ndarray) -> np.ndarray:
     return hashed.astype("<u8", copy=False).view("<u4").reshape(-1, 2)
 
 
+@functools.cache
+def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The numpy backend's `num_perm` affine permutations (a * x + b) mod 2^32 of a seed: (a, b),
+    uint32 each, `a` odd. Read-only: they are shared."""
+    gen = np.random.RandomState(seed)
+    a = (gen.randint(0, 1 << 31, size=num_perm, dtype=np.uint64) * 2 + 1).astype(np.uint32)
+    b = gen.randint(0, 1 << 32, size=num_perm, dtype=np.uint64).astype(np.uint32)
+    a.flags.writeable = b.flags.writeable = False
+    return a, b
+
+
 def _numpy_signatures(sets: Sequence[set[str]], num_perm: int, seed: int,
                       hashes: tuple[np.ndarray, np.ndarray] | None = None, chunk_shingles: int = 6 << 10) -> np.ndarray:
     """MinHash of many sets at once: one vectorized 64-bit hash of every shingle (polars), then
@@ -414,9 +425,7 @@ def _numpy_signatures(sets: Sequence[set[str]], num_perm: int, seed: int,
     """
     sizes, hashed = hashes or shingle_hashes(sets, seed)
     hashed = np.ascontiguousarray(hash_halves(hashed)[:, 1])
-    gen = np.random.RandomState(seed)
-    a = (gen.randint(0, 1 << 31, size=num_perm, dtype=np.uint64) * 2 + 1).astype(np.uint32)
-    b = gen.randint(0, 1 << 32, size=num_perm, dtype=np.uint64).astype(np.uint32)
+    a, b = permutations(num_perm, seed)
     out = np.empty((num_perm, len(sets)), dtype=np.uint32)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     buf = np.empty((num_perm, max(chunk_shingles, int(sizes.max()))), dtype=np.uint32)
