@@ -244,10 +244,31 @@ def _tokens(folded: Sequence[str]) -> DedupTokens:
     return _joined_tokens(*_joined(folded))
 
 
+# From this many bytes, texts are tokenized by the compiled loop (keys_kernel.py: one pass over the
+# bytes, ~5x numpy's dozen on a key batch); a smaller input by numpy, which loads no compiler (numba
+# costs ~0.7 s of CPU in a process that has not loaded it). Both give the same bytes.
+COMPILED_TOKENS_FROM = 1 << 20
+
+
 def _joined_tokens(joined: bytes, bounds: list[int], lower: bool = False) -> DedupTokens:
     """The `DedupTokens` of folded texts as `_joined` puts them (with `lower`, texts folded but for
-    the lowercasing of ASCII letters, which `_byte_tables` does), tokenized over that one buffer
-    (numpy over its bytes, `bytes.translate` for the ASCII ones): no work per token in Python."""
+    the lowercasing of ASCII letters, which `_byte_tables` does), tokenized over that one buffer:
+    no work per token in Python."""
+    if len(joined) >= COMPILED_TOKENS_FROM:
+        return _compiled_tokens(joined, bounds, lower)
+    return _numpy_tokens(joined, bounds, lower)
+
+
+def _compiled_tokens(joined: bytes, bounds: list[int], lower: bool) -> DedupTokens:
+    from trajforge.pipeline.quality.keys_kernel import tokens
+
+    words, word_bounds, bare, bare_bounds = tokens(np.frombuffer(joined, dtype=np.uint8), np.asarray(bounds, dtype=np.int64),
+                                                   _classes(), lower)
+    return DedupTokens(words.tobytes(), word_bounds, bare.tobytes(), bare_bounds)
+
+
+def _numpy_tokens(joined: bytes, bounds: list[int], lower: bool) -> DedupTokens:
+    """`_joined_tokens` in numpy over the buffer's bytes (`bytes.translate` for the ASCII ones)."""
     data = np.frombuffer(joined, dtype=np.uint8)
     to_class, gaps_to_space, ascii_space, cased = _byte_tables(lower)
     classes = np.frombuffer(joined.translate(to_class), dtype=np.uint8)
@@ -402,11 +423,10 @@ def hash_halves(hashed: np.ndarray) -> np.ndarray:
 @functools.cache
 def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """The numpy backend's `num_perm` affine permutations (a * x + b) mod 2^32 of a seed: (a, b),
-    uint32 each, `a` odd. Read-only: they are shared."""
+    uint32 each, `a` odd. Shared between callers: not to be written to."""
     gen = np.random.RandomState(seed)
     a = (gen.randint(0, 1 << 31, size=num_perm, dtype=np.uint64) * 2 + 1).astype(np.uint32)
     b = gen.randint(0, 1 << 32, size=num_perm, dtype=np.uint64).astype(np.uint32)
-    a.flags.writeable = b.flags.writeable = False
     return a, b
 
 

@@ -119,12 +119,12 @@ def sketches(sizes: np.ndarray, hashed: np.ndarray) -> np.ndarray:
 def signatures_and_sketches(sets: ShingleSets, config: DedupConfig,
                             hashes: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(`signatures`, `sketches`) of sets whose `shingle_hashes` these are: for the numpy backend in
-    one compiled pass (minhash_kernel.py: the same bits, ~2.4x faster), else each as its backend
+    one compiled pass (keys_kernel.py: the same bits, ~2.4x faster), else each as its backend
     computes it."""
     sizes, hashed = hashes
     if config.backend != "numpy" or not len(sizes):
         return signatures(sets, config, hashes), sketches(sizes, hashed)
-    from trajforge.pipeline.quality.minhash_kernel import signatures_and_sketches as compiled
+    from trajforge.pipeline.quality.keys_kernel import signatures_and_sketches as compiled
 
     halves = hash_halves(hashed)
     starts = np.zeros(len(sizes) + 1, dtype=np.int64)

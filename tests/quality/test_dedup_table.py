@@ -234,7 +234,7 @@ def test_pools_of_units_merged_in_order_equal_the_pool_of_all_records(merged, pa
 
 
 def test_compiled_signatures_and_sketches_are_numpys_bit_for_bit():
-    """minhash_kernel.py against `_numpy_signatures` and `sketches`: sets of one shingle, of many,
+    """keys_kernel.py against `_numpy_signatures` and `sketches`: sets of one shingle, of many,
     shingles that repeat, bins whose smallest value is 0 or 0xFFFFFFFF (stored as an empty bin)."""
     from trajforge.pipeline.quality.dedup import ShingleSets, _numpy_signatures
 
