@@ -113,13 +113,19 @@ def _record_parts(record: dict) -> list[str]:
     """The record's texts (`DedupText`'s) and the turn markers between them, in turn: texts at
     even indices, markers at odd ones."""
     parts = [record["task"]]
-    turns = record["conversations"]
-    start = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), len(turns))
-    for turn in turns[start:]:
+    append = parts.append
+    # From the first trained assistant turn on (one loop: no generator to find it, no slice).
+    trained = False
+    for turn in record["conversations"]:
         if turn["role"] == "assistant":
-            parts += [_TURN, turn["thought"] or "", _THOUGHT_END, turn["action"] or ""]
-        else:
-            parts += [_TURN, turn["content"]]
+            if not trained:
+                if not turn["loss"]:
+                    continue
+                trained = True
+            parts += (_TURN, turn["thought"] or "", _THOUGHT_END, turn["action"] or "")
+        elif trained:
+            append(_TURN)
+            append(turn["content"])
     return parts
 
 
