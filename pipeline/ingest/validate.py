@@ -420,8 +420,10 @@ def _outcome_consistent(record: dict, config: ValidateConfig) -> Violation | Non
 
 
 def _answer_consistent(record: dict, config: ValidateConfig) -> Violation | None:
-    """The final action must give the record's answer (what a reward compares against)."""
-    if record["answer"] is None:
+    """The final action must give the record's answer (what a reward compares against). A record
+    normalize built took its answer from that action (`_answer`: the same `extract_answer` of the
+    same last assistant turn; rendering and masking leave actions as they are), so it gives it."""
+    if record["answer"] is None or isinstance(record, NormalizedRecord):
         return None
     turns = record["conversations"]
     last = turns[_last_assistant(turns)]

@@ -113,13 +113,19 @@ def _record_parts(record: dict) -> list[str]:
     """The record's texts (`DedupText`'s) and the turn markers between them, in turn: texts at
     even indices, markers at odd ones."""
     parts = [record["task"]]
-    turns = record["conversations"]
-    start = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and t["loss"]), len(turns))
-    for turn in turns[start:]:
+    append = parts.append
+    # From the first trained assistant turn on (one loop: no generator to find it, no slice).
+    trained = False
+    for turn in record["conversations"]:
         if turn["role"] == "assistant":
-            parts += [_TURN, turn["thought"] or "", _THOUGHT_END, turn["action"] or ""]
-        else:
-            parts += [_TURN, turn["content"]]
+            if not trained:
+                if not turn["loss"]:
+                    continue
+                trained = True
+            parts += (_TURN, turn["thought"] or "", _THOUGHT_END, turn["action"] or "")
+        elif trained:
+            append(_TURN)
+            append(turn["content"])
     return parts
 
 
@@ -244,10 +250,31 @@ def _tokens(folded: Sequence[str]) -> DedupTokens:
     return _joined_tokens(*_joined(folded))
 
 
+# From this many bytes, texts are tokenized by the compiled loop (keys_kernel.py: one pass over the
+# bytes, ~5x numpy's dozen on a key batch); a smaller input by numpy, which loads no compiler (numba
+# costs ~0.7 s of CPU in a process that has not loaded it). Both give the same bytes.
+COMPILED_TOKENS_FROM = 1 << 20
+
+
 def _joined_tokens(joined: bytes, bounds: list[int], lower: bool = False) -> DedupTokens:
     """The `DedupTokens` of folded texts as `_joined` puts them (with `lower`, texts folded but for
-    the lowercasing of ASCII letters, which `_byte_tables` does), tokenized over that one buffer
-    (numpy over its bytes, `bytes.translate` for the ASCII ones): no work per token in Python."""
+    the lowercasing of ASCII letters, which `_byte_tables` does), tokenized over that one buffer:
+    no work per token in Python."""
+    if len(joined) >= COMPILED_TOKENS_FROM:
+        return _compiled_tokens(joined, bounds, lower)
+    return _numpy_tokens(joined, bounds, lower)
+
+
+def _compiled_tokens(joined: bytes, bounds: list[int], lower: bool) -> DedupTokens:
+    from trajforge.pipeline.quality.keys_kernel import tokens
+
+    words, word_bounds, bare, bare_bounds = tokens(np.frombuffer(joined, dtype=np.uint8), np.asarray(bounds, dtype=np.int64),
+                                                   _classes(), lower)
+    return DedupTokens(words.tobytes(), word_bounds, bare.tobytes(), bare_bounds)
+
+
+def _numpy_tokens(joined: bytes, bounds: list[int], lower: bool) -> DedupTokens:
+    """`_joined_tokens` in numpy over the buffer's bytes (`bytes.translate` for the ASCII ones)."""
     data = np.frombuffer(joined, dtype=np.uint8)
     to_class, gaps_to_space, ascii_space, cased = _byte_tables(lower)
     classes = np.frombuffer(joined.translate(to_class), dtype=np.uint8)
@@ -399,6 +426,16 @@ def hash_halves(hashed: np.ndarray) -> np.ndarray:
     return hashed.astype("<u8", copy=False).view("<u4").reshape(-1, 2)
 
 
+@functools.cache
+def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The numpy backend's `num_perm` affine permutations (a * x + b) mod 2^32 of a seed: (a, b),
+    uint32 each, `a` odd. Shared between callers: not to be written to."""
+    gen = np.random.RandomState(seed)
+    a = (gen.randint(0, 1 << 31, size=num_perm, dtype=np.uint64) * 2 + 1).astype(np.uint32)
+    b = gen.randint(0, 1 << 32, size=num_perm, dtype=np.uint64).astype(np.uint32)
+    return a, b
+
+
 def _numpy_signatures(sets: Sequence[set[str]], num_perm: int, seed: int,
                       hashes: tuple[np.ndarray, np.ndarray] | None = None, chunk_shingles: int = 6 << 10) -> np.ndarray:
     """MinHash of many sets at once: one vectorized 64-bit hash of every shingle (polars), then
@@ -414,9 +451,7 @@ def _numpy_signatures(sets: Sequence[set[str]], num_perm: int, seed: int,
     """
     sizes, hashed = hashes or shingle_hashes(sets, seed)
     hashed = np.ascontiguousarray(hash_halves(hashed)[:, 1])
-    gen = np.random.RandomState(seed)
-    a = (gen.randint(0, 1 << 31, size=num_perm, dtype=np.uint64) * 2 + 1).astype(np.uint32)
-    b = gen.randint(0, 1 << 32, size=num_perm, dtype=np.uint64).astype(np.uint32)
+    a, b = permutations(num_perm, seed)
     out = np.empty((num_perm, len(sets)), dtype=np.uint32)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     buf = np.empty((num_perm, max(chunk_shingles, int(sizes.max()))), dtype=np.uint32)

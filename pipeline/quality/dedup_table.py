@@ -50,6 +50,7 @@ from trajforge.pipeline.quality.dedup import (
     dedup_tokens,
     exact_keys,
     hash_halves,
+    permutations,
     signatures,
     word_shingle_hashes,
 )
@@ -115,6 +116,25 @@ def sketches(sizes: np.ndarray, hashed: np.ndarray) -> np.ndarray:
     return out.reshape(n, SKETCH_BINS)
 
 
+def signatures_and_sketches(sets: ShingleSets, config: DedupConfig,
+                            hashes: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(`signatures`, `sketches`) of sets whose `shingle_hashes` these are: for the numpy backend in
+    one compiled pass (keys_kernel.py: the same bits, ~2.4x faster), else each as its backend
+    computes it."""
+    sizes, hashed = hashes
+    if config.backend != "numpy" or not len(sizes):
+        return signatures(sets, config, hashes), sketches(sizes, hashed)
+    from trajforge.pipeline.quality.keys_kernel import signatures_and_sketches as compiled
+
+    halves = hash_halves(hashed)
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    a, b = permutations(config.num_perm, config.seed)
+    sigs, sketch = compiled(np.ascontiguousarray(halves[:, 1]), np.ascontiguousarray(halves[:, 0]), starts, a, b,
+                            SKETCH_BINS)
+    return sigs, sketch.reshape(-1)
+
+
 def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig = DedupConfig()) -> pl.DataFrame:
     """The key table rows of `records`, whose build order starts at `start_order`."""
     bands, rows = band_params(config)
@@ -122,7 +142,8 @@ def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig =
     tokens = dedup_tokens(records)
     groups = [dedup_group(r) for r in records]
     hashes = word_shingle_hashes(tokens.words, tokens.word_bounds, config.shingle_size, config.seed)
-    keys = band_keys(signatures(ShingleSets(tokens, config.shingle_size), config, hashes), bands, rows)
+    sigs, sketch = signatures_and_sketches(ShingleSets(tokens, config.shingle_size), config, hashes)
+    keys = band_keys(sigs, bands, rows)
     columns = {
         "order": pl.Series(range(start_order, start_order + n), dtype=pl.Int64),
         "group": pl.Series(groups, dtype=pl.String),
@@ -136,7 +157,7 @@ def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig =
            for name in ("id", "source", "source_id", "source_file")},
         **{f"band{b}": pl.Series(keys[:, b], dtype=pl.UInt64) for b in range(bands)},
         "sketch": pl.Series(pa.FixedSizeBinaryArray.from_buffers(
-            pa.binary(SKETCH_BINS), n, [None, pa.py_buffer(sketches(*hashes))])).cast(pl.Binary),
+            pa.binary(SKETCH_BINS), n, [None, pa.py_buffer(sketch)])).cast(pl.Binary),
     }
     return pl.DataFrame(columns)
 

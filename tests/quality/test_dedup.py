@@ -15,6 +15,7 @@ import pytest
 from tests.support.oracles import TOKEN, deduplicate, fold, jaccard
 from tests.support.paths import FIXTURE_SOURCES
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
+from trajforge.pipeline.quality import dedup
 from trajforge.pipeline.quality.dedup import (
     Contamination,
     DedupConfig,
@@ -209,9 +210,12 @@ def test_keep_rank_is_stated_by_every_source():
         type("Unranked", (Source,), {"name": "unranked"})
 
 
-def test_dedup_texts_tokenize_as_fold_does_on_every_kind_of_text():
-    """Polars tokenizes every text as `fold` (Python's `re`) does, whatever the code points (marks,
-    numerals, separators, the turn markers' own characters inside a text), turn by turn."""
+@pytest.mark.parametrize("compiled_from", [0, 1 << 62], ids=["compiled", "numpy"])
+def test_dedup_texts_tokenize_as_fold_does_on_every_kind_of_text(monkeypatch, compiled_from):
+    """Both tokenizers (the compiled loop, numpy) split every text as `fold` (Python's `re`) does,
+    whatever the code points (marks, numerals, separators, the turn markers' own characters inside a
+    text), turn by turn."""
+    monkeypatch.setattr(dedup, "COMPILED_TOKENS_FROM", compiled_from)
     rng = random.Random(0)
     alphabet = ([chr(c) for c in range(128)] + list("éİ²–ﬁΣ\u0301\u00a0\u2028\u0660\u203f\u180e\u3000") + ["\\n", "\\", "\x1b[1m"]
                 + [chr(rng.choice([rng.randrange(0x80, 0x3000), rng.randrange(0xE000, 0x110000)])) for _ in range(300)])
@@ -246,10 +250,13 @@ def test_exact_key_is_equal_exactly_when_the_tokens_are():
     assert len(set(keys)) == 3
 
 
-def test_tokens_are_those_of_re_on_every_code_point():
+@pytest.mark.parametrize("compiled_from", [0, 1 << 62], ids=["compiled", "numpy"])
+def test_tokens_are_those_of_re_on_every_code_point(monkeypatch, compiled_from):
     """Each code point between two letters: one word with them, a space, or a token of its own,
-    as Python's `re` decides (the turn markers, always tokens, aside), in the build's tokens (numpy
-    over UTF-8 bytes) and in the decontamination's words (the same tokens, of the folded text)."""
+    as Python's `re` decides (the turn markers, always tokens, aside), in the build's tokens (the
+    compiled loop or numpy over UTF-8 bytes) and in the decontamination's words (the same tokens, of
+    the folded text)."""
+    monkeypatch.setattr(dedup, "COMPILED_TOKENS_FROM", compiled_from)
     every = "".join(f"a{chr(c)}b" for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF and chr(c) not in "\x1d\x1e")
     found = _tokens([every, "", every[:999]]).text(0)
     assert found.bare == "".join(TOKEN.findall(every))
@@ -257,9 +264,11 @@ def test_tokens_are_those_of_re_on_every_code_point():
     assert _task_words([every])[0] == " ".join(re.findall(r"\w+", _folded(every)))
 
 
-def test_ascii_tokens_are_those_of_re_on_every_ascii_code_point():
-    """An ASCII text (read by bytes.translate, not polars): each ASCII code point between two letters
-    is one word with them, a space, or a token of its own, as Python's `re` decides."""
+@pytest.mark.parametrize("compiled_from", [0, 1 << 62], ids=["compiled", "numpy"])
+def test_ascii_tokens_are_those_of_re_on_every_ascii_code_point(monkeypatch, compiled_from):
+    """An ASCII text (read by bytes.translate in numpy): each ASCII code point between two letters is
+    one word with them, a space, or a token of its own, as Python's `re` decides."""
+    monkeypatch.setattr(dedup, "COMPILED_TOKENS_FROM", compiled_from)
     every = "".join(f"a{chr(c)}b" for c in range(128) if chr(c) not in "\x1d\x1e")
     for text in (every, f"  {every} \t"):
         [found] = dedup_texts([{"task": text, "conversations": []}])

@@ -231,3 +231,21 @@ def test_pools_of_units_merged_in_order_equal_the_pool_of_all_records(merged, pa
         for start in range(0, len(records), size):
             combined.merge(EnvPools.of(records[start:start + size], max_answers=cap))
         assert combined == whole
+
+
+def test_compiled_signatures_and_sketches_are_numpys_bit_for_bit():
+    """keys_kernel.py against `_numpy_signatures` and `sketches`: sets of one shingle, of many,
+    shingles that repeat, bins whose smallest value is 0 or 0xFFFFFFFF (stored as an empty bin)."""
+    from trajforge.pipeline.quality.dedup import ShingleSets, _numpy_signatures
+
+    rng = np.random.default_rng(7)
+    sizes = np.array([1, 1, 2, 5, 700, 3, 9000, 1, 64], dtype=np.int64)
+    hashed = rng.integers(0, 1 << 64, size=int(sizes.sum()), dtype=np.uint64)
+    hashed[:3] = 0xFFFFFFFF00000000 | np.uint64(5)  # a bin whose smallest high half is 0xFFFFFFFF
+    hashed[10:20] = hashed[10]  # a repeated shingle
+    hashed[30] = np.uint64(7)  # high half 0
+    config = DedupConfig()
+    sigs, sketch = dedup_table.signatures_and_sketches(ShingleSets(None, 5), config, (sizes, hashed))
+    assert np.array_equal(sigs, _numpy_signatures([None] * len(sizes), config.num_perm, config.seed, (sizes, hashed)))
+    assert np.array_equal(sketch, dedup_table.sketches(sizes, hashed).reshape(-1))
+    assert sketch.reshape(len(sizes), -1)[0].max() == 0

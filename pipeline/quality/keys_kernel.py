@@ -1,0 +1,128 @@
+"""The key table's compiled loops (numba): tokenizing a key batch's texts, and its MinHash
+signatures with its one-permutation sketches.
+
+- `tokens`: dedup.py's tokenizer (`_joined_tokens`) in one pass over the batch's UTF-8 bytes, where
+  numpy makes a dozen (a class per byte by `bytes.translate`, the masks, the kept bytes, the counts
+  per text): on the 20k corpus's key batches (45 MB) ~0.19 -> ~0.11 s, the same bytes (tests/quality/
+  test_dedup.py runs its tokenizer tests on both).
+- `signatures_and_sketches`: `dedup._numpy_signatures` and `dedup_table.sketches` compute these in
+  numpy: the signatures as a (permutations x shingles) buffer written by a multiply, then an add,
+  then read by a per-set minimum (three passes over ~3 MB, beyond L2), the sketches by
+  `np.minimum.at`. Here each shingle's 32 high bits go through the permutations while the set's
+  minima stay in registers and L1, and the same loop keeps its sketch bin's minimum: on the 20k
+  corpus's key batches (7.0M shingles, 18,278 sets) 0.26 -> 0.11 s, the same bits
+  (tests/quality/test_dedup_table.py).
+
+numba is loaded only where one of these is first called (a build's map; the near screen loads it
+anyway, sketch_screen.py): ~0.7 s of CPU in a process that has the build's other modules, most of
+it loading LLVM and the compiled loops from numba's cache (the first run on a machine compiles
+them, a few seconds).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_EMPTY = np.uint32(0xFFFFFFFF)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def signatures_and_sketches(high, low, starts, a, b, bins):
+    """((n, len(a)) uint32 signatures, (n, bins) uint8 sketches) of the n sets whose shingles'
+    64-bit hashes are high[s] << 32 | low[s] for s in starts[i]:starts[i + 1] (each set non-empty).
+
+    Signature value p of a set: the minimum over its shingles of (a[p] * high + b[p]) mod 2^32.
+    Sketch bin k (`bins` a power of two): the minimum `high` of the shingles whose `low` & (bins - 1)
+    is k, stored as minimum % 255 + 1, and 0 where none is (or the minimum is 0xFFFFFFFF)."""
+    n = len(starts) - 1
+    perms = a.shape[0]
+    sig = np.empty((n, perms), dtype=np.uint32)
+    sketch = np.zeros((n, bins), dtype=np.uint8)
+    minima = np.empty(perms, dtype=np.uint32)
+    smallest = np.empty(bins, dtype=np.uint32)
+    mask = np.uint32(bins - 1)
+    for i in range(n):
+        minima[:] = _EMPTY
+        smallest[:] = _EMPTY
+        for s in range(starts[i], starts[i + 1]):
+            x = high[s]
+            k = low[s] & mask
+            if x < smallest[k]:
+                smallest[k] = x
+            for p in range(perms):
+                value = np.uint32(a[p] * x + b[p])
+                if value < minima[p]:
+                    minima[p] = value
+        sig[i] = minima
+        for k in range(bins):
+            if smallest[k] != _EMPTY:
+                sketch[i, k] = np.uint8(smallest[k] % np.uint32(255) + np.uint32(1))
+    return sig, sketch
+
+
+# Character classes, as dedup.py's `_classes` numbers them.
+_WORD, _SPACE = 1, 2
+_ASCII_A, _ASCII_Z = 0x41, 0x5A
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def tokens(data, bounds, classes, lower):
+    """dedup.py's `_joined_tokens` in one pass over the UTF-8 bytes `data` (texts at `bounds`):
+    (words, word_bounds, bare, bare_bounds) as `DedupTokens` holds them, words and bare as uint8
+    arrays. `classes`: the class of every code point (`dedup._classes`); with `lower`, ASCII letters
+    are made lower case in both.
+
+    A byte takes its character's class (a continuation byte its lead's). `words` keeps each word
+    character's bytes and the first byte after a run of them, which becomes a space unless it is a
+    word character's; `bare` keeps every byte but whitespace's."""
+    size = len(data)
+    # One byte more than can be kept: each byte is written, and kept by moving on past it or not
+    # (no branch on the class, which changes every few bytes).
+    words = np.empty(size + 1, dtype=np.uint8)
+    bare = np.empty(size + 1, dtype=np.uint8)
+    word_bounds = np.empty(len(bounds), dtype=np.int64)
+    bare_bounds = np.empty(len(bounds), dtype=np.int64)
+    to_lower = np.uint8(0x20 if lower else 0)
+    w = 0
+    r = 0
+    cls = np.uint8(0)
+    previous_word = np.int64(0)
+    for text in range(len(bounds) - 1):
+        word_bounds[text] = w
+        bare_bounds[text] = r
+        for i in range(bounds[text], bounds[text + 1]):
+            c = data[i]
+            if c < 0x80:
+                cls = classes[c]
+                c |= to_lower * np.uint8(_ASCII_A <= c <= _ASCII_Z)
+            elif c >= 0xC0:
+                cls = classes[_code_point(data, i, c)]
+            word = np.int64(cls == _WORD)
+            # The end of a word run is a space (for a multi-byte character, its lead byte only).
+            words[w] = c if word else np.uint8(0x20)
+            w += word | previous_word
+            bare[r] = c
+            r += cls != _SPACE
+            previous_word = word
+    word_bounds[len(bounds) - 1] = w
+    bare_bounds[len(bounds) - 1] = r
+    return words[:w], word_bounds, bare[:r], bare_bounds
+
+
+@numba.njit(inline="always")
+def _code_point(data, i, lead):
+    """The code point of the UTF-8 character whose lead byte `lead` is data[i]."""
+    if lead < 0xE0:
+        return (np.int64(lead) & 0x1F) << 6 | (np.int64(data[i + 1]) & 0x3F)
+    if lead < 0xF0:
+        return (np.int64(lead) & 0x0F) << 12 | (np.int64(data[i + 1]) & 0x3F) << 6 | (np.int64(data[i + 2]) & 0x3F)
+    return ((np.int64(lead) & 0x07) << 18 | (np.int64(data[i + 1]) & 0x3F) << 12
+            | (np.int64(data[i + 2]) & 0x3F) << 6 | (np.int64(data[i + 3]) & 0x3F))
+
+
+def warm() -> None:
+    """Load both loops (from numba's cache, or compiled) now: a process that forks workers (the
+    `processes` runner's fork server) can load them once for every worker it starts."""
+    tokens(np.frombuffer(b"a\n", dtype=np.uint8), np.array([0, 2], dtype=np.int64), np.zeros(128, dtype=np.uint8), True)
+    one = np.zeros(1, dtype=np.uint32)
+    signatures_and_sketches(one, one, np.array([0, 1], dtype=np.int64), one, one, 8)
