@@ -1,11 +1,13 @@
 """What the `processes` runner's fork server loads before it forks a worker (flows/workers.py): the
-build's tasks and the stages they call, Prefect's task engine, and the near-dedup screen's compiled
-loops with their machine code loaded (numba's import and the loops from its cache: ~0.7 s of CPU a
-process), so that every worker starts with them, their pages shared rather than loaded per worker.
-Importing this module is what loads them."""
+build's tasks and the stages they call, Prefect's task engine, and the compiled loops of the dedup
+keys (tokens, MinHash) and of the near-dedup screen with their machine code loaded (numba's import
+and the loops from its cache: ~0.7 s of CPU a process for the screen's, ~0.55 s for the keys'), so
+that every worker starts with them, their pages shared rather than loaded per worker. Importing
+this module is what loads them."""
 import prefect.task_engine  # noqa: F401
 
 import trajforge.flows.build  # noqa: F401
-from trajforge.pipeline.quality import sketch_screen
+from trajforge.pipeline.quality import keys_kernel, sketch_screen
 
+keys_kernel.warm()
 sketch_screen.warm()

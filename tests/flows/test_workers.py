@@ -23,16 +23,17 @@ def test_processes_runner_and_its_copies_fork_their_workers_from_the_fork_server
     assert multiprocessing.forkserver._forkserver._forkserver_pid == server
 
 
-def _screen_loops_loaded() -> list[int]:
-    from trajforge.pipeline.quality import sketch_screen
+def _loops_loaded() -> list[int]:
+    from trajforge.pipeline.quality import keys_kernel, sketch_screen
 
-    return [len(sketch_screen.pairs_within.signatures), len(sketch_screen.pairs_across.signatures)]
+    return [len(loop.signatures) for loop in (keys_kernel.tokens, keys_kernel.signatures_and_sketches,
+                                              sketch_screen.pairs_within, sketch_screen.pairs_across)]
 
 
 @pytest.mark.skipif(not fork_server_available(), reason="no fork server on this platform")
-def test_a_forked_worker_starts_with_the_screen_loops_loaded():
+def test_a_forked_worker_starts_with_the_compiled_loops_loaded():
     """The fork server loaded the compiled loops (flows/worker_preload.py): a worker has them
-    before its first screen."""
+    before its first key batch and its first screen."""
     start_fork_server()
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("forkserver")) as pool:
-        assert pool.submit(_screen_loops_loaded).result() == [1, 1]
+        assert pool.submit(_loops_loaded).result() == [1, 1, 1, 1]
