@@ -262,7 +262,11 @@ def _kept_records(records_path: str, kept_rows: np.ndarray, repeats: dict[int, i
         rows = kept[np.searchsorted(kept, start):np.searchsorted(kept, end)]
         table = pa.Table.from_batches([batch])
         if len(rows) < batch.num_rows:  # else the batch as read, not a copy
-            table = table.take(pa.array(rows - start))
+            # A filter, not a take of the rows: the same table at half the CPU (strings are copied
+            # in runs, their sizes known before, where a take appends them one at a time).
+            keep = np.zeros(batch.num_rows, dtype=bool)
+            keep[rows - start] = True
+            table = table.filter(pa.array(keep))
         records = table.to_pylist()
         repeated = [(i, repeats[row]) for i, row in enumerate(rows.tolist()) if row in repeats] if repeats else []
         if repeated:
