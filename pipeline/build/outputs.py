@@ -8,7 +8,8 @@ line in the dataset card, and how its rows are made:
   (`made`), and stages the rows per unit; shards are cut from those files in unit order. Or
   `table`, per staged batch: its rows made column-wise from the Arrow table of the batch's kept
   records (`sft` is that table), with the records as dicts and what the row makers made of each
-  (preference pairs and step labels read the negatives).
+  (preference pairs and step labels read the negatives). An output with both (`negatives`) has its
+  rows made per record, for the makers after it, and staged as its table maker's table.
 - `parts`, once per build: the staged files (path, Arrow bytes, rows) the shards are cut from, made
   from the units' staged files or from elsewhere (`grpo_env` adds the task files' tasks; the tree-search
   configs read the synthetic source's search outputs). None: the output is not written by this build.
@@ -43,7 +44,7 @@ from trajforge.pipeline.quality.derived import (
     reference_answer,
     step_label_table,
 )
-from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
+from trajforge.pipeline.quality.negatives import NegativesConfig, negative_table, negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.quality.search_steps import stage_step_rows
 from trajforge.pipeline.registry import Registry
@@ -141,6 +142,11 @@ def _negatives(record: dict, made: dict, unit: UnitContext) -> list[dict]:
     return negatives_of(record, unit.pools, unit.negatives)
 
 
+def _negative_rows(kept: pa.Table, records: list[dict], made: dict) -> pa.Table:
+    """The negatives the row maker made, as a table taken column-wise from their parents' rows."""
+    return negative_table(kept, records, made["negatives"])
+
+
 def _differences(records: list[dict], made: dict) -> list:
     """Where each negative of the batch differs from its parent (`derived.differences`): read by the
     preference pairs and the step labels, found once a batch (kept in `made`)."""
@@ -208,8 +214,8 @@ def _search_step_parts(name: str) -> Callable[[BuildOutputs], list[Part] | None]
 
 # -- counts and report sections ----------------------------------------------------------------
 
-def _negative_types(rows: list[dict]) -> list[str]:
-    return [row["negative_type"] for row in rows]
+def _negative_types(rows: pa.Table) -> list[str]:
+    return rows["negative_type"].to_pylist()
 
 
 def _labelled_steps(rows: pa.Table) -> Counter:
@@ -253,7 +259,7 @@ OUTPUTS: Registry[Output] = Registry("output", {output.name: output for output i
     Output("sft", "trajectory", "positive trajectories for supervised fine-tuning (loss on assistant turns)",
            table=_the_records),
     Output("negatives", "trajectory", "trajectories with a known defect (`negative_type`, `parent_id`)",
-           rows=_negatives, count=_negative_types, report=_negatives_report),
+           rows=_negatives, table=_negative_rows, count=_negative_types, report=_negatives_report),
     Output("preference", "preference", "chosen/rejected pairs for DPO", table=_preference_pairs),
     Output("grpo", "grpo", "prompts with reference answers for GRPO", table=_grpo_prompts, report=_grpo_report),
     Output("grpo_env", "grpo_env", "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",
