@@ -113,8 +113,8 @@ def ipc_nbytes(array: pa.Array) -> int:
         return 0
     if pa.types.is_integer(kind) or pa.types.is_floating(kind):
         return size + n * kind.byte_width
-    return pa.ipc.read_record_batch(pa.record_batch([array], names=["_"]).serialize(),
-                                    pa.schema([pa.field("_", kind)])).nbytes
+    batch = pa.record_batch([array], names=["_"])
+    return pa.ipc.read_record_batch(batch.serialize(), batch.schema).nbytes
 
 
 class StreamingTable:
