@@ -5,11 +5,16 @@ line in the dataset card, and how its rows are made:
 
 - `rows`, per kept record: `write_unit` (pipeline/build/assemble.py) calls it on each record the
   global stages kept, in the registry's order, with what the outputs before it made of that record
-  (`made`), and stages the rows per unit; shards are cut from those files in unit order. Or
+  (`made`), and stages the rows per unit; shards are cut from those files in unit order. The
+  records come as dicts without their turns (`conversations`): converting the turns is most of
+  what converting a record costs, and most outputs read them in Arrow. Or `batch`, the same rows
+  made per staged batch, of its kept records in Arrow and as dicts (`negatives`: the turns of a
+  positive are converted only when a negative type is drawn for it, and set in its dict, where
+  the preference pairs and step labels read them). Or
   `table`, per staged batch: its rows made column-wise from the Arrow table of the batch's kept
   records (`sft` is that table), with the records as dicts and what the row makers made of each
   (preference pairs and step labels read the negatives). An output with both (`negatives`) has its
-  rows made per record, for the makers after it, and staged as its table maker's table.
+  rows made per batch, for the makers after it, and staged as its table maker's table.
 - `parts`, once per build: the staged files (path, Arrow bytes, rows) the shards are cut from, made
   from the units' staged files or from elsewhere (`grpo_env` adds the task files' tasks; the tree-search
   configs read the synthetic source's search outputs). None: the output is not written by this build.
@@ -44,7 +49,7 @@ from trajforge.pipeline.quality.derived import (
     reference_answer,
     step_label_table,
 )
-from trajforge.pipeline.quality.negatives import NegativesConfig, negative_table, negatives_of
+from trajforge.pipeline.quality.negatives import NegativesConfig, batch_negatives, negative_table
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.quality.search_steps import stage_step_rows
 from trajforge.pipeline.registry import Registry
@@ -108,6 +113,8 @@ class BuildOutputs:
 
 
 RowMaker = Callable[[dict, dict[str, list[dict]], UnitContext], list[dict]]
+# (the batch's kept records in Arrow, the same as dicts without their turns) -> the rows of each record
+BatchRowMaker = Callable[[pa.Table, list[dict], UnitContext], list[list[dict]]]
 # (the batch's kept records in Arrow, the same as dicts, per row maker what it made of each record)
 TableMaker = Callable[[pa.Table, list[dict], dict[str, list[list[dict]]]], pa.Table]
 
@@ -119,6 +126,7 @@ class Output:
     schema: str
     note: str
     rows: RowMaker | None = None
+    batch: BatchRowMaker | None = None
     table: TableMaker | None = None
     parts: Callable[[BuildOutputs], list[Part] | None] | None = None
     count: Callable[[list[dict] | pa.Table], Iterable | Mapping] | None = None
@@ -138,8 +146,8 @@ def _grpo_prompts(kept: pa.Table, records: list[dict], made: dict) -> pa.Table:
     return grpo_prompts(kept)
 
 
-def _negatives(record: dict, made: dict, unit: UnitContext) -> list[dict]:
-    return negatives_of(record, unit.pools, unit.negatives)
+def _negatives(kept: pa.Table, records: list[dict], unit: UnitContext) -> list[list[dict]]:
+    return batch_negatives(kept, records, unit.pools, unit.negatives)
 
 
 def _negative_rows(kept: pa.Table, records: list[dict], made: dict) -> pa.Table:
@@ -259,7 +267,7 @@ OUTPUTS: Registry[Output] = Registry("output", {output.name: output for output i
     Output("sft", "trajectory", "positive trajectories for supervised fine-tuning (loss on assistant turns)",
            table=_the_records),
     Output("negatives", "trajectory", "trajectories with a known defect (`negative_type`, `parent_id`)",
-           rows=_negatives, table=_negative_rows, count=_negative_types, report=_negatives_report),
+           batch=_negatives, table=_negative_rows, count=_negative_types, report=_negatives_report),
     Output("preference", "preference", "chosen/rejected pairs for DPO", table=_preference_pairs),
     Output("grpo", "grpo", "prompts with reference answers for GRPO", table=_grpo_prompts, report=_grpo_report),
     Output("grpo_env", "grpo_env", "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",

@@ -409,8 +409,9 @@ MAKERS: Registry[Callable[[dict, list[dict], int], dict | None]] = Registry("neg
 })
 
 
-def negatives_of(record: dict, pools: EnvPools, config: NegativesConfig = NegativesConfig()) -> list[dict]:
-    """The negatives of one record (none unless it is a positive), in type order."""
+def drawn_makers(record: dict, config: NegativesConfig = NegativesConfig()) -> list[Callable]:
+    """The makers of the types drawn for a record (none unless it is a positive), in type order. It
+    reads the record's kind, id, domain and answer, not its turns."""
     if record["kind"] != "positive":
         return []
     key = record["id"].encode()
@@ -426,10 +427,31 @@ def negatives_of(record: dict, pools: EnvPools, config: NegativesConfig = Negati
         digest.update(key)
         # 32 bytes against 8: below when the first 8 are, not when they are equal (longer is greater).
         if digest.digest() < bound:
-            negative = maker(record, pools, config.seed)
-            if negative is not None:
-                out.append(negative)
+            out.append(maker)
     return out
+
+
+def _made(record: dict, makers: list[Callable], pools: EnvPools, seed: int) -> list[dict]:
+    return [negative for maker in makers if (negative := maker(record, pools, seed)) is not None]
+
+
+def negatives_of(record: dict, pools: EnvPools, config: NegativesConfig = NegativesConfig()) -> list[dict]:
+    """The negatives of one record (none unless it is a positive), in type order."""
+    return _made(record, drawn_makers(record, config), pools, config.seed)
+
+
+def batch_negatives(records: pa.Table, parents: list[dict], pools: EnvPools, config: NegativesConfig) -> list[list[dict]]:
+    """`negatives_of` each of a batch's kept trajectories (`records`, and as dicts without their
+    turns `parents`). Only a positive drawn for some type has its turns converted from `records`
+    (and set in its dict, `conversations`): a third of the positives draws none at the default
+    rates, and the turns are most of what converting a record costs."""
+    drawn = [drawn_makers(parent, config) for parent in parents]
+    wanted = [i for i, makers in enumerate(drawn) if makers]
+    if wanted:
+        turns = records["conversations"].take(pa.array(wanted, pa.int64())).to_pylist()
+        for i, conversations in zip(wanted, turns):
+            parents[i]["conversations"] = conversations
+    return [_made(parent, makers, pools, config.seed) if makers else [] for parent, makers in zip(parents, drawn)]
 
 
 def _turn_rows(negative: list[dict], parent: list[dict], start: int, own: list[dict], base: int) -> list[int]:
