@@ -19,6 +19,8 @@ from trajforge.pipeline.quality.negatives import (
     NEGATIVE_TYPES,
     NegativesConfig,
     _draw_bound,
+    batch_negatives,
+    drawn_makers,
     negative_table,
     negatives_of,
 )
@@ -186,3 +188,17 @@ def test_the_negatives_table_is_the_negatives_converted_from_python(fixtures_bui
     assert sum(map(len, made)) > len(parents)
     expected = pa.Table.from_pylist([n for its in made for n in its], schema=arrow_schema("trajectory"))
     assert negative_table(table, parents, made).equals(expected)
+
+
+def test_a_batch_converts_the_turns_of_the_positives_drawn_and_makes_their_negatives(fixtures_build):
+    table = pq.read_table(fixtures_build / "data" / "sft").cast(arrow_schema("trajectory"))
+    full = table.to_pylist()
+    pools = EnvPools.of(full)
+    config = NegativesConfig(seed=3, rates=dict.fromkeys(NEGATIVE_TYPES, 0.3))
+    parents = table.drop_columns(["conversations"]).to_pylist()
+    made = batch_negatives(table, parents, pools, config)
+    assert made == [negatives_of(record, pools, config) for record in full]
+    drawn = [bool(drawn_makers(record, config)) for record in full]
+    assert 0 < sum(drawn) < len(full)
+    assert [("conversations" in parent) for parent in parents] == drawn
+    assert all(parent == record for parent, record, d in zip(parents, full, drawn) if d)
