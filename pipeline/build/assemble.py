@@ -248,9 +248,11 @@ def _with_repeat(record: dict, repeat: int | None) -> dict:
 
 
 def _kept_records(records_path: str, kept_rows: np.ndarray, repeats: dict[int, int],
-                  quarantined: dict[int, tuple[str, str]], out: UnitOutputs) -> Iterator[tuple[pa.Table, list[dict]]]:
+                  quarantined: dict[int, tuple[str, str]], out: UnitOutputs,
+                  turns: bool = True) -> Iterator[tuple[pa.Table, list[dict]]]:
     """Per staged batch, its kept records (their ids made unique, `repeats`) as an Arrow table and
-    as dicts; the quarantine rows of its records a global stage quarantined go to `out`."""
+    as dicts (without their `conversations` unless `turns`); the quarantine rows of its records a
+    global stage quarantined go to `out`."""
     kept = np.sort(kept_rows)
     start = 0
     for batch in read_batches(records_path):
@@ -267,8 +269,9 @@ def _kept_records(records_path: str, kept_rows: np.ndarray, repeats: dict[int, i
             keep = np.zeros(batch.num_rows, dtype=bool)
             keep[rows - start] = True
             table = table.filter(pa.array(keep))
-        # As dicts without their turns: a row maker that reads them converts them (`Output.batch`).
-        records = table.drop_columns(["conversations"]).to_pylist()
+        # Without their turns when no row maker reads them (`Output.reads_turns`): a batch's maker
+        # converts those it reads (`Output.batch`).
+        records = (table if turns else table.drop_columns(["conversations"])).to_pylist()
         repeated = [(i, repeats[row]) for i, row in enumerate(rows.tolist()) if row in repeats] if repeats else []
         if repeated:
             for i, repeat in repeated:
@@ -333,7 +336,8 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
     unit = UnitContext(pools, negatives)
     out = UnitOutputs()
     with cyclic_gc_paused():
-        for table, records in _kept_records(records_path, kept_rows, repeats, quarantined, out):
+        turns = any(output.rows is not None and output.reads_turns for output in makers)
+        for table, records in _kept_records(records_path, kept_rows, repeats, quarantined, out, turns):
             made = _made_rows(table, records, makers, unit)
             for output in written:
                 _write_batch(output, table, records, made, writers[output.name], counts)

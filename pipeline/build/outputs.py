@@ -5,9 +5,10 @@ line in the dataset card, and how its rows are made:
 
 - `rows`, per kept record: `write_unit` (pipeline/build/assemble.py) calls it on each record the
   global stages kept, in the registry's order, with what the outputs before it made of that record
-  (`made`), and stages the rows per unit; shards are cut from those files in unit order. The
-  records come as dicts without their turns (`conversations`): converting the turns is most of
-  what converting a record costs, and most outputs read them in Arrow. Or `batch`, the same rows
+  (`made`), and stages the rows per unit; shards are cut from those files in unit order. When no
+  row maker reads the turns (`reads_turns` False), the records come as dicts without them
+  (`conversations`): converting the turns is most of what converting a record costs, and most
+  outputs read them in Arrow. Or `batch`, the same rows
   made per staged batch, of its kept records in Arrow and as dicts (`negatives`: the turns of a
   positive are converted only when a negative type is drawn for it, and set in its dict, where
   the preference pairs and step labels read them). Or
@@ -126,6 +127,9 @@ class Output:
     schema: str
     note: str
     rows: RowMaker | None = None
+    # Whether `rows` reads a record's turns (`conversations`): when no row maker does, the records
+    # reach the makers as dicts without them (see the module's docstring).
+    reads_turns: bool = True
     batch: BatchRowMaker | None = None
     table: TableMaker | None = None
     parts: Callable[[BuildOutputs], list[Part] | None] | None = None
@@ -271,7 +275,7 @@ OUTPUTS: Registry[Output] = Registry("output", {output.name: output for output i
     Output("preference", "preference", "chosen/rejected pairs for DPO", table=_preference_pairs),
     Output("grpo", "grpo", "prompts with reference answers for GRPO", table=_grpo_prompts, report=_grpo_report),
     Output("grpo_env", "grpo_env", "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",
-           rows=_grpo_env_task, parts=_grpo_env_parts, report=_grpo_env_report),
+           rows=_grpo_env_task, reads_turns=False, parts=_grpo_env_parts, report=_grpo_env_report),
     Output("step_labels", "step_labels", "assistant steps labelled good/bad for process reward models",
            table=_step_labels, count=_labelled_steps, report=_step_labels_report),
     Output("step_pairs", "step_pairs", "step-level DPO pairs from tree searches: at a shared prefix, a step that "
