@@ -5,10 +5,17 @@ line in the dataset card, and how its rows are made:
 
 - `rows`, per kept record: `write_unit` (pipeline/build/assemble.py) calls it on each record the
   global stages kept, in the registry's order, with what the outputs before it made of that record
-  (`made`), and stages the rows per unit; shards are cut from those files in unit order. Or
+  (`made`), and stages the rows per unit; shards are cut from those files in unit order. When no
+  row maker reads the turns (`reads_turns` False), the records come as dicts without them
+  (`conversations`): converting the turns is most of what converting a record costs, and most
+  outputs read them in Arrow. Or `batch`, the same rows
+  made per staged batch, of its kept records in Arrow and as dicts (`negatives`: the turns of a
+  positive are converted only when a negative type is drawn for it, and set in its dict, where
+  the preference pairs and step labels read them). Or
   `table`, per staged batch: its rows made column-wise from the Arrow table of the batch's kept
   records (`sft` is that table), with the records as dicts and what the row makers made of each
-  (preference pairs and step labels read the negatives).
+  (preference pairs and step labels read the negatives). An output with both (`negatives`) has its
+  rows made per batch, for the makers after it, and staged as its table maker's table.
 - `parts`, once per build: the staged files (path, Arrow bytes, rows) the shards are cut from, made
   from the units' staged files or from elsewhere (`grpo_env` adds the task files' tasks; the tree-search
   configs read the synthetic source's search outputs). None: the output is not written by this build.
@@ -43,7 +50,7 @@ from trajforge.pipeline.quality.derived import (
     reference_answer,
     step_label_table,
 )
-from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
+from trajforge.pipeline.quality.negatives import NegativesConfig, batch_negatives, negative_table
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.quality.search_steps import stage_step_rows
 from trajforge.pipeline.registry import Registry
@@ -107,6 +114,8 @@ class BuildOutputs:
 
 
 RowMaker = Callable[[dict, dict[str, list[dict]], UnitContext], list[dict]]
+# (the batch's kept records in Arrow, the same as dicts without their turns) -> the rows of each record
+BatchRowMaker = Callable[[pa.Table, list[dict], UnitContext], list[list[dict]]]
 # (the batch's kept records in Arrow, the same as dicts, per row maker what it made of each record)
 TableMaker = Callable[[pa.Table, list[dict], dict[str, list[list[dict]]]], pa.Table]
 
@@ -118,6 +127,10 @@ class Output:
     schema: str
     note: str
     rows: RowMaker | None = None
+    # Whether `rows` reads a record's turns (`conversations`): when no row maker does, the records
+    # reach the makers as dicts without them (see the module's docstring).
+    reads_turns: bool = True
+    batch: BatchRowMaker | None = None
     table: TableMaker | None = None
     parts: Callable[[BuildOutputs], list[Part] | None] | None = None
     count: Callable[[list[dict] | pa.Table], Iterable | Mapping] | None = None
@@ -137,8 +150,13 @@ def _grpo_prompts(kept: pa.Table, records: list[dict], made: dict) -> pa.Table:
     return grpo_prompts(kept)
 
 
-def _negatives(record: dict, made: dict, unit: UnitContext) -> list[dict]:
-    return negatives_of(record, unit.pools, unit.negatives)
+def _negatives(kept: pa.Table, records: list[dict], unit: UnitContext) -> list[list[dict]]:
+    return batch_negatives(kept, records, unit.pools, unit.negatives)
+
+
+def _negative_rows(kept: pa.Table, records: list[dict], made: dict) -> pa.Table:
+    """The negatives the row maker made, as a table taken column-wise from their parents' rows."""
+    return negative_table(kept, records, made["negatives"])
 
 
 def _differences(records: list[dict], made: dict) -> list:
@@ -208,8 +226,8 @@ def _search_step_parts(name: str) -> Callable[[BuildOutputs], list[Part] | None]
 
 # -- counts and report sections ----------------------------------------------------------------
 
-def _negative_types(rows: list[dict]) -> list[str]:
-    return [row["negative_type"] for row in rows]
+def _negative_types(rows: pa.Table) -> list[str]:
+    return rows["negative_type"].to_pylist()
 
 
 def _labelled_steps(rows: pa.Table) -> Counter:
@@ -253,11 +271,11 @@ OUTPUTS: Registry[Output] = Registry("output", {output.name: output for output i
     Output("sft", "trajectory", "positive trajectories for supervised fine-tuning (loss on assistant turns)",
            table=_the_records),
     Output("negatives", "trajectory", "trajectories with a known defect (`negative_type`, `parent_id`)",
-           rows=_negatives, count=_negative_types, report=_negatives_report),
+           batch=_negatives, table=_negative_rows, count=_negative_types, report=_negatives_report),
     Output("preference", "preference", "chosen/rejected pairs for DPO", table=_preference_pairs),
     Output("grpo", "grpo", "prompts with reference answers for GRPO", table=_grpo_prompts, report=_grpo_report),
     Output("grpo_env", "grpo_env", "environment tasks (os, db, agentgym) for multi-turn GRPO with tool calls",
-           rows=_grpo_env_task, parts=_grpo_env_parts, report=_grpo_env_report),
+           rows=_grpo_env_task, reads_turns=False, parts=_grpo_env_parts, report=_grpo_env_report),
     Output("step_labels", "step_labels", "assistant steps labelled good/bad for process reward models",
            table=_step_labels, count=_labelled_steps, report=_step_labels_report),
     Output("step_pairs", "step_pairs", "step-level DPO pairs from tree searches: at a shared prefix, a step that "

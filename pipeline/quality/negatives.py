@@ -26,6 +26,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from json.encoder import c_make_encoder, encode_basestring_ascii
 
+import numpy as np
+import pyarrow as pa
+
 from trajforge.pipeline.envs.grammar import action_name, break_action
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn, render_turn
 from trajforge.pipeline.ingest.grammars import grammar_for
@@ -33,6 +36,7 @@ from trajforge.pipeline.ingest.validate import LOOP_REPEATS, action_contexts, gr
 from trajforge.pipeline.quality.derived import record_meta
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.registry import Registry
+from trajforge.schemas import arrow_schema
 
 NEGATIVE_TYPES = ("invalid_action", "invented_tool", "irrelevant_tools", "hallucinated_observation",
                   "wrong_answer", "premature_answer", "broken_format", "action_loop")
@@ -161,8 +165,14 @@ def _negative_meta(parent_meta: str, extra: tuple[tuple[str, str], ...]) -> str:
     return _SORTED_JSON({**record_meta(parent_meta), **dict(extra)})
 
 
+# The fields a negative does not take from its parent (`_negative`); `negative_table` takes the rest
+# from the parent's row.
+OWN_FIELDS = ("id", "kind", "negative_type", "parent_id", "conversations", "reward", "success", "meta")
+
+
 def _negative(parent: dict, kind: str, conversations: list[dict], extra: dict | None = None) -> dict:
-    """A negative keeps its parent's task and expected `answer`: what a reward compares against."""
+    """A negative keeps its parent's task and expected `answer`: what a reward compares against.
+    Only OWN_FIELDS differ from the parent's; its turns are the parent's own dicts where unchanged."""
     return {**parent, "id": f"{parent['id']}#neg-{kind}", "kind": "negative", "negative_type": kind,
             "parent_id": parent["id"], "conversations": conversations,
             "reward": None, "success": False,
@@ -399,8 +409,9 @@ MAKERS: Registry[Callable[[dict, list[dict], int], dict | None]] = Registry("neg
 })
 
 
-def negatives_of(record: dict, pools: EnvPools, config: NegativesConfig = NegativesConfig()) -> list[dict]:
-    """The negatives of one record (none unless it is a positive), in type order."""
+def drawn_makers(record: dict, config: NegativesConfig = NegativesConfig()) -> list[Callable]:
+    """The makers of the types drawn for a record (none unless it is a positive), in type order. It
+    reads the record's kind, id, domain and answer, not its turns."""
     if record["kind"] != "positive":
         return []
     key = record["id"].encode()
@@ -416,7 +427,84 @@ def negatives_of(record: dict, pools: EnvPools, config: NegativesConfig = Negati
         digest.update(key)
         # 32 bytes against 8: below when the first 8 are, not when they are equal (longer is greater).
         if digest.digest() < bound:
-            negative = maker(record, pools, config.seed)
-            if negative is not None:
-                out.append(negative)
+            out.append(maker)
     return out
+
+
+def _made(record: dict, makers: list[Callable], pools: EnvPools, seed: int) -> list[dict]:
+    return [negative for maker in makers if (negative := maker(record, pools, seed)) is not None]
+
+
+def negatives_of(record: dict, pools: EnvPools, config: NegativesConfig = NegativesConfig()) -> list[dict]:
+    """The negatives of one record (none unless it is a positive), in type order."""
+    return _made(record, drawn_makers(record, config), pools, config.seed)
+
+
+def batch_negatives(records: pa.Table, parents: list[dict], pools: EnvPools, config: NegativesConfig) -> list[list[dict]]:
+    """`negatives_of` each of a batch's kept trajectories (`records`, and as dicts without their
+    turns `parents`). Only a positive drawn for some type has its turns converted from `records`
+    (and set in its dict, `conversations`): a third of the positives draws none at the default
+    rates, and the turns are most of what converting a record costs."""
+    drawn = [drawn_makers(parent, config) for parent in parents]
+    wanted = [i for i, makers in enumerate(drawn) if makers]
+    if wanted:
+        turns = records["conversations"].take(pa.array(wanted, pa.int64())).to_pylist()
+        for i, conversations in zip(wanted, turns):
+            parents[i]["conversations"] = conversations
+    return [_made(parent, makers, pools, config.seed) if makers else [] for parent, makers in zip(parents, drawn)]
+
+
+def _turn_rows(negative: list[dict], parent: list[dict], start: int, own: list[dict], base: int) -> list[int]:
+    """Where each turn of a negative's conversation is in the pool `negative_table` takes them from:
+    `start` + j for its parent's turn j (the same dict, `_negative`), else `base` + its place in
+    `own`, where it is added."""
+    rows = []
+    at: dict[int, int] | None = None
+    for k, turn in enumerate(negative):
+        if k < len(parent) and turn is parent[k]:
+            rows.append(start + k)
+            continue
+        if at is None:
+            at = {id(t): j for j, t in enumerate(parent)}
+        j = at.get(id(turn))
+        if j is not None and parent[j] is turn:
+            rows.append(start + j)
+        else:
+            rows.append(base + len(own))
+            own.append(turn)
+    return rows
+
+
+def negative_table(records: pa.Table, parents: list[dict], negatives: list[list[dict]]) -> pa.Table:
+    """The negatives (per trajectory of `records`, the batch's kept trajectories, and as dicts
+    `parents`) as trajectory rows, made column-wise: the fields they share with their parent (all
+    but OWN_FIELDS) taken from `records`, their turns from the parents' turns where a negative kept
+    its parent's turn (the same dict), converted from Python only where new: the table
+    `pa.Table.from_pylist` makes of the negatives, without converting every turn of every one."""
+    schema = arrow_schema("trajectory")
+    column = records["conversations"]
+    conversations = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    offsets = conversations.offsets.to_numpy()
+    turns, bounds = conversations.flatten(), (offsets - offsets[0]).tolist()
+    taken: list[int] = []
+    own: list[dict] = []
+    rows: list[int] = []
+    lengths: list[int] = []
+    made = []
+    for p, (parent, its_negatives) in enumerate(zip(parents, negatives)):
+        for negative in its_negatives:
+            at = _turn_rows(negative["conversations"], parent["conversations"], bounds[p], own, len(turns))
+            taken += at
+            lengths.append(len(at))
+            rows.append(p)
+            made.append(negative)
+    pool = pa.concat_arrays([turns, pa.array(own, turns.type)]) if own else turns
+    list_offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
+    columns = {"conversations": pa.ListArray.from_arrays(list_offsets, pool.take(pa.array(taken, pa.int64())),
+                                                         type=schema.field("conversations").type)}
+    for name in OWN_FIELDS:
+        if name != "conversations":
+            columns[name] = pa.array([n[name] for n in made], schema.field(name).type)
+    shared = records.select([name for name in schema.names if name not in columns]).take(pa.array(rows, pa.int64()))
+    return pa.Table.from_arrays([columns[name] if name in columns else shared[name] for name in schema.names],
+                                schema=schema)

@@ -18,6 +18,7 @@ from trajforge.pipeline.atomic import (
     StreamingTable,
     atomic_path,
     batch_sizes,
+    ipc_nbytes,
     read_batches,
     remove_stale_temp_files,
     write_json,
@@ -169,3 +170,33 @@ def test_rows_as_lists_or_arrow_tables_are_cut_and_sized_as_rows_appended_one_by
         assert pa.ipc.open_file(stream.path).read_all().to_pylist() == rows
         assert (stream.nbytes, stream.count) == (one_by_one.nbytes, one_by_one.count) == (
             sum(pa.Table.from_pylist(rows[i:i + 10], schema=SCHEMA).nbytes for i in range(0, 45, 10)), 45)
+
+
+NESTED = pa.schema([
+    ("id", pa.string()), ("n", pa.int64()), ("score", pa.float64()), ("ok", pa.bool_()), ("none", pa.null()),
+    ("tags", pa.list_(pa.string())), ("raw", pa.large_string()),
+    ("turns", pa.list_(pa.struct([pa.field("role", pa.string(), nullable=False), ("content", pa.string()),
+                                  ("loss", pa.bool_()), ("n", pa.int64())]))),
+])
+
+
+def _nested_rows(count: int) -> list[dict]:
+    return [{"id": f"r{i}" * (i % 4), "n": None if i % 5 == 1 else i, "score": None if i % 3 == 0 else i / 3,
+             "ok": None if i % 6 == 2 else i % 2 == 0, "none": None, "tags": None if i % 4 == 3 else ["a"] * (i % 3),
+             "raw": "x" * i, "turns": None if i % 9 == 4 else [
+                 {"role": "user", "content": None if (i + k) % 5 == 0 else "c" * (i + k), "loss": k % 2 == 0,
+                  "n": None if k == 1 else k} for k in range(i % 4)]}
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("rows", [_nested_rows(37), [r for r in _nested_rows(37) if r["turns"] is not None][:5]])
+def test_ipc_nbytes_is_the_size_of_the_rows_as_read_back_whatever_their_layout(rows):
+    table = pa.Table.from_pylist(rows, schema=NESTED)
+    pieces = [table, table.slice(3, 20), table.slice(5, 0), table.take(pa.array([i % table.num_rows for i in (8, 2, 2, 30, 0)])),
+              table.filter(pa.array([i % 3 != 1 for i in range(table.num_rows)])),
+              pa.concat_tables([table.slice(1, 7), table.slice(20, 9)]).combine_chunks()]
+    for piece in pieces:
+        batch = piece.combine_chunks().to_batches()[0] if piece.num_rows else pa.RecordBatch.from_pylist([], schema=NESTED)
+        read_back = pa.ipc.read_record_batch(batch.serialize(), NESTED)
+        assert sum(ipc_nbytes(column) for column in batch.columns) == read_back.nbytes
+        assert [ipc_nbytes(column) for column in batch.columns] == [column.nbytes for column in read_back.columns]

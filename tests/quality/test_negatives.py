@@ -19,10 +19,13 @@ from trajforge.pipeline.quality.negatives import (
     NEGATIVE_TYPES,
     NegativesConfig,
     _draw_bound,
+    batch_negatives,
+    drawn_makers,
+    negative_table,
     negatives_of,
 )
 from trajforge.pipeline.quality.pools import EnvPools
-from trajforge.schemas import validator
+from trajforge.schemas import arrow_schema, validator
 
 ALL = NegativesConfig(rates=dict.fromkeys(NEGATIVE_TYPES, 1.0))
 
@@ -173,3 +176,29 @@ def test_agent_flan_rows_keep_their_label_and_their_negatives_fail_validation(tm
         violation = validate_record(_as_positive(negative))
         assert violation is not None, negative["id"]
         assert violation.reason == EXPECTED_VIOLATION[negative["negative_type"]], negative["id"]
+
+
+def test_the_negatives_table_is_the_negatives_converted_from_python(fixtures_build):
+    # Every type at rate 1, and the positives' table as a staged batch's: two chunks, a slice.
+    table = pq.read_table(fixtures_build / "data" / "sft").cast(arrow_schema("trajectory"))
+    table = pa.concat_tables([table.slice(1, 7), table.slice(9)])
+    parents = table.to_pylist()
+    pools = EnvPools.of(parents)
+    made = [negatives_of(record, pools, ALL) for record in parents]
+    assert sum(map(len, made)) > len(parents)
+    expected = pa.Table.from_pylist([n for its in made for n in its], schema=arrow_schema("trajectory"))
+    assert negative_table(table, parents, made).equals(expected)
+
+
+def test_a_batch_converts_the_turns_of_the_positives_drawn_and_makes_their_negatives(fixtures_build):
+    table = pq.read_table(fixtures_build / "data" / "sft").cast(arrow_schema("trajectory"))
+    full = table.to_pylist()
+    pools = EnvPools.of(full)
+    config = NegativesConfig(seed=3, rates=dict.fromkeys(NEGATIVE_TYPES, 0.3))
+    parents = table.drop_columns(["conversations"]).to_pylist()
+    made = batch_negatives(table, parents, pools, config)
+    assert made == [negatives_of(record, pools, config) for record in full]
+    drawn = [bool(drawn_makers(record, config)) for record in full]
+    assert 0 < sum(drawn) < len(full)
+    assert [("conversations" in parent) for parent in parents] == drawn
+    assert all(parent == record for parent, record, d in zip(parents, full, drawn) if d)

@@ -8,7 +8,8 @@ production path it mirrors.
 - `preference_pairs`, `grpo_prompts`, `grpo_env_rows`: the derived sets of a list of records; the
   build makes them record by record (`pipeline.quality.derived`'s row makers), the GRPO prompts
   column-wise from a batch of records (`derived.grpo_prompts`; here one record at a time).
-- `make_negatives`: the negatives of a list of records; the build runs `negatives_of` per record.
+- `make_negatives`: the negatives of a list of records; the build makes them a staged batch at a time
+  (`negatives.batch_negatives`: `negatives_of` of each record).
 - `write_config`: the shards of in-memory tables, with a completion marker per shard; the build
   writes shards from staged files (`pipeline.publish.shards.plan_split`).
 """
