@@ -76,10 +76,8 @@ def _prefect_servers() -> set[int]:
     from trajforge.flows.temporary_server import running_pids
 
     server = sys.modules.get("prefect.server.api.server")
-    if server is None:
-        return running_pids()
-    return running_pids() | {instance.server_process.pid for instance in list(server.SubprocessASGIServer._instances.values())
-                             if instance.server_process is not None}
+    instances = list(server.SubprocessASGIServer._instances.values()) if server is not None else []
+    return running_pids() | {instance.server_process.pid for instance in instances if instance.server_process is not None}
 
 
 def _children(spared: set[int]) -> list[psutil.Process]:

@@ -51,8 +51,12 @@ class TemporaryServer:
         self.process: subprocess.Popen | None = None
 
     @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/api"
+        return f"{self.address}/api"
 
     def start(self) -> TemporaryServer:
         self.port = _free_port()
@@ -102,7 +106,7 @@ class TemporaryServer:
             temporary_settings,
         )
 
-        get_logger().info(f"Starting temporary server on {self.url.removesuffix('/api')}")
+        get_logger().info(f"Starting temporary server on {self.address}")
         self.wait_until_ready(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
         earlier = os.environ.get("PREFECT_API_URL")
         os.environ["PREFECT_API_URL"] = self.url
@@ -130,7 +134,7 @@ class TemporaryServer:
 
         APILogWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
         EventsWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
-        get_logger().info(f"Stopping temporary server on {self.url.removesuffix('/api')}")
+        get_logger().info(f"Stopping temporary server on {self.address}")
         self.process.terminate()
         try:
             self.process.wait(timeout=5)
