@@ -121,9 +121,9 @@ class StreamingTable:
     """Append rows in batches to a table file written under a temp name, renamed on close.
 
     The file's suffix says its format: `.arrow` an Arrow IPC file, one record batch per batch of
-    rows, without a codec (a build's staged files, written once, read back and deleted: writing and
-    reading them costs a fraction of Parquet's encoding and zstd, for several times the zstd size
-    on disk while the build runs); anything else Parquet with zstd, one row group per batch.
+    rows, its buffers compressed by `codec` (None: raw; a build's staged files, written once, read
+    back and deleted: writing and reading them costs a fraction of Parquet's encoding and zstd);
+    anything else Parquet with zstd, one row group per batch.
 
     Rows come as dicts (`append`, `extend`) or already in Arrow (`append_table`, of the file's
     schema: written as they are, never through Python), cut into batches of `batch_rows` either way.
@@ -136,7 +136,7 @@ class StreamingTable:
     """
 
     def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000, on_refused=None, on_written=None,
-                 durable: bool = True):
+                 durable: bool = True, codec: str | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.schema, self.batch_rows, self.durable = path, schema, batch_rows, durable
         self.on_refused = on_refused
@@ -144,8 +144,8 @@ class StreamingTable:
         self.nbytes = 0  # Arrow size of what was written (shards are planned by it)
         self.tmp = temp_name(path)
         self.sink = pa.OSFile(str(self.tmp), "wb")
-        self.writer = (pa.ipc.new_file(self.sink, schema) if path.suffix == ARROW_SUFFIX
-                       else pq.ParquetWriter(self.sink, schema, compression="zstd"))
+        self.writer = (pa.ipc.new_file(self.sink, schema, options=pa.ipc.IpcWriteOptions(compression=codec))
+                       if path.suffix == ARROW_SUFFIX else pq.ParquetWriter(self.sink, schema, compression="zstd"))
         self.pending: list[dict] = []
         self.pending_tables: list[pa.Table] = []
         self.pending_table_rows = 0
@@ -241,10 +241,11 @@ class StreamingTable:
 
 
 def batch_sizes(path: Path | str) -> list[int]:
-    """The rows of each record batch of an Arrow IPC file (`StreamingTable`), from the batches'
-    metadata: the file is memory-mapped, so none of its data is read."""
+    """The rows of each record batch of an Arrow IPC file (`StreamingTable`): the file is
+    memory-mapped and only its first column is read (of a compressed file, only that column's
+    buffers are decompressed)."""
     with pa.memory_map(str(path)) as source:
-        reader = pa.ipc.open_file(source)
+        reader = pa.ipc.open_file(source, options=pa.ipc.IpcReadOptions(included_fields=[0]))
         return [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)]
 
 
