@@ -133,11 +133,24 @@ def make_task_runner(runner: str = "processes", address: str | None = None, work
 
 def step_tasks(runner: str, address: str | None, workers: int) -> int | None:
     """Tasks per step of the second half: one per worker on a local runner (each takes the step's
-    calls one at a time: `on_task_runner`), a task per unit on a cluster at an address (its size is
-    not known here)."""
+    calls one at a time: `on_task_runner`); None on a cluster at an address, whose size is not known
+    here (`build_units` asks the entered runner: `cluster_workers`)."""
     if address:
         return None
     return process_workers(workers) if runner == "processes" else workers
+
+
+def cluster_workers(task_runner) -> int | None:
+    """Workers of a cluster at an address as its runner tells them once entered (the flow's): a Dask
+    cluster's threads, a Ray cluster's CPUs; None where it does not say (a task per call then)."""
+    kind = type(task_runner).__name__
+    if kind == "DaskTaskRunner":  # its client: made at its first submit (the units'), else here
+        return sum(task_runner.client.nthreads().values()) or None
+    if kind == "RayTaskRunner":
+        import ray
+
+        return int(ray.cluster_resources().get("CPU", 0)) or None
+    return None
 
 
 def _worth_retrying(task, task_run, state) -> bool:
@@ -288,13 +301,14 @@ def build_units(files: list[tuple[str, SourceFile]], staging: str, out: str, con
                 step_tasks: int | None = None) -> dict:
     """The build on this flow's task runner: every unit is processed there (results in input
     order, deterministic), then the global stages run here on the key tables and the per-unit
-    steps of the second half (pools, outputs) go back to the runner, in at most `step_tasks`
-    tasks per step (None: a task per unit). Returns the report."""
+    steps of the second half (pools, outputs) go back to the runner, in `step_tasks` tasks per step
+    (None: as many as the cluster's workers, `cluster_workers`, else a task per call). Returns the report."""
     units = process_units(files, staging, config)
+    tasks = step_tasks or cluster_workers(FlowRunContext.get().task_runner)
     # A step's claims are in a folder of their own, removed after it; any here are a crashed run's.
     claims = Path(staging) / "claims"
     shutil.rmtree(claims, ignore_errors=True)
-    report = finalize(units, Path(out), config, map_units=partial(on_task_runner, tasks=step_tasks, claims=claims))
+    report = finalize(units, Path(out), config, map_units=partial(on_task_runner, tasks=tasks, claims=claims))
     shutil.rmtree(claims, ignore_errors=True)
     return report
 

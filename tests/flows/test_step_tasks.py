@@ -54,3 +54,41 @@ def test_a_call_that_ran_twice_or_not_at_all_stops_the_step():
     with pytest.raises(StepCallsLost, match=r"calls \[0\]: ran \[2\] times"):
         _in_call_order("write-unit", 2, [[(0, "a"), (1, "b")], [(0, "a")]])
     assert _in_call_order("write-unit", 2, [[(1, "b")], [(0, "a")]]) == ["a", "b"]
+
+
+@pytest.mark.slow
+def test_a_dask_cluster_at_an_address_says_how_many_tasks_a_step_has():
+    distributed = pytest.importorskip("distributed")
+    prefect_dask = pytest.importorskip("prefect_dask")
+    from prefect import flow
+    from prefect.context import FlowRunContext
+
+    from trajforge.flows.build import cluster_workers
+
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster:
+        @flow(task_runner=prefect_dask.DaskTaskRunner(address=cluster.scheduler_address))
+        def probe() -> int | None:
+            return cluster_workers(FlowRunContext.get().task_runner)
+
+        assert probe() == 2
+
+
+def _cube(x: int) -> int:
+    return x ** 3
+
+
+@pytest.mark.parametrize("tasks", [2, None])
+def test_a_step_on_the_task_runner_returns_the_results_in_call_order_and_leaves_no_claims(tasks, tmp_path):
+    from prefect import flow
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from trajforge.flows.build import on_task_runner
+
+    @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
+    def step() -> list:
+        return on_task_runner(_cube, [(i,) for i in range(7)], [1, 5, 2, 9, 3, 3, 1], tasks=tasks,
+                              claims=tmp_path / "claims")
+
+    assert step() == [i ** 3 for i in range(7)]
+    assert not list((tmp_path / "claims").iterdir())
