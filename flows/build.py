@@ -16,11 +16,13 @@ Only composition lives here; the stages are plain functions in pipeline/.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
 import multiprocessing
 import os
+import pickle
+import shutil
 import time
+import uuid
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from functools import partial
@@ -30,6 +32,7 @@ import pyarrow.parquet as pq
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
+from prefect.futures import wait
 from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
 from trajforge.flows.artifacts import Progress, build_artifacts
@@ -129,11 +132,25 @@ def make_task_runner(runner: str = "processes", address: str | None = None, work
 
 
 def step_tasks(runner: str, address: str | None, workers: int) -> int | None:
-    """Tasks per step of the second half: two per worker on a local runner (a slow unit does not hold
-    the others back), a task per unit on a cluster at an address (its size is not known here)."""
+    """Tasks per step of the second half: one per worker on a local runner (each takes the step's
+    calls one at a time: `on_task_runner`); None on a cluster at an address, whose size is not known
+    here (`build_units` asks the entered runner: `cluster_workers`)."""
     if address:
         return None
-    return 2 * (process_workers(workers) if runner == "processes" else workers)
+    return process_workers(workers) if runner == "processes" else workers
+
+
+def cluster_workers(task_runner) -> int | None:
+    """Workers of a cluster at an address as its runner tells them once entered (the flow's): a Dask
+    cluster's threads, a Ray cluster's CPUs; None where it does not say (a task per call then)."""
+    kind = type(task_runner).__name__
+    if kind == "DaskTaskRunner":  # its client: made at its first submit (the units'), else here
+        return sum(task_runner.client.nthreads().values()) or None
+    if kind == "RayTaskRunner":
+        import ray
+
+        return int(ray.cluster_resources().get("CPU", 0)) or None
+    return None
 
 
 def _worth_retrying(task, task_run, state) -> bool:
@@ -168,50 +185,105 @@ def process_unit_task(name: str, file: SourceFile, staging: str, config: BuildCo
     return result
 
 
+class StepCallsLost(RuntimeError):
+    """A step of the second half whose tasks all returned, but not every call once (a task that died
+    after claiming calls, and was run again by its cluster, does not return them)."""
+
+
 @task(name="unit-step", cache_policy=NO_CACHE, persist_result=False)
-def unit_step(function, calls: list[tuple]) -> list:
+def unit_step(function, calls_file: str, claims: str) -> tuple[list[tuple[int, object]], tuple[float, float]]:
     """Per-unit steps of the second half of a build (units' pools, units' outputs, band screens,
-    the shards and the quarantine), one call after the other. Returns the results and when the task ran (start and end,
-    wall clock), which the flow logs per step."""
+    the shards and the quarantine): the step's calls (`calls_file`: their order, the largest first,
+    and the calls), each claimed by this task (`claim`) before it runs, one after the other, so that
+    a task that is done early takes the next call. Returns (index, result) of the calls it ran and
+    when the task ran (start and end, wall clock), which the flow logs per step."""
     start = time.time()
-    return [function(*args) for args in calls], (start, time.time())
+    with open(calls_file, "rb") as f:
+        order, calls = pickle.load(f)
+    return [(i, function(*calls[i])) for i in order if claim(claims, i)], (start, time.time())
 
 
-def deal(sizes: list[int], tasks: int) -> list[list[int]]:
-    """The calls (by index) of each of `tasks` tasks: the largest call first, each into the task
-    with the least work so far (ties: the first), so that the tasks end close together and no
-    large call starts last (deterministic; equal sizes are dealt out in turn)."""
-    loads = [(0, t) for t in range(tasks)]
-    members: list[list[int]] = [[] for _ in range(tasks)]
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        load, t = heapq.heappop(loads)
-        members[t].append(i)
-        heapq.heappush(loads, (load + sizes[i], t))
-    return members
+def claim(claims: str, index: int) -> bool:
+    """Whether this task is the first to claim call `index` of a step: the claim is a file in the
+    step's claims folder, made with O_CREAT | O_EXCL (atomic on a local filesystem and on NFS >= 3,
+    for the threads of a process, its processes and a cluster's workers alike)."""
+    try:
+        os.close(os.open(os.path.join(claims, str(index)), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    return True
+
+
+def largest_first(sizes: list[int]) -> list[int]:
+    """The calls (by index) by their expected work, the largest first (ties: in call order), so that
+    no large call starts last and runs alone."""
+    return sorted(range(len(sizes)), key=lambda i: -sizes[i])
 
 
 def on_task_runner(function, calls: list[tuple], sizes: list[int] | None = None, meanwhile=None,
-                   tasks: int | None = None) -> list:
+                   tasks: int | None = None, claims: Path | None = None) -> list:
     """`finalize`'s `map_units` on the flow's task runner, results in call order; `meanwhile()` runs
-    here once the calls are submitted. The calls go in at most `tasks` tasks (None: one each), dealt
-    by their `sizes` (`deal`; none: all alike): each task costs Prefect ~0.1-0.3 s of CPU in the
-    worker and in the flow (its client, settings and TLS context, the context sent along), as much
-    as a small unit's step."""
+    here once the calls are submitted.
+
+    With `tasks` and a `claims` folder (on a filesystem the workers share: the build's staging
+    folder), the step is `tasks` tasks that each read the whole call list, largest first by `sizes`
+    (none: in call order), from one file written here, and claim the calls one at a time
+    (`unit_step`): a worker that is done early takes the next call, whatever the estimates. Tasks are
+    few because each costs Prefect ~0.1-0.3 s of CPU in the worker and in the flow; the calls go in a
+    file rather than as the tasks' parameters, which Prefect walks (looking for futures) and pickles
+    once a task. Without: a task per call (a cluster at an address, its size unknown here)."""
     step = unit_step.with_options(name=function.__name__.replace("_", "-"))
-    groups = len(calls) if tasks is None else max(1, min(tasks, len(calls)))
-    members = deal(sizes or [1] * len(calls), groups)
+    order = largest_first(sizes) if sizes else list(range(len(calls)))
+    folder = Path(claims or ".") / uuid.uuid4().hex
     start = time.time()
-    futures = [step.submit(function, [calls[i] for i in indices]) for indices in members]
-    if meanwhile is not None:
-        meanwhile()
-    results: list = [None] * len(calls)
-    spans = []
-    for indices, future in zip(members, futures):
-        done, span = future.result()
-        for i, result in zip(indices, done):
+    if tasks is None or claims is None:
+        futures = [step.submit(function, *_step_file(folder / str(i), [0], [calls[i]])) for i in order]
+        indices = [[i] for i in order]
+    else:
+        futures = [step.submit(function, *_step_file(folder, order, calls))
+                   for _ in range(max(1, min(tasks, len(calls))))]
+        indices = None
+    try:
+        if meanwhile is not None:
+            meanwhile()
+        wait(futures)
+        returned = [future.result() for future in futures]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if indices is not None:  # a task per call: each ran its call 0 of its own file
+        returned = [([(i, result) for (_, result) in done], span) for i, (done, span) in zip(order, returned)]
+    results = _in_call_order(step.name, len(calls), [done for done, _ in returned])
+    _log_step(step.name, len(calls), [span for _, span in returned], time.time() - start)
+    return results
+
+
+def _step_file(folder: Path, order: list[int], calls: list[tuple]) -> tuple[str, str]:
+    """The calls file and claims folder of a step's task(s): the order and the calls, pickled once."""
+    folder.mkdir(parents=True, exist_ok=True)
+    calls_file = folder / "calls.pickle"
+    if not calls_file.exists():
+        with open(calls_file, "wb") as f:
+            pickle.dump((order, calls), f, protocol=pickle.HIGHEST_PROTOCOL)
+    claims = folder / "claims"
+    claims.mkdir(exist_ok=True)
+    return str(calls_file), str(claims)
+
+
+def _in_call_order(name: str, calls: int, returned: list[list[tuple[int, object]]]) -> list:
+    """The tasks' (index, result) pairs as the results in call order; StepCallsLost unless every
+    call ran exactly once."""
+    results: list = [None] * calls
+    runs = [0] * calls
+    for done in returned:
+        for i, result in done:
             results[i] = result
-        spans.append(span)
-    _log_step(step.name, len(calls), spans, time.time() - start)
+            runs[i] += 1
+    wrong = [i for i, n in enumerate(runs) if n != 1]
+    if wrong:
+        raise StepCallsLost(f"step {name}: {len(wrong)} of {calls} calls did not run exactly once "
+                            f"(calls {wrong[:10]}{' ...' if len(wrong) > 10 else ''}: ran "
+                            f"{[runs[i] for i in wrong[:10]]} times); the build stops rather than write "
+                            "outputs without them")
     return results
 
 
@@ -229,10 +301,16 @@ def build_units(files: list[tuple[str, SourceFile]], staging: str, out: str, con
                 step_tasks: int | None = None) -> dict:
     """The build on this flow's task runner: every unit is processed there (results in input
     order, deterministic), then the global stages run here on the key tables and the per-unit
-    steps of the second half (pools, outputs) go back to the runner, in at most `step_tasks`
-    tasks per step (None: a task per unit). Returns the report."""
+    steps of the second half (pools, outputs) go back to the runner, in `step_tasks` tasks per step
+    (None: as many as the cluster's workers, `cluster_workers`, else a task per call). Returns the report."""
     units = process_units(files, staging, config)
-    return finalize(units, Path(out), config, map_units=partial(on_task_runner, tasks=step_tasks))
+    tasks = step_tasks or cluster_workers(FlowRunContext.get().task_runner)
+    # A step's claims are in a folder of their own, removed after it; any here are a crashed run's.
+    claims = Path(staging) / "claims"
+    shutil.rmtree(claims, ignore_errors=True)
+    report = finalize(units, Path(out), config, map_units=partial(on_task_runner, tasks=tasks, claims=claims))
+    shutil.rmtree(claims, ignore_errors=True)
+    return report
 
 
 def _expected_bytes(file: SourceFile) -> int:

@@ -67,3 +67,17 @@ def test_runner_builds_the_generated_corpus_byte_identical(runner, corpus, refer
     # Unit results were persisted by Prefect, from the cluster's workers too.
     assert len(list((out / ".staging" / "results").iterdir())) == len(list(
         (out / ".staging" / "markers" / "units").iterdir()))
+
+
+def test_a_dask_cluster_at_an_address_builds_byte_identical(corpus, reference, tmp_path):
+    # The second half's steps are as many tasks as the cluster's workers (flows/build.py: cluster_workers).
+    distributed = pytest.importorskip("distributed")
+    pytest.importorskip("prefect_dask")
+    from trajforge.flows.build import build_dataset
+
+    out = tmp_path / "dask_at_address"
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster:
+        build_dataset(sources=corpus, out=str(out), runner="dask", address=cluster.scheduler_address,
+                      shard_rows=SHARD_ROWS)
+    assert published(out) == published(reference)
