@@ -42,6 +42,7 @@ from trajforge.pipeline.quality.dedup import (  # noqa: E402
 from trajforge.pipeline.quality.dedup_table import (  # noqa: E402
     band_keys,
     band_params,
+    parts_in_memory,
     resolve,
     screened_pairs,
     sketches,
@@ -109,7 +110,7 @@ def run_table(sets, groups, config: DedupConfig) -> dict:
     t1 = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         table = write_near_table(Path(folder), pl.DataFrame({"group": groups}),
-                                 [(np.arange(len(sets)), keys, sketch)], config)
+                                 parts_in_memory([(np.arange(len(sets)), keys, sketch)]), config)
         pairs = screened_pairs(table, config)
     found = resolve(((a, b, jaccard(sets[a], sets[b])) for a, b in pairs.tolist()), config.threshold)
     t2 = time.perf_counter()

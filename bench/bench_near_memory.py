@@ -110,14 +110,20 @@ def parts(n: int, bands: int, rows: int, seed: int = 0):
 
 
 def saved_parts(folder: Path, n: int, bands: int, rows: int):
-    """`parts`, made once into .npy files under `folder` and then read back a part at a time (so
-    that making them is not measured)."""
+    """`parts`, made once into .npy files under `folder` and then read back a part at a time, a
+    column at each call (dedup_table.NearParts; so that making them is not measured)."""
     paths = []
     for i, part in enumerate(parts(n, bands, rows)):
         paths.append([folder / f"{i}-{name}.npy" for name in ("at", "bands", "sketch")])
         for path, array in zip(paths[-1], part):
             np.save(path, array)
-    return ([np.load(path) for path in part] for part in paths)
+
+    def column(name: str):
+        for at, band_keys, sketch in paths:
+            yield np.load(at), (np.load(sketch) if name == "sketch"
+                                else np.load(band_keys)[:, int(name.removeprefix("band"))])
+
+    return column
 
 
 def band_steps(folder: str, bands: int, threshold: float, out) -> None:

@@ -43,7 +43,7 @@ from trajforge.pipeline.atomic import StreamingTable, atomic_path, batch_sizes, 
 from trajforge.pipeline.build.config import BATCH_ROWS, BuildConfig
 from trajforge.pipeline.build.outputs import OUTPUTS, Output, UnitContext, UnitOutputs
 from trajforge.pipeline.quality.dedup import DedupConfig
-from trajforge.pipeline.quality.dedup_table import band_columns, near_matrices, record_keys, shingle_set_hashes
+from trajforge.pipeline.quality.dedup_table import SKETCH_BINS, NearParts, band_columns, record_keys, shingle_set_hashes
 from trajforge.pipeline.quality.negatives import NegativesConfig
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.quarantine import quarantine_entry, shown
@@ -198,10 +198,26 @@ class StagedRecords:
     def of(cls, units: Sequence[UnitResult], config: DedupConfig) -> StagedRecords:
         return cls(tuple(u.records_path for u in units), tuple(u.keys_path for u in units), config)
 
-    def near_rows(self, table: pl.DataFrame):
-        """(row indices of `table`, band keys, sketches), one unit's key file at a time."""
-        for at, rows in self._unit_parts(table, band_columns(self.config) + ["sketch"]):
-            yield at, *near_matrices(rows, self.config)
+    def near_parts(self, table: pl.DataFrame) -> NearParts:
+        """The band keys and sketches of `table`'s rows (dedup_table.NearParts), one unit's key file
+        at a time."""
+        index = [(part["at"].to_numpy(), u, part["row"].to_numpy())
+                 for (u,), part in sorted(table.select("unit", "row").with_row_index("at")
+                                          .partition_by("unit", as_dict=True).items())]
+        bands = band_columns(self.config)
+
+        def column(name: str, wanted: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            for at, u, rows in index:
+                if wanted is not None:
+                    inside = np.isin(at, wanted)
+                    at, rows = at[inside], rows[inside]
+                read = pq.ParquetFile(self.keys_paths[u]).read(columns=bands if name == "bands" else [name])
+                if name == "sketch":
+                    yield at, _sketch_rows(read.column(0).take(pa.array(rows)).combine_chunks())
+                else:
+                    yield at, np.stack([read.column(c).to_numpy() for c in bands], axis=1)[rows]
+
+        return column
 
     def key_columns(self, table: pl.DataFrame, columns: list[str]) -> pl.DataFrame:
         """The key files' `columns` (left out of the key table: ids) at the `unit`, `row` of each
@@ -223,6 +239,16 @@ class StagedRecords:
         found = read_rows(self.records_paths, wanted, columns=["task", "conversations"],
                           convert=lambda records: shingle_set_hashes(records, size))
         return [found[ref] for ref in refs]
+
+
+def _sketch_rows(values: pa.Array) -> np.ndarray:
+    """(n, SKETCH_BINS) uint8 of a key file's `sketch` values (each SKETCH_BINS bytes), from the
+    array's data, without a Python object a row."""
+    offsets = np.frombuffer(values.buffers()[1], dtype=np.int64, count=len(values) + 1, offset=values.offset * 8)
+    if not (np.diff(offsets) == SKETCH_BINS).all():
+        raise ValueError(f"a sketch is not {SKETCH_BINS} bytes")
+    data = np.frombuffer(values.buffers()[2], dtype=np.uint8)
+    return data[offsets[0]:offsets[-1]].reshape(len(values), SKETCH_BINS)
 
 
 def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:

@@ -72,9 +72,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     earlier = set_manifest_aside(out)
     # The whole key table goes with the first stage that drops records: held here, it would double the flow's memory.
     runs, kept_keys = run_global_stages(key_table(units, config), StagedBuild(units, config, map_units, out / ".staging"))
-    repeats = unique_ids(kept_keys, pl.concat([run.dropped.select("order", "unit", "row") for run in runs]),
-                         StagedRecords.of(units, config.dedup))
-    outputs, shards = write_outputs(out, units, repeats, kept_keys, runs, config, map_units)
+    outputs, shards, repeats = write_outputs(out, units, kept_keys, runs, config, map_units)
     quarantine = (write_quarantine, out, [unit.quarantine_path for unit in units],
                   [written.quarantined for written in outputs.build.written])
     # The report needs no shard: it is written here while the task runner writes them.
@@ -139,19 +137,27 @@ def _quarantine_bytes(units: list[UnitResult]) -> int:
     return sum(meta.row_group(g).total_byte_size for meta in metas for g in range(meta.num_row_groups))
 
 
-def write_outputs(out: Path, units: list[UnitResult], repeats: pl.DataFrame, kept_keys: pl.DataFrame,
-                  runs: list[StageRun], config: BuildConfig, map_units) -> tuple[WrittenOutputs, list[SplitShards]]:
+def write_outputs(out: Path, units: list[UnitResult], kept_keys: pl.DataFrame, runs: list[StageRun], config: BuildConfig,
+                  map_units) -> tuple[WrittenOutputs, list[SplitShards], pl.DataFrame]:
     """Every output of the registry: the kept records of each unit through the row makers
     (`write_unit`, per unit on `map_units`), then each output's staged parts planned as shards
-    (written by `finalize`, all outputs in one step)."""
+    (written by `finalize`, all outputs in one step). Also returns the records whose id repeats
+    (`unique_ids`), found while the workers fill the pools (neither needs the other)."""
     kept_rows = [kept_keys.filter(pl.col("unit") == u)["row"].to_numpy() for u in range(len(units))]
     # A unit step's work goes with its kept records (at 20k: 0.26-0.62 ms a record, 0.03-0.20 s a MB).
     sizes = [len(rows) for rows in kept_rows]
+    found: list[tuple] = []
+
+    def ids() -> None:
+        repeats = unique_ids(kept_keys, pl.concat([run.dropped.select("order", "unit", "row") for run in runs]),
+                             StagedRecords.of(units, config.dedup))
+        found.append((repeats, _by_unit(repeats, len(units), "repeat"), _quarantined(runs, len(units))))
+
     pools = EnvPools()
-    for unit_pool in map_units(unit_pools, [(unit.records_path, rows) for unit, rows in zip(units, kept_rows)], sizes):
+    for unit_pool in map_units(unit_pools, [(unit.records_path, rows) for unit, rows in zip(units, kept_rows)], sizes,
+                               meanwhile=ids):
         pools.merge(unit_pool)
-    unit_repeats = _by_unit(repeats, len(units), "repeat")
-    quarantined = _quarantined(runs, len(units))
+    repeats, unit_repeats, quarantined = found[0]
     staged = out / ".staging" / "outputs"
     written = map_units(write_unit, [(unit.records_path, str(staged / f"{u:05d}"), kept_rows[u], unit_repeats[u],
                                       quarantined[u], pools, config.negatives) for u, unit in enumerate(units)], sizes)
@@ -167,7 +173,7 @@ def write_outputs(out: Path, units: list[UnitResult], repeats: pl.DataFrame, kep
                                  arrow_schema(output.schema), build.rows[output.name],
                                  sum(nbytes for _, nbytes, _ in parts), config.shards))
         files[output.name] = shards[-1].paths(out)["train"]
-    return WrittenOutputs(files, build), shards
+    return WrittenOutputs(files, build), shards, repeats
 
 
 def write_duplicates(out: Path, runs: list[StageRun], repeats: pl.DataFrame) -> list[dict]:

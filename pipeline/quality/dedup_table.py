@@ -291,15 +291,11 @@ class NearTable:
         return words_of
 
 
-def _write_rows(path: Path, at, values: np.ndarray, columns: bool = False) -> None:
-    """`values` into the rows `at` of the .npy array at `path` (`columns`: into its columns `at`),
-    through a mapping of their own: the pages a mapping dirties count in this process's memory
-    until it is dropped (the page cache keeps them)."""
+def _write_rows(path: Path, at, values: np.ndarray) -> None:
+    """`values` into the rows `at` of the .npy array at `path`, through a mapping of their own: the
+    pages a mapping dirties count in this process's memory until it is dropped (the page cache keeps them)."""
     target = np.load(path, mmap_mode="r+")
-    if columns:
-        target[:, at] = values.T
-    else:
-        target[at] = values
+    target[at] = values
     del target
 
 
@@ -307,14 +303,15 @@ def _write_rows(path: Path, at, values: np.ndarray, columns: bool = False) -> No
 _GROUP_SALT = np.uint64(0x9E3779B97F4A7C15)
 
 
-def _shares_a_band(groups: np.ndarray, keys: BandKeys, bands: int) -> np.ndarray:
-    """Which rows have, in some band, the key of another row of their group: a sort of each band's
-    keys mixed with the group (~40 bytes a row at a time). A collision of the mix only keeps a row
-    that could have gone (band_pairs compares the group and the key themselves)."""
+def _shares_a_band(groups: np.ndarray, keys: Callable[[int], np.ndarray], bands: int) -> np.ndarray:
+    """Which rows have, in some band, the key of another row of their group (`keys(band)`: a band's
+    keys of every row): a sort of each band's keys mixed with the group (~40 bytes a row at a time).
+    A collision of the mix only keeps a row that could have gone (band_pairs compares the group and
+    the key themselves)."""
     shared = np.zeros(len(groups), dtype=bool)
     salt = groups.astype(np.uint64) * _GROUP_SALT
     for band in range(bands):
-        mixed = keys[band] ^ salt
+        mixed = keys(band) ^ salt
         order = np.argsort(mixed)
         mixed = mixed[order]
         same = mixed[1:] == mixed[:-1]
@@ -323,35 +320,66 @@ def _shares_a_band(groups: np.ndarray, keys: BandKeys, bands: int) -> np.ndarray
     return shared
 
 
-def write_near_table(folder: Path, table: pl.DataFrame, rows, config: DedupConfig) -> NearTable:
-    """The NearTable of `table`'s rows (in its order). `rows` is an iterable of (row indices of
-    `table`, their band keys, their sketches), one part at a time: written into file-backed arrays
-    of every row, then copied for the rows that share a band key in their group."""
+# `parts(name, wanted)`: the band keys ("bands": (k, bands) uint64) or the sketches ("sketch": (k,
+# SKETCH_BINS) uint8) of a table's rows in parts, (row indices of the table, their values) each, of
+# every row or only of the `wanted` ones (sorted row indices); read anew at each call.
+NearParts = Callable[[str, np.ndarray | None], Iterable[tuple[np.ndarray, np.ndarray]]]
+
+
+def parts_in_memory(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> NearParts:
+    """The NearParts of (row indices, band keys (k, bands), sketches (k, SKETCH_BINS)) parts held in memory."""
+    def column(name: str, wanted: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for at, bands, sketch in parts:
+            inside = np.isin(at, wanted) if wanted is not None else slice(None)
+            yield at[inside], (sketch if name == "sketch" else bands)[inside]
+    return column
+
+
+def _every_band(path: Path, parts: NearParts, rows: int, bands: int) -> Callable[[int], np.ndarray]:
+    """The band keys of every row written to `path` a band after the other (a part's keys of a band
+    contiguous, in the parts' order: no write out of order); returns `keys(band)`, a band's keys of
+    every row in the table's order, read back (8 bytes a row)."""
+    found = []
+    with open(path, "wb") as file:
+        file.truncate(bands * rows * 8)
+        start = 0
+        for at, keys in parts("bands", None):
+            for band in range(bands):
+                file.seek((band * rows + start) * 8)
+                file.write(np.ascontiguousarray(keys[:, band]).tobytes())
+            found.append(at)
+            start += len(at)
+    at = np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+
+    def keys(band: int) -> np.ndarray:
+        ordered = np.empty(rows, dtype=np.uint64)
+        ordered[at] = np.fromfile(path, dtype=np.uint64, count=rows, offset=band * rows * 8)
+        return ordered
+
+    return keys
+
+
+def write_near_table(folder: Path, table: pl.DataFrame, parts: NearParts, config: DedupConfig) -> NearTable:
+    """The NearTable of `table`'s rows (in its order), from their band keys and sketches (`parts`):
+    every row's band keys written a band after the other (no write out of order) to find the rows
+    that share a band key in their group, then those rows' band keys, a band at a time, and their
+    sketches (read for them only), a part at a time."""
     folder.mkdir(parents=True, exist_ok=True)
-    every = folder / "every"
-    every.mkdir(exist_ok=True)
     bands = band_params(config)[0]
-    for name, dtype, shape in [("bands", np.uint64, (bands, table.height)),
-                               ("sketch", np.uint8, (table.height, SKETCH_BINS))]:
-        np.lib.format.open_memmap(every / f"{name}.npy", mode="w+", dtype=dtype, shape=shape).flush()
-    for at, part_bands, part_sketch in rows:
-        for start in range(0, len(at), NEAR_WRITE_ROWS):
-            end = start + NEAR_WRITE_ROWS
-            _write_rows(every / "bands.npy", at[start:end], part_bands[start:end], columns=True)
-            _write_rows(every / "sketch.npy", at[start:end], part_sketch[start:end])
     groups = table["group"].rank("dense").cast(pl.Int32).to_numpy()
-    every_band = BandKeys(str(every / "bands.npy"))
-    kept = np.flatnonzero(_shares_a_band(groups, every_band, bands))
+    every = _every_band(folder / "every.bin", parts, table.height, bands)
+    kept = np.flatnonzero(_shares_a_band(groups, every, bands))
     np.save(folder / "rows.npy", kept)
     np.save(folder / "groups.npy", groups[kept])
     np.lib.format.open_memmap(folder / "bands.npy", mode="w+", dtype=np.uint64, shape=(bands, len(kept))).flush()
     for band in range(bands):
-        _write_rows(folder / "bands.npy", band, every_band[band][kept])
+        _write_rows(folder / "bands.npy", band, every(band)[kept])
+    (folder / "every.bin").unlink()
     np.lib.format.open_memmap(folder / "sketch.npy", mode="w+", dtype=np.uint8, shape=(len(kept), SKETCH_BINS)).flush()
-    for start in range(0, len(kept), NEAR_WRITE_ROWS):
-        end = start + NEAR_WRITE_ROWS
-        _write_rows(folder / "sketch.npy", slice(start, end), np.load(every / "sketch.npy", mmap_mode="r")[kept[start:end]])
-    shutil.rmtree(every)
+    for at, sketch in parts("sketch", kept):
+        to = np.searchsorted(kept, at)
+        for start in range(0, len(to), NEAR_WRITE_ROWS):
+            _write_rows(folder / "sketch.npy", to[start:start + NEAR_WRITE_ROWS], sketch[start:start + NEAR_WRITE_ROWS])
     return NearTable(str(folder))
 
 
@@ -477,8 +505,8 @@ def duplicates_table(keys: pl.DataFrame, records, config: DedupConfig = DedupCon
     `row`), in build order of the dropped records; each row also has the build `order` of the
     dropped and of the kept record.
 
-    `records` gives what the key table leaves out: `near_rows(table)`, the band keys and sketches
-    of a table's rows in parts (see `write_near_table`), `key_columns(table, columns)`, the `id`
+    `records` gives what the key table leaves out: `near_parts(table)`, the band keys and sketches
+    of a table's rows in parts (`NearParts`), `key_columns(table, columns)`, the `id`
     and `source_id` of a table's rows, and `shingle_sets(refs, size)`. The near
     stage's arrays go to `workdir` (default: a temporary folder)."""
     ranked = _ranked(keys)
@@ -491,7 +519,7 @@ def duplicates_table(keys: pl.DataFrame, records, config: DedupConfig = DedupCon
         # The near stage runs after the exact one, which left no exact pair: no copy of the table then.
         unique = ranked.filter(~pl.col("pos").is_in(exact["pos"].implode())) if exact.height else ranked
         with _scratch(workdir) as folder:
-            table = write_near_table(folder, unique, records.near_rows(unique), config)
+            table = write_near_table(folder, unique, records.near_parts(unique), config)
             found.update({pos: (kept, "near", sim) for pos, (kept, sim) in
                           near_duplicates_table(unique, table, records, config, map_units).items()})
     if not found:

@@ -20,6 +20,7 @@ from trajforge.pipeline.quality.dedup import DedupConfig, dedup_texts, shingles
 from trajforge.pipeline.quality.dedup_table import (
     band_keys,
     near_matrices,
+    parts_in_memory,
     record_keys,
     resolve,
     screen_band,
@@ -61,7 +62,7 @@ def _screened(folder, groups, bands, sketch, threshold: float) -> list[list[tupl
     """Each band step's pairs, (rows, bands) keys, through a near table."""
     config = DedupConfig(bands=bands.shape[1], rows=1)
     parts = [(np.arange(len(groups)), bands, sketch)]
-    table = write_near_table(folder, pl.DataFrame({"group": [f"g{g}" for g in groups]}), parts, config)
+    table = write_near_table(folder, pl.DataFrame({"group": [f"g{g}" for g in groups]}), parts_in_memory(parts), config)
     return [sorted(map(tuple, screen_band(table, band, threshold).tolist())) for band in range(bands.shape[1])]
 
 
@@ -100,7 +101,8 @@ def test_the_near_table_keeps_the_rows_that_share_a_band_and_screens_as_the_whol
     sketch = rng.integers(0, 4, (n, dedup_table.SKETCH_BINS)).astype(np.uint8)
     order = rng.permutation(n)
     parts = [(order[:25], bands[order[:25]], sketch[order[:25]]), (order[25:], bands[order[25:]], sketch[order[25:]])]
-    table = write_near_table(tmp_path / "near", pl.DataFrame({"group": [f"g{g}" for g in groups]}), parts, config)
+    table = write_near_table(tmp_path / "near", pl.DataFrame({"group": [f"g{g}" for g in groups]}), parts_in_memory(parts),
+                             config)
     alone = [i for i in range(n) if not any(((groups == groups[i]) & (bands[:, b] == bands[i, b])).sum() > 1
                                             for b in range(3))]
     assert alone and sorted(set(range(n)) - set(table.rows().tolist())) == alone

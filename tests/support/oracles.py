@@ -42,7 +42,13 @@ from trajforge.pipeline.quality.dedup import (
     shingles,
     signatures,
 )
-from trajforge.pipeline.quality.dedup_table import duplicates_table, near_matrices, record_keys, shingle_set_hashes
+from trajforge.pipeline.quality.dedup_table import (
+    duplicates_table,
+    near_matrices,
+    parts_in_memory,
+    record_keys,
+    shingle_set_hashes,
+)
 from trajforge.pipeline.quality.derived import grpo_env_row, record_task, reference_answer
 from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
@@ -154,8 +160,8 @@ class RecordsInMemory:
     keys: pl.DataFrame
     config: DedupConfig
 
-    def near_rows(self, table: pl.DataFrame):
-        yield np.arange(table.height), *near_matrices(self.keys[table["row"].to_numpy()], self.config)
+    def near_parts(self, table: pl.DataFrame):
+        return parts_in_memory([(np.arange(table.height), *near_matrices(self.keys[table["row"].to_numpy()], self.config))])
 
     def key_columns(self, table: pl.DataFrame, columns: list[str]) -> pl.DataFrame:
         return self.keys[table["row"].to_numpy()].select(columns)
