@@ -114,8 +114,8 @@ def _row_groups(pieces, length: int, group_rows: int):
 
 
 def write_shard_from_files(path: str, staged: list[str], offset: int, length: int, schema: pa.Schema,
-                           config: ShardConfig) -> None:
-    """One shard: rows [offset, offset + length) of the staged files, in row groups of
+                           config: ShardConfig) -> Path:
+    """One shard at `path` (returned): rows [offset, offset + length) of the staged files, in row groups of
     `config.row_group_rows` counted from the shard's first row. A row group is written as the
     pieces that hold it (a shard's bytes depend on them), cast only where the staged schema is not
     the shard's (at 100k, a cast of equal schemas took ~4 % of the step's CPU)."""
@@ -127,6 +127,7 @@ def write_shard_from_files(path: str, staged: list[str], offset: int, length: in
             if not table.schema.equals(schema, check_metadata=True):
                 table = table.cast(schema)
             writer.write_table(table, row_group_size=config.row_group_rows)
+    return Path(path)
 
 
 @dataclass(frozen=True)
