@@ -9,6 +9,7 @@ card and the manifest.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,7 @@ from trajforge.pipeline.publish.manifest import (
     write_manifest,
 )
 from trajforge.pipeline.publish.report import report_extras, write_html
-from trajforge.pipeline.publish.shards import SplitShards, plan_split, write_shard_from_files
+from trajforge.pipeline.publish.shards import SplitShards, link_readers, plan_split, write_shard_from_files
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.stages import cyclic_gc_paused, in_order
 from trajforge.schemas import arrow_schema
@@ -77,20 +78,22 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     repeats = unique_ids(kept_keys, pl.concat([run.dropped.select("order", "unit", "row") for run in runs]),
                          StagedRecords.of(units, config.dedup))
     outputs, shards = write_outputs(out, units, repeats, kept_keys, runs, config, map_units)
-    quarantine = (file_entry, write_quarantine, out, [unit.quarantine_path for unit in units],
+    quarantine = (file_entry, [], write_quarantine, out, [unit.quarantine_path for unit in units],
                   [written.quarantined for written in outputs.build.written])
+    calls, releases = link_readers([call for plan in shards for call in plan.calls], outputs.build.staged)
     # The report needs no shard: it is written here while the task runner writes them.
     reported: list[tuple[dict, list[str]]] = []
     with cyclic_gc_paused():
-        written = map_units(write_file, [*((shard_facts, write_shard_from_files, *call) for plan in shards
-                                           for call in plan.calls), quarantine],
+        written = map_units(write_file, [*((shard_facts, release, write_shard_from_files, *call)
+                                           for call, release in zip(calls, releases)), quarantine],
                             [*(size for plan in shards for size in plan.sizes), _quarantine_bytes(units)],
                             meanwhile=lambda: reported.append(write_report_files(out, units, runs, repeats, kept_keys,
                                                                                  outputs, config)))
         report, owned = reported[0]
         for plan in shards:
             plan.remove_stale()
-        # The staged outputs (~24 GB at 1M) are removed while the card and the manifest are written.
+        # What is left of the staged outputs (the shards' calls freed their files) is removed while the
+        # card and the manifest are written.
         with ThreadPoolExecutor(1, thread_name_prefix="remove-staged-outputs") as pool:
             removed = pool.submit(shutil.rmtree, outputs.build.staged)
             write_release_files(out, report, units, config, owned,
@@ -100,12 +103,15 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     return report
 
 
-def write_file(facts, writer, *args) -> tuple[str, dict]:
+def write_file(facts, release: list[str], writer, *args) -> tuple[str, dict]:
     """One file of the build by `writer` (which returns its path): the step of `map_units` that
     writes the shards of every output and the quarantine, which are independent of one another.
+    Then the files it read that no other call reads (`release`: its links to them) are removed.
     Returns the path and `facts(path)`, what the manifest (and the card) say of the file, taken
     here, on every worker, while the file is in the page cache."""
     path = Path(writer(*args))
+    for link in release:
+        os.unlink(link)
     return str(path), facts(path)
 
 
@@ -182,7 +188,7 @@ def write_outputs(out: Path, units: list[UnitResult], repeats: pl.DataFrame, kep
         build.counts[output.name] = sum((Counter(w.counts.get(output.name, {})) for w in written), Counter())
         shards.append(plan_split(out, output.name, "train", [Path(path) for path, _, _ in parts],
                                  arrow_schema(output.schema), build.rows[output.name],
-                                 sum(nbytes for _, nbytes, _ in parts), config.shards))
+                                 sum(nbytes for _, nbytes, _ in parts), config.shards, [rows for _, _, rows in parts]))
         files[output.name] = shards[-1].paths(out)["train"]
     return WrittenOutputs(files, build), shards
 
