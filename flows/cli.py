@@ -6,9 +6,11 @@ modules are imported at the top, the rest inside the command that needs them.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import logging
 import os
@@ -859,6 +861,11 @@ def _console_logs(verbose: bool):
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Last of the exit handlers: the interpreter's collections at exit would walk every object of the
+    # command's imports (Prefect, pydantic, pandas, matplotlib: ~0.4M objects), 2.5-5 s after a build
+    # on 2 cores, to free what the process's end frees anyway. Frozen, they are not walked (~0.2 s).
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     p = parser()

@@ -9,8 +9,10 @@ card and the manifest.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,19 +35,20 @@ from trajforge.pipeline.build.outputs import OUTPUTS, BuildOutputs, card_notes
 from trajforge.pipeline.build.report import source_counts, stage_tallies
 from trajforge.pipeline.build.units import UnitResult
 from trajforge.pipeline.ingest.validate import merge_env_figures
-from trajforge.pipeline.publish.card import write_card
+from trajforge.pipeline.publish.card import shard_stats, write_card
 from trajforge.pipeline.publish.manifest import (
     GENERATOR,
     build_id,
     code_version,
+    file_entry,
     remove_earlier_files,
     set_manifest_aside,
     write_manifest,
 )
 from trajforge.pipeline.publish.report import report_extras, write_html
-from trajforge.pipeline.publish.shards import SplitShards, plan_split, write_shard_from_files
+from trajforge.pipeline.publish.shards import SplitShards, link_readers, plan_split, write_shard_from_files
 from trajforge.pipeline.quality.pools import EnvPools
-from trajforge.pipeline.stages import in_order
+from trajforge.pipeline.stages import cyclic_gc_paused, in_order
 from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.build")
@@ -73,26 +76,46 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     # The whole key table goes with the first stage that drops records: held here, it would double the flow's memory.
     runs, kept_keys = run_global_stages(key_table(units, config), StagedBuild(units, config, map_units, out / ".staging"))
     outputs, shards, repeats = write_outputs(out, units, kept_keys, runs, config, map_units)
-    quarantine = (write_quarantine, out, [unit.quarantine_path for unit in units],
+    quarantine = (file_entry, [], write_quarantine, out, [unit.quarantine_path for unit in units],
                   [written.quarantined for written in outputs.build.written])
+    calls, releases = link_readers([call for plan in shards for call in plan.calls], outputs.build.staged)
     # The report needs no shard: it is written here while the task runner writes them.
     reported: list[tuple[dict, list[str]]] = []
-    map_units(write_file, [*((write_shard_from_files, *call) for plan in shards for call in plan.calls), quarantine],
-              [*(size for plan in shards for size in plan.sizes), _quarantine_bytes(units)],
-              meanwhile=lambda: reported.append(write_report_files(out, units, runs, repeats, kept_keys, outputs, config)))
-    report, owned = reported[0]
-    for plan in shards:
-        plan.remove_stale()
-    shutil.rmtree(outputs.build.staged)
-    write_release_files(out, report, units, config, owned)
-    remove_earlier_files(out, earlier - set(owned) - {"README.md"})
+    with cyclic_gc_paused():
+        written = map_units(write_file, [*((shard_facts, release, write_shard_from_files, *call)
+                                           for call, release in zip(calls, releases)), quarantine],
+                            [*(size for plan in shards for size in plan.sizes), _quarantine_bytes(units)],
+                            meanwhile=lambda: reported.append(write_report_files(out, units, runs, repeats, kept_keys,
+                                                                                 outputs, config)))
+        report, owned = reported[0]
+        for plan in shards:
+            plan.remove_stale()
+        # What is left of the staged outputs (the shards' calls freed their files) is removed while the
+        # card and the manifest are written.
+        with ThreadPoolExecutor(1, thread_name_prefix="remove-staged-outputs") as pool:
+            removed = pool.submit(shutil.rmtree, outputs.build.staged)
+            write_release_files(out, report, units, config, owned,
+                                {Path(path).relative_to(out).as_posix(): facts for path, facts in written})
+            remove_earlier_files(out, earlier - set(owned) - {"README.md"})
+            removed.result()
     return report
 
 
-def write_file(writer, *args) -> None:
-    """One file of the build by `writer`: the step of `map_units` that writes the shards of every
-    output and the quarantine, which are independent of one another."""
-    writer(*args)
+def write_file(facts, release: list[str], writer, *args) -> tuple[str, dict]:
+    """One file of the build by `writer` (which returns its path): the step of `map_units` that
+    writes the shards of every output and the quarantine, which are independent of one another.
+    Then the files it read that no other call reads (`release`: its links to them) are removed.
+    Returns the path and `facts(path)`, what the manifest (and the card) say of the file, taken
+    here, on every worker, while the file is in the page cache."""
+    path = Path(writer(*args))
+    for link in release:
+        os.unlink(link)
+    return str(path), facts(path)
+
+
+def shard_facts(path: Path) -> dict:
+    """A shard's manifest entry and the card's figures of it."""
+    return {**file_entry(path), **shard_stats(path)}
 
 
 def write_report_files(out: Path, units: list[UnitResult], runs: list[StageRun], repeats: pl.DataFrame,
@@ -171,7 +194,7 @@ def write_outputs(out: Path, units: list[UnitResult], kept_keys: pl.DataFrame, r
         build.counts[output.name] = sum((Counter(w.counts.get(output.name, {})) for w in written), Counter())
         shards.append(plan_split(out, output.name, "train", [Path(path) for path, _, _ in parts],
                                  arrow_schema(output.schema), build.rows[output.name],
-                                 sum(nbytes for _, nbytes, _ in parts), config.shards))
+                                 sum(nbytes for _, nbytes, _ in parts), config.shards, [rows for _, _, rows in parts]))
         files[output.name] = shards[-1].paths(out)["train"]
     return WrittenOutputs(files, build), shards, repeats
 
@@ -187,9 +210,9 @@ def write_duplicates(out: Path, runs: list[StageRun], repeats: pl.DataFrame) -> 
     return duplicates
 
 
-def write_quarantine(out: Path, unit_quarantine: list[str], global_quarantine: list[list[dict]]) -> None:
+def write_quarantine(out: Path, unit_quarantine: list[str], global_quarantine: list[list[dict]]) -> Path:
     """The units' quarantine rows (their files, in unit order, a batch at a time, never through
-    Python), then those of the global stages."""
+    Python), then those of the global stages. Returns the file's path."""
     schema = arrow_schema("quarantine")
     with StreamingTable(out / QUARANTINE_FILE, schema) as quarantine:
         for path in unit_quarantine:
@@ -197,6 +220,7 @@ def write_quarantine(out: Path, unit_quarantine: list[str], global_quarantine: l
                 quarantine.append_table(pa.Table.from_batches([batch]).cast(schema))
         for entries in global_quarantine:
             quarantine.append_table(pa.Table.from_pylist(entries, schema=schema))
+    return out / QUARANTINE_FILE
 
 
 def build_report(units: list[UnitResult], runs: list[StageRun], kept_keys: pl.DataFrame, outputs: WrittenOutputs,
@@ -223,15 +247,16 @@ def build_report(units: list[UnitResult], runs: list[StageRun], kept_keys: pl.Da
 
 
 def write_release_files(out: Path, report: dict, units: list[UnitResult], config: BuildConfig,
-                        files: list[str]) -> str:
+                        files: list[str], known: dict[str, dict] | None = None) -> str:
     """Dataset card and manifest, last: they describe the files written before them (`files`,
-    relative to `out`; the card is added). Returns the build id."""
+    relative to `out`; the card is added). `known`: relative path -> what the writers took of a
+    file once it was in place (`shard_facts`, `file_entry`), not read again. Returns the build id."""
     code = code_version()
     build = build_id([(u.source, u.source_file, u.input_sha256) for u in units],
                      {**asdict(config), "held_out": report["held_out"]["splits"]}, code)
     provenance = [{"source": u.source, "source_file": u.source_file, "sha256": u.input_sha256,
                    "revision": u.revision, "looks_like": u.looks_like} for u in units]
-    write_card(out, report, provenance, build, code, card_notes())
-    write_manifest(out, build, [*files, "README.md"])
+    write_card(out, report, provenance, build, code, card_notes(), known)
+    write_manifest(out, build, [*files, "README.md"], known)
     return build
 

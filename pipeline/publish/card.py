@@ -50,32 +50,43 @@ def size_category(rows: int) -> str:
     return next((name for limit, name in SIZE_CATEGORIES if rows < limit), "n>100M")
 
 
-def _split_stats(out: Path, paths: list[str]) -> tuple[int, int, int]:
-    """(rows, uncompressed bytes, file bytes) of a split's shards, from Parquet metadata."""
-    rows = num_bytes = size = 0
-    for rel in paths:
-        meta = pq.read_metadata(out / rel)
-        rows += meta.num_rows
-        num_bytes += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-        size += (out / rel).stat().st_size
-    return rows, num_bytes, size
+def shard_stats(path: Path) -> dict:
+    """What the card says of one shard: `rows`, uncompressed `num_bytes` and file `size` from its
+    Parquet metadata, and the (source, license) pairs of its records (`licenses`). A build's
+    writers take them as they write each shard (`render_card`'s `shards`)."""
+    meta = pq.read_metadata(path)
+    licenses = []
+    if {"source", "license"} <= set(meta.schema.to_arrow_schema().names):
+        # Polars reads and dedups the pairs ~3x cheaper than joined Arrow strings (every shard is read).
+        licenses = [list(pair) for pair in pl.read_parquet(path, columns=["source", "license"]).unique().iter_rows()]
+    return {"rows": meta.num_rows, "num_bytes": sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)),
+            "size": path.stat().st_size, "licenses": licenses}
 
 
-def source_licenses(out: Path, files: dict[str, dict[str, list[str]]]) -> dict[str, list[str]]:
+def _shards_stats(out: Path, files: dict[str, dict[str, list[str]]], known: dict[str, dict] | None) -> dict[str, dict]:
+    """`shard_stats` of every shard of `files` (relative path -> stats): those `known`, the others read."""
+    known = known or {}
+    return {rel: known.get(rel) or shard_stats(out / rel)
+            for splits in files.values() for paths in splits.values() for rel in paths}
+
+
+def _split_stats(stats: dict[str, dict], paths: list[str]) -> tuple[int, int, int]:
+    """(rows, uncompressed bytes, file bytes) of a split's shards."""
+    return (sum(stats[rel]["rows"] for rel in paths), sum(stats[rel]["num_bytes"] for rel in paths),
+            sum(stats[rel]["size"] for rel in paths))
+
+
+def source_licenses(stats: dict[str, dict]) -> dict[str, list[str]]:
     """source -> the license texts its records carry (set from each Source, as its card states)."""
     found: dict[str, set[str]] = defaultdict(set)
-    for splits in files.values():
-        for paths in splits.values():
-            for rel in paths:
-                if not {"source", "license"} <= set(pq.read_schema(out / rel).names):
-                    continue
-                # Polars reads and dedups the pairs ~3x cheaper than joined Arrow strings (every shard is read).
-                for source, license_text in pl.read_parquet(out / rel, columns=["source", "license"]).unique().iter_rows():
-                    found[source].add(license_text)
+    for shard in stats.values():
+        for source, license_text in shard["licenses"]:
+            found[source].add(license_text)
     return {s: sorted(v) for s, v in sorted(found.items())}
 
 
-def card_data(out: Path, files: dict[str, dict[str, list[str]]], licenses: dict[str, list[str]]) -> DatasetCardData:
+def card_data(out: Path, files: dict[str, dict[str, list[str]]], licenses: dict[str, list[str]],
+              stats: dict[str, dict]) -> DatasetCardData:
     # `datasets` loads in ~1.5 s (pandas, its Arrow formatting); only the card needs it, and every
     # worker process of a build imports this module.
     from datasets import DatasetInfo, Features, SplitDict, SplitInfo
@@ -88,7 +99,7 @@ def card_data(out: Path, files: dict[str, dict[str, list[str]]], licenses: dict[
         features = Features.from_arrow_schema(pq.read_schema(out / next(iter(splits.values()))[0]))
         split_dict, download, dataset, total = SplitDict(), 0, 0, 0
         for split, paths in sorted(splits.items()):
-            rows, num_bytes, size = _split_stats(out, paths)
+            rows, num_bytes, size = _split_stats(stats, paths)
             split_dict.add(SplitInfo(name=split, num_bytes=num_bytes, num_examples=rows))
             download, dataset, total = download + size, dataset + num_bytes, total + rows
         largest = max(largest, total)
@@ -200,9 +211,9 @@ def _steps_lines(counts: dict | None) -> list[str]:
     return ["## Step-level data", "", STEPS_NOTE, ""] + _table(STEPS_HEADER, steps_rows(counts)) + [""]
 
 
-def _config_lines(out: Path, files: dict[str, dict[str, list[str]]], notes: dict[str, str]) -> list[str]:
+def _config_lines(stats: dict[str, dict], files: dict[str, dict[str, list[str]]], notes: dict[str, str]) -> list[str]:
     rows = [[f"`{name}`" + (" (default)" if name == DEFAULT_CONFIG else ""), split,
-             _split_stats(out, paths)[0], len(paths), notes.get(name, "")]
+             _split_stats(stats, paths)[0], len(paths), notes.get(name, "")]
             for name, splits in sorted(files.items()) for split, paths in sorted(splits.items())]
     return _table(["config", "split", "rows", "shards", "what"], rows)
 
@@ -241,20 +252,22 @@ def _validation_lines(by_env: dict | None) -> list[str]:
 
 
 def render_card(out: Path, report: dict, provenance: list[dict], build: str, code: str,
-                notes: dict[str, str]) -> str:
-    """The full README.md text for the build in `out`; `notes`: config name -> what it holds."""
+                notes: dict[str, str], shards: dict[str, dict] | None = None) -> str:
+    """The full README.md text for the build in `out`; `notes`: config name -> what it holds;
+    `shards`: the `shard_stats` of shards already known (relative path -> stats), the others are read."""
     files = layout(out)
-    licenses = source_licenses(out, files)
+    stats = _shards_stats(out, files, shards)
+    licenses = source_licenses(stats)
     # Files read as one source at the builder's word that look like another's: the other's license
     # is stated too, since the card cannot tell which one holds.
     looked_like = {u["looks_like"] for u in provenance if u.get("looks_like")}
-    data = card_data(out, files, {**licenses, **{f"looks like {o}": [REGISTRY[o].license] for o in looked_like}})
+    data = card_data(out, files, {**licenses, **{f"looks like {o}": [REGISTRY[o].license] for o in looked_like}}, stats)
     lines = ["---", data.to_yaml(), "---", "", "# trajforge agent trajectories", "",
              "Agent trajectories from public datasets, normalized to one ReAct record schema by "
              "[trajforge](https://github.com/trajforge/trajforge): every input record is either in a "
              "config below, in the quarantine (with a reason), or in the duplicate map.", "",
              f"- build id: `{build}`", f"- code version: `{code}`", "", "## Configs", ""]
-    lines += _config_lines(out, files, notes)
+    lines += _config_lines(stats, files, notes)
     lines += ["", "```python", "from datasets import load_dataset",
               'ds = load_dataset("<this repo or folder>", "sft", split="train")', "```", "", "## Counts", ""]
     lines += _count_lines(report)
@@ -275,7 +288,7 @@ def render_card(out: Path, report: dict, provenance: list[dict], build: str, cod
 
 
 def write_card(out: Path, report: dict, provenance: list[dict], build: str, code: str,
-               notes: dict[str, str]) -> Path:
+               notes: dict[str, str], shards: dict[str, dict] | None = None) -> Path:
     path = out / "README.md"
-    write_text(path, render_card(out, report, provenance, build, code, notes))
+    write_text(path, render_card(out, report, provenance, build, code, notes, shards))
     return path

@@ -69,11 +69,24 @@ def published_files(out: Path) -> list[Path]:
                   and not any(part.startswith(".") for part in p.relative_to(out).parts))
 
 
-def write_manifest(out: Path, build: str, files: Iterable[str] | None = None) -> dict:
+def file_entry(path: Path) -> dict:
+    """A file's manifest entry: its size and sha256."""
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
+
+
+def write_manifest(out: Path, build: str, files: Iterable[str] | None = None, known: dict[str, dict] | None = None) -> dict:
     """Write `out/manifest.json` (temp name + rename) listing `files` (paths relative to `out`):
-    the files the build wrote. Without `files`, every published file under `out`."""
+    the files the build wrote. Without `files`, every published file under `out`. `known`: the
+    entries (`file_entry`, extra keys ignored) of files already digested by their writers once
+    renamed into place (a build's shards, while each is in the page cache and on every worker):
+    at 1M, ~2.8 GB that would be read again here, ~2.5 s on one core."""
     paths = published_files(out) if files is None else [out / rel for rel in sorted(set(files))]
-    listed = {p.relative_to(out).as_posix(): {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in paths}
+    known = known or {}
+    listed = {}
+    for p in paths:
+        rel = p.relative_to(out).as_posix()
+        entry = known.get(rel) or file_entry(p)
+        listed[rel] = {"size": entry["size"], "sha256": entry["sha256"]}
     manifest = {"generator": GENERATOR, "build_id": build, "files": listed}
     write_json(out / MANIFEST, manifest)
     return manifest

@@ -12,6 +12,7 @@ from trajforge.pipeline.publish.shards import (
     SHARD_RE,
     ShardConfig,
     layout,
+    link_readers,
     plan_shards,
     plan_split,
     write_shard_from_files,
@@ -61,6 +62,35 @@ def test_shards_cut_from_staged_files_are_those_of_the_whole_table(sft_table, tm
     streamed = plan.paths(tmp_path / "streamed")
     whole = write_config(tmp_path / "whole", "sft", {"train": sft_table}, config)
     assert streamed == whole and len(whole["train"]) == -(-len(rows) // 9) > 2
+    for rel in whole["train"]:
+        assert (tmp_path / "streamed" / rel).read_bytes() == (tmp_path / "whole" / rel).read_bytes(), rel
+
+
+def test_shards_that_read_only_their_staged_files_free_each_once_read(sft_table, tmp_path):
+    """Planned with each staged file's rows, a shard reads only the files that hold its rows, through
+    its own links (the files' names are gone): the same bytes, and once every shard has removed its
+    links, no staged file is left; a file outside the staged folder is read where it is and kept."""
+    rows = sft_table.to_pylist()
+    bounds = [(0, 7), (7, 7), (7, 8), (8, 30), (30, len(rows))]
+    staged = []
+    for k, (start, stop) in enumerate(bounds):
+        folder = tmp_path / ("outside" if k == len(bounds) - 1 else "staged")
+        with StreamingTable(folder / f"{k}.arrow", sft_table.schema, batch_rows=5) as part:
+            for row in rows[start:stop]:
+                part.append(row)
+        staged.append(part.path)
+    config = ShardConfig(max_rows=9, row_group_rows=4)
+    plan = plan_split(tmp_path / "streamed", "sft", "train", staged, sft_table.schema, sft_table.num_rows,
+                      sft_table.nbytes, config, [stop - start for start, stop in bounds])
+    assert all(len(call[1]) < len(staged) for call in plan.calls) and str(staged[1]) not in plan.calls[0][1]
+    calls, releases = link_readers(plan.calls, tmp_path / "staged")
+    assert [path.exists() for path in staged] == [False, True, False, False, True]
+    for call, release in zip(calls, releases):
+        write_shard_from_files(*call)
+        for link in release:
+            (tmp_path / link).unlink()
+    assert [p.name for p in (tmp_path / "staged").iterdir()] == ["1.arrow"] and staged[-1].exists()
+    whole = write_config(tmp_path / "whole", "sft", {"train": sft_table}, config)
     for rel in whole["train"]:
         assert (tmp_path / "streamed" / rel).read_bytes() == (tmp_path / "whole" / rel).read_bytes(), rel
 
