@@ -220,23 +220,23 @@ def largest_first(sizes: list[int]) -> list[int]:
     return sorted(range(len(sizes)), key=lambda i: -sizes[i])
 
 
-def on_task_runner(function, calls: list[tuple], sizes: list[int] | None = None, meanwhile=None,
-                   tasks: int | None = None, claims: Path | None = None) -> list:
+def on_task_runner(function, calls: list[tuple], sizes: list[int] | None = None, meanwhile=None, *,
+                   claims: Path, tasks: int | None = None) -> list:
     """`finalize`'s `map_units` on the flow's task runner, results in call order; `meanwhile()` runs
     here once the calls are submitted.
 
-    With `tasks` and a `claims` folder (on a filesystem the workers share: the build's staging
-    folder), the step is `tasks` tasks that each read the whole call list, largest first by `sizes`
+    A step's files go in a folder of its own under `claims` (on a filesystem the workers share: the
+    build's staging folder), removed after it. With `tasks`, the step is `tasks` tasks that each read the whole call list, largest first by `sizes`
     (none: in call order), from one file written here, and claim the calls one at a time
     (`unit_step`): a worker that is done early takes the next call, whatever the estimates. Tasks are
     few because each costs Prefect ~0.1-0.3 s of CPU in the worker and in the flow; the calls go in a
     file rather than as the tasks' parameters, which Prefect walks (looking for futures) and pickles
-    once a task. Without: a task per call (a cluster at an address, its size unknown here)."""
+    once a task. Without `tasks`: a task per call (a cluster at an address, its size unknown here)."""
     step = unit_step.with_options(name=function.__name__.replace("_", "-"))
     order = largest_first(sizes) if sizes else list(range(len(calls)))
-    folder = Path(claims or ".") / uuid.uuid4().hex
+    folder = claims / uuid.uuid4().hex
     start = time.time()
-    if tasks is None or claims is None:
+    if tasks is None:
         futures = [step.submit(function, *_step_file(folder / str(i), [0], [calls[i]])) for i in order]
         indices = [[i] for i in order]
     else:
