@@ -9,9 +9,16 @@ without that import, so that its start overlaps the command's own imports; the f
 within `api()`, which waits until the server answers and sets Prefect's API to it: Prefect starts
 none. Flow-run heartbeats are off there: they let a server notice a crashed run later, and this
 server ends with the command.
+
+The app is Prefect's, behind `RetryBusyDatabase`: a request that finds SQLite busy is answered 503,
+and Prefect's client waits 2 s before it tries again (its backoff, 2**try seconds), with the whole
+build idle (once at every build's start, where the subflow's first task run is written while the
+server records the events of the tasks before it). The server tries such a request again itself,
+after a few milliseconds.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import os
@@ -38,6 +45,9 @@ SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREF
 # tests that look for the server match).
 SERVER_MAIN = ("import gc, sys; gc.disable(); import uvicorn, prefect.server.api.server; gc.freeze(); gc.enable(); "
                "sys.argv = sys.argv[1:]; uvicorn.main()")
+# A request Prefect's app answers 503 (SQLite busy: its transaction was rolled back) is run again
+# this many times, this many seconds apart, before the 503 goes out (and the client's backoff applies).
+BUSY_ATTEMPTS, BUSY_PAUSE_S = 5, 0.02
 # Seconds to wait for Prefect to send its queued logs and events before the server stops.
 DRAIN_TIMEOUT_S = 5
 # The temporary servers of this process, for flows/stopping.py (it spares them while a stopped run
@@ -71,7 +81,7 @@ class TemporaryServer:
         prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent
         self.process = subprocess.Popen(
             [sys.executable, "-c", SERVER_MAIN, "uvicorn", "--app-dir", str(prefect_dir.parent), "--factory",
-             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
+             f"{__name__}:create_app", "--host", "127.0.0.1", "--port", str(self.port),
              "--log-level", "error", "--lifespan", "on"],
             env={**os.environ, **SERVER_ENV})
         RUNNING[self.process.pid] = self
@@ -151,6 +161,67 @@ class TemporaryServer:
             self.process.wait()
         RUNNING.pop(self.process.pid, None)
         self.process = None
+
+
+class RetryBusyDatabase:
+    """ASGI middleware: an HTTP request the app answers 503 is run again, with the same body, up
+    to `attempts` times `pause_s` apart; any other answer (and the last attempt's) goes out as
+    it is. Prefect's app answers 503 only for errors its client retries itself (SQLite busy or
+    locked, a dropped database connection), after a rolled-back transaction."""
+
+    def __init__(self, app, attempts: int = BUSY_ATTEMPTS, pause_s: float = BUSY_PAUSE_S):
+        self.app, self.attempts, self.pause_s = app, attempts, pause_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        request = {"type": "http.request", "body": b"".join(body), "more_body": False}
+        for attempt in range(1, self.attempts + 1):
+            if not await self._attempt(scope, request, receive, send, last=attempt == self.attempts):
+                return
+            await asyncio.sleep(self.pause_s)
+
+    async def _attempt(self, scope, request: dict, receive, send, last: bool) -> bool:
+        """Run the request once; True when it was answered 503 and not sent (to be run again)."""
+        given, busy = False, False
+
+        async def replay() -> dict:
+            nonlocal given
+            if not given:
+                given = True
+                return request
+            return await receive()
+
+        async def forward(message: dict) -> None:
+            nonlocal busy
+            if message["type"] == "http.response.start" and message["status"] == 503 and not last:
+                busy = True
+            if not busy:
+                await send(message)
+
+        try:
+            await self.app({**scope, "state": dict(scope.get("state", {}))}, replay, forward)
+        except Exception:
+            # Starlette raises the error again once its handler has answered (for the server to log
+            # it): of an answer held back here, the error is this attempt's, not the request's.
+            if not busy:
+                raise
+        return busy
+
+
+def create_app():
+    """Prefect's server app (its factory, configured by `SERVER_ENV`) behind `RetryBusyDatabase`."""
+    from prefect.server.api.server import create_app as prefect_app
+
+    return RetryBusyDatabase(prefect_app())
 
 
 def running_pids() -> set[int]:

@@ -7,6 +7,7 @@ import socket
 
 import psutil
 import pytest
+from fastapi import Request
 from prefect import flow, get_run_logger, task
 from prefect.client.orchestration import get_client
 from prefect.settings import get_current_settings
@@ -98,3 +99,60 @@ def test_a_server_that_fails_otherwise_is_an_error(prefect_home, monkeypatch):
     finally:
         server.stop()
     assert not temporary_server.running_pids()
+
+
+def _busy_app(busy_calls: int, error: Exception | None = None):
+    """A FastAPI app with Prefect's server exception handler (503 for a busy SQLite, 500 otherwise)
+    whose endpoint fails its first `busy_calls` calls with SQLite's "database is locked" (or `error`)."""
+    import sqlite3
+
+    import sqlalchemy
+    from fastapi import FastAPI
+    from prefect.server.api.server import custom_internal_exception_handler
+
+    app = FastAPI(exception_handlers={Exception: custom_internal_exception_handler})
+    app.state.bodies = []
+
+    @app.post("/runs")
+    async def create(request: Request) -> dict:
+        app.state.bodies.append(await request.body())
+        if error is not None:
+            raise error
+        if len(app.state.bodies) <= busy_calls:
+            raise sqlalchemy.exc.OperationalError("INSERT", {}, sqlite3.OperationalError("database is locked"))
+        return {"created": len(app.state.bodies)}
+
+    return app
+
+
+def _post(app) -> tuple[int, str]:
+    import asyncio
+
+    import httpx
+
+    async def post():
+        transport = httpx.ASGITransport(app=temporary_server.RetryBusyDatabase(app), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            response = await client.post("/runs", json={"name": "unit-7"})
+            return response.status_code, response.text
+
+    return asyncio.run(post())
+
+
+def test_a_request_that_finds_the_database_busy_is_run_again_with_its_body():
+    app = _busy_app(busy_calls=2)
+    assert _post(app) == (200, '{"created":3}')
+    assert app.state.bodies == [b'{"name":"unit-7"}'] * 3
+
+
+def test_a_database_busy_beyond_the_attempts_is_answered_503_for_the_client_to_retry():
+    app = _busy_app(busy_calls=100)
+    status, text = _post(app)
+    assert status == 503 and "Service Unavailable" in text
+    assert len(app.state.bodies) == temporary_server.BUSY_ATTEMPTS
+
+
+def test_other_errors_are_not_run_again():
+    app = _busy_app(busy_calls=0, error=ValueError("a bad request"))
+    assert _post(app)[0] == 500
+    assert len(app.state.bodies) == 1
