@@ -262,32 +262,40 @@ def _prefect_server_set() -> bool:
 
 
 @contextlib.contextmanager
-def _flow_api():
-    """Yields the context to run a flow in: the Prefect API that is set, or else a temporary server
-    started here, before the body's imports (flows/temporary_server.py), and stopped after the body."""
-    if _prefect_server_set():
-        yield contextlib.nullcontext
-        return
+def _flow_api(small: bool):
+    """Yields `api()`: the context a build's flow runs in, or None where the build runs in this
+    process (a `small` local input and no Prefect server set: a temporary server and worker processes
+    would take longer than the build). A temporary server (flows/temporary_server.py), the slowest
+    part to be ready (~4 s), starts on entering unless the input is small or PREFECT_API_URL names a
+    server: Prefect's own imports (~1 s, in `api()`) then run while it starts. Where Prefect's
+    settings name an API after all, it is stopped unused; otherwise after the body."""
     from trajforge.flows.temporary_server import TemporaryServer
 
-    server = TemporaryServer().start()
+    server = None if small or os.environ.get("PREFECT_API_URL") else TemporaryServer().start()
+
+    def api():
+        if _prefect_server_set():
+            if server is not None:
+                server.stop()
+            return contextlib.nullcontext
+        return None if small else server.api
+
     try:
-        yield server.api
+        yield api
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
-def _builds_in_process(run: BuildRun) -> bool:
-    """`--runner auto` on local files small enough that the build takes seconds: it runs in this
-    process, without Prefect unless a Prefect server is set (starting a temporary one and worker
-    processes would take longer than the build)."""
+def _small_local_input(run: BuildRun) -> bool:
+    """`--runner auto` on local files small enough that the build takes seconds."""
     from trajforge.sources.locate import is_local_path
 
     sources = run.sources or dict.fromkeys(DEFAULT_SOURCES)
     if run.runner != AUTO or not all(location and is_local_path(location) for location in sources.values()):
         return False
-    size = sum(f.path.stat().st_size for name, location in sources.items() for f in get_source(name).files(location))
-    return size <= SMALL_INPUT_BYTES and not _prefect_server_set()
+    return sum(f.path.stat().st_size for name, location in sources.items()
+               for f in get_source(name).files(location)) <= SMALL_INPUT_BYTES
 
 
 def _run_build(args: argparse.Namespace) -> int:
@@ -295,22 +303,23 @@ def _run_build(args: argparse.Namespace) -> int:
     _check_build_args(run)
     # The stages' settings, checked before Prefect loads (the stages load in a few seconds, Prefect in more).
     config = stage_config(run.stages, args.config if "config" in args else "options")
-    in_process = _builds_in_process(run)
-    fork_server = not in_process and run.runner in (AUTO, "processes")
-    if fork_server:
-        from trajforge.flows.workers import start_fork_server
+    small = _small_local_input(run)
+    with _flow_api(small) as api:
+        fork_server = not small and run.runner in (AUTO, "processes")
+        if fork_server:
+            from trajforge.flows.workers import start_fork_server
 
-        # The workers' imports, on another core while this process loads Prefect and the temporary
-        # server starts (flows/workers.py).
-        start_fork_server()
-    if in_process:
-        from trajforge.pipeline.build import build_in_process, summary_lines
+            # The workers' imports, on another core while this process loads Prefect and the temporary
+            # server starts (flows/workers.py).
+            start_fork_server()
+        on_api = api()
+        if on_api is None:
+            from trajforge.pipeline.build import build_in_process, summary_lines
 
-        if args.verbose:  # Prefect, when loaded, has its console handler; here nothing else shows the logs
-            logging.basicConfig(format="%(asctime)s | %(levelname)-7s | %(name)s - %(message)s")
-        report = build_in_process(run.sources, Path(run.out), config)
-    else:
-        with _flow_api() as on_api:
+            if args.verbose:  # Prefect, when loaded, has its console handler; here nothing else shows the logs
+                logging.basicConfig(format="%(asctime)s | %(levelname)-7s | %(name)s - %(message)s")
+            report = build_in_process(run.sources, Path(run.out), config)
+        else:
             from trajforge.flows.build import build_dataset
             from trajforge.pipeline.build import summary_lines
 

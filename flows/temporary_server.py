@@ -146,13 +146,16 @@ class TemporaryServer:
         test harness does before stopping its server): sent later, they would fail and be retried."""
         if self.process is None:
             return
-        from prefect.events.worker import EventsWorker
-        from prefect.logging import get_logger
-        from prefect.logging.handlers import APILogWorker
+        # Nothing to send where Prefect's workers were never loaded (a command that failed before its
+        # flow): stopped without loading them.
+        if "prefect.events.worker" in sys.modules:
+            from prefect.events.worker import EventsWorker
+            from prefect.logging import get_logger
+            from prefect.logging.handlers import APILogWorker
 
-        APILogWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
-        EventsWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
-        get_logger().info(f"Stopping temporary server on {self.address}")
+            APILogWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
+            EventsWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
+            get_logger().info(f"Stopping temporary server on {self.address}")
         self.process.terminate()
         try:
             self.process.wait(timeout=5)
