@@ -74,6 +74,23 @@ def test_a_dask_cluster_at_an_address_says_how_many_tasks_a_step_has():
         assert probe() == 2
 
 
+@pytest.mark.slow
+def test_a_ray_cluster_says_how_many_tasks_a_step_has(monkeypatch):
+    prefect_ray = pytest.importorskip("prefect_ray")
+    from prefect import flow
+    from prefect.context import FlowRunContext
+
+    from trajforge.flows.build import cluster_workers
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+
+    @flow(task_runner=prefect_ray.RayTaskRunner(init_kwargs={"num_cpus": 3, "include_dashboard": False}))
+    def probe() -> int | None:
+        return cluster_workers(FlowRunContext.get().task_runner)
+
+    assert probe() == 3
+
+
 def _cube(x: int) -> int:
     return x ** 3
 
