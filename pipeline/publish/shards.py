@@ -13,6 +13,7 @@ pipeline/build/resume.py).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 from dataclasses import dataclass
@@ -186,28 +187,41 @@ def plan_split(out: Path, config_name: str, split: str, staged: list[Path], sche
     return SplitShards(folder, split, names, calls, [length * nbytes // max(1, rows) for _, length in plan])
 
 
+# What `os.link` fails with where a filesystem has no hard links (FAT, some FUSE and network mounts).
+NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
 def link_readers(calls: list[tuple], within: Path) -> tuple[list[tuple], list[list[str]]]:
     """The shard calls (`SplitShards.calls`, of staged files named by `part_rows`), each reading
     its own hard links to its staged files under `within`, whose names are removed; and each
     call's links, which it removes once its shard is written. The call that removes a file's last
     link frees it, while the other shards are written, rather than the flow removing every staged
-    file after the last shard (~24 GB at 1M). Files outside `within` are read where they are."""
-    linked, releases, originals = [], [], set()
-    for index, (path, staged, *rest) in enumerate(calls):
-        links, release = [], []
-        for file in staged:
-            if not Path(file).resolve().is_relative_to(within.resolve()):
-                links.append(file)
-                continue
-            link = f"{file}.reader-{index}"
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(link)  # left by a run that failed before its shard was written
-            os.link(file, link)
-            links.append(link)
-            release.append(link)
-            originals.add(file)
-        linked.append((path, links, *rest))
-        releases.append(release)
+    file after the last shard (~24 GB at 1M). Files outside `within` are read where they are; so is
+    every file where `within` takes no hard links (freed with the staging folder, after the shards)."""
+    linked, releases, originals, made = [], [], set(), []
+    try:
+        for index, (path, staged, *rest) in enumerate(calls):
+            links, release = [], []
+            for file in staged:
+                if not Path(file).resolve().is_relative_to(within.resolve()):
+                    links.append(file)
+                    continue
+                link = f"{file}.reader-{index}"
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(link)  # left by a run that failed before its shard was written
+                os.link(file, link)
+                made.append(link)
+                links.append(link)
+                release.append(link)
+                originals.add(file)
+            linked.append((path, links, *rest))
+            releases.append(release)
+    except OSError as exc:
+        if exc.errno not in NO_HARD_LINKS:
+            raise
+        for link in made:
+            os.unlink(link)
+        return calls, [[] for _ in calls]
     for file in originals:
         os.unlink(file)
     return linked, releases

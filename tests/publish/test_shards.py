@@ -95,6 +95,36 @@ def test_shards_that_read_only_their_staged_files_free_each_once_read(sft_table,
         assert (tmp_path / "streamed" / rel).read_bytes() == (tmp_path / "whole" / rel).read_bytes(), rel
 
 
+def test_where_the_staging_folder_takes_no_hard_links_shards_read_the_staged_files_in_place(sft_table, tmp_path,
+                                                                                            monkeypatch):
+    """A filesystem without hard links (os.link fails with EPERM, as on FAT): the calls read the
+    staged files where they are, release nothing, and the shards' bytes are the same."""
+    import errno
+    import os
+
+    staged = []
+    for k, (start, stop) in enumerate([(0, 12), (12, sft_table.num_rows)]):
+        with StreamingTable(tmp_path / "staged" / f"{k}.arrow", sft_table.schema, batch_rows=5) as part:
+            part.append_table(sft_table.slice(start, stop - start))
+        staged.append(part.path)
+    config = ShardConfig(max_rows=9, row_group_rows=4)
+    plan = plan_split(tmp_path / "streamed", "sft", "train", staged, sft_table.schema, sft_table.num_rows,
+                      sft_table.nbytes, config, [12, sft_table.num_rows - 12])
+
+    def no_link(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted", dst)
+
+    monkeypatch.setattr(os, "link", no_link)
+    calls, releases = link_readers(plan.calls, tmp_path / "staged")
+    assert calls == plan.calls and releases == [[] for _ in plan.calls]
+    assert sorted(p.name for p in (tmp_path / "staged").iterdir()) == ["0.arrow", "1.arrow"]
+    for call in calls:
+        write_shard_from_files(*call)
+    whole = write_config(tmp_path / "whole", "sft", {"train": sft_table}, config)
+    for rel in whole["train"]:
+        assert (tmp_path / "streamed" / rel).read_bytes() == (tmp_path / "whole" / rel).read_bytes(), rel
+
+
 def test_a_shard_takes_its_schema_and_its_rows_from_staged_files(sft_table, tmp_path):
     """Staged without the schema's metadata, the rows are cast to the shard's schema; staged files
     that end before the shard's last row are an error, not a short shard."""
