@@ -98,15 +98,18 @@ def preference_table(records: pa.Table, parents: list[dict], negatives: list[lis
                      found: list[list[Difference]] | None = None) -> pa.Table:
     """The DPO pairs (`pair_of`) of a batch's kept trajectories (`records`, and as dicts `parents`) and
     their `negatives` (per trajectory), in order, made column-wise: a prompt of the parent's turns and
-    its chosen reply are taken from `records`, the rest from the negative's turns. `found`: their
+    its chosen reply are taken from `records`, the rest from the negative's turns; the parent's
+    fields (`parent_id`, source, domain, env) taken from `records` too. `found`: their
     `differences`, when already found."""
     schema = arrow_schema("preference")
     turns, bounds = _batch_turns(records)
     new: list[tuple[str, str]] = []  # messages not of the parents' turns, after them
-    rows: list[dict] = []
+    of: list[int] = []  # per pair: its parent's row in `records`
+    negative_ids: list[str] = []
+    negative_types: list[str] = []
     spans: list[tuple[int, int, int, int, int, int]] = []  # per pair: prompt, chosen, rejected
-    for parent, start, its_negatives, its_differences in zip(parents, bounds[:-1].tolist(), negatives,
-                                                             found or differences(parents, negatives)):
+    for p, (parent, start, its_negatives, its_differences) in enumerate(zip(
+            parents, bounds[:-1].tolist(), negatives, found or differences(parents, negatives))):
         for negative, difference in zip(its_negatives, its_differences):
             pair = pair_of(negative, parent, difference)
             if pair is None:
@@ -119,18 +122,22 @@ def preference_table(records: pa.Table, parents: list[dict], negatives: list[lis
                 new += [(t["role"], t["content"]) for t in neg[:k]] + [("assistant", chosen)]
                 spans.append((at, at + k, at + k, at + k + 1, at + k + 1, at + k + 2))
             new.append((neg[k]["role"], neg[k]["content"]))
-            rows.append({"id": f"{negative['id']}#pair", "parent_id": parent["id"], "negative_id": negative["id"],
-                         "negative_type": negative["negative_type"], "source": parent["source"],
-                         "domain": parent["domain"], "env": parent["env"]})
+            of.append(p)
+            negative_ids.append(negative["id"])
+            negative_types.append(negative["negative_type"])
     roles, contents = zip(*new) if new else ((), ())
     pool = pa.StructArray.from_arrays([pa.concat_arrays([turns.field("role"), pa.array(roles, pa.string())]),
                                        pa.concat_arrays([turns.field("content"), pa.array(contents, pa.string())])],
                                       fields=list(schema.field("prompt").type.value_type))
     spans_at = np.asarray(spans, dtype=np.int64).reshape(-1, 3, 2)
-    lists = {name: _lists(pool, spans_at[:, [i]], schema.field(name).type)
-             for i, name in enumerate(("prompt", "chosen", "rejected"))}
-    return pa.Table.from_arrays([lists[name] if name in lists else pa.array([row[name] for row in rows], pa.string())
-                                 for name in schema.names], schema=schema)
+    columns = {name: _lists(pool, spans_at[:, [i]], schema.field(name).type)
+               for i, name in enumerate(("prompt", "chosen", "rejected"))}
+    parent_rows = pa.array(of, pa.int64())
+    negative_id = pa.array(negative_ids, pa.string())
+    columns.update(id=pc.binary_join_element_wise(negative_id, "#pair", ""), parent_id=records["id"].take(parent_rows),
+                   negative_id=negative_id, negative_type=pa.array(negative_types, pa.string()),
+                   **{name: records[name].take(parent_rows) for name in ("source", "domain", "env")})
+    return pa.Table.from_arrays([columns[name] for name in schema.names], schema=schema)
 
 
 def _batch_turns(records: pa.Table) -> tuple[pa.StructArray, np.ndarray]:
@@ -304,8 +311,9 @@ def step_label_table(records: pa.Table, parents: list[dict], negatives: list[lis
                      found: list[list[Difference]] | None = None) -> pa.Table:
     """The step_labels rows of a batch's kept trajectories (`records`, and as dicts `parents`) and of
     their `negatives` (per trajectory), those with a labelled step: a trajectory's row, then its
-    negatives' (`negative_steps`). The messages are made column-wise: each is a trajectory's turn
-    (role and content taken from `records`) or a negative's own turn, with its label. `found`: the
+    negatives' (`negative_steps`). Made column-wise: each message is a trajectory's turn (role and
+    content taken from `records`) or a negative's own turn, with its label; a row's fields
+    (STEP_ROW) are its trajectory's, taken from `records`, or its negative's. `found`: the
     negatives' `differences`, when already found."""
     schema = arrow_schema("step_labels")
     turns, bounds = _batch_turns(records)
@@ -313,30 +321,70 @@ def step_label_table(records: pa.Table, parents: list[dict], negatives: list[lis
     labelled = np.concatenate([[0], np.cumsum(np.asarray(label.is_valid(), dtype=bool))])
     # Every turn of the batch's trajectories, then the negatives' own turns (`own`): the messages are
     # taken from them, each row's as two ranges (of its parent's turns, of its own).
-    own: list[tuple[str, str, int | None, str | None]] = []
-    rows: list[tuple] = []
-    ranges: list[tuple[int, int, int, int]] = []
-    for parent, start, end, its_negatives, its_differences in zip(
-            parents, bounds[:-1].tolist(), bounds[1:].tolist(), negatives, found or differences(parents, negatives)):
-        if labelled[end] > labelled[start]:
-            rows.append(_step_row(parent, parent, "positive"))
-            ranges.append((start, end, len(own), len(own)))
+    own: list[dict] = []
+    negative_rows: list[tuple[int, int, int]] = []  # per negative's row: its parent's, `same`, its own turns' end
+    negative_ids: list[str] = []
+    negative_types: list[str] = []
+    for p, (parent, its_negatives, its_differences) in enumerate(zip(
+            parents, negatives, found or differences(parents, negatives))):
         for negative, difference in zip(its_negatives, its_differences):
             steps = negative_steps(negative, parent, difference)
-            if steps is None:
-                continue
-            same, bad = steps
-            rows.append(_step_row(negative, parent, "negative"))
-            ranges.append((start, start + same, len(own), len(own) + bad + 1 - same))
-            own += [(t["role"], t["content"], None, None) for t in negative["conversations"][same:bad]]
-            own.append((negative["conversations"][bad]["role"], negative["conversations"][bad]["content"], BAD, "negative"))
-    roles, contents, labels, sources = zip(*own) if own else ((), (), (), ())
+            if steps is not None:
+                same, bad = steps
+                own += negative["conversations"][same:bad + 1]
+                negative_rows.append((p, same, len(own)))
+                negative_ids.append(negative["id"])
+                negative_types.append(negative["negative_type"])
+    negative_at = np.asarray(negative_rows, dtype=np.int64).reshape(-1, 3)
+    rows, spans = _step_rows(bounds, labelled, negative_at, len(turns))
+    # The last own turn of each negative is its bad step (`negative`); the others are unlabelled.
+    bad = np.zeros(len(own), dtype=bool)
+    bad[negative_at[:, 2] - 1] = True
     pool = pa.StructArray.from_arrays(
-        [pa.concat_arrays([turns.field("role"), pa.array(roles, pa.string())]),
-         pa.concat_arrays([turns.field("content"), pa.array(contents, pa.string())]),
-         pa.concat_arrays([label, pa.array(labels, pa.int64())]),
-         pa.concat_arrays([source, pa.array(sources, pa.string())])], fields=list(schema.field("messages").type.value_type))
-    spans = (np.asarray(ranges, dtype=np.int64).reshape(-1, 4) + [0, 0, len(turns), len(turns)]).reshape(-1, 2, 2)
+        [pa.concat_arrays([turns.field("role"), pa.array([t["role"] for t in own], pa.string())]),
+         pa.concat_arrays([turns.field("content"), pa.array([t["content"] for t in own], pa.string())]),
+         pa.concat_arrays([label, pa.array(np.full(len(own), BAD), pa.int64(), mask=~bad)]),
+         pa.concat_arrays([source, pa.array(["negative"], pa.string()).take(pa.array(np.zeros(len(own), dtype=np.int64), mask=~bad))])],
+        fields=list(schema.field("messages").type.value_type))
     messages = _lists(pool, spans, schema.field("messages").type)
-    columns = zip(*rows) if rows else [()] * len(STEP_ROW)
-    return pa.Table.from_arrays([*(pa.array(column, pa.string()) for column in columns), messages], schema=schema)
+    return pa.Table.from_arrays([*_step_columns(records, rows, negative_ids, negative_types), messages], schema=schema)
+
+
+def _step_rows(bounds: np.ndarray, labelled: np.ndarray, negative_rows: np.ndarray, own_at: int) -> tuple[np.ndarray, np.ndarray]:
+    """The step_labels rows of a batch in order, as (parent row, negative or not, the negative's place)
+    rows, and their message spans (rows x [parent turns, own turns] x [start, end): `_lists`): each
+    trajectory with a labelled turn (`labelled`: the count of labelled turns before each), then its
+    negatives (`negative_rows`: parent row, turns kept as the parent's, own turns' end in the pool
+    after `own_at`)."""
+    starts = bounds[:-1]
+    positive = np.flatnonzero(labelled[bounds[1:]] > labelled[starts])
+    parent, same, own_end = negative_rows.T
+    own_start = np.concatenate([[0], own_end])[:-1]
+    at = np.concatenate([positive, parent])
+    order = np.argsort(2 * at + np.repeat([0, 1], [len(positive), len(parent)]), kind="stable")
+    rows = np.stack([at, np.repeat([0, 1], [len(positive), len(parent)]),
+                     np.concatenate([np.zeros(len(positive), dtype=np.int64), np.arange(len(parent))])], axis=1)[order]
+    spans = np.stack([
+        np.concatenate([starts[positive], starts[parent]]),
+        np.concatenate([bounds[1:][positive], starts[parent] + same]),
+        np.concatenate([np.full(len(positive), own_at), own_at + own_start]),
+        np.concatenate([np.full(len(positive), own_at), own_at + own_end])], axis=1)[order]
+    return rows, spans.reshape(-1, 2, 2)
+
+
+def _step_columns(records: pa.Table, rows: np.ndarray, negative_ids: list[str], negative_types: list[str]) -> list:
+    """The STEP_ROW columns of the step_labels `rows` (`_step_rows`): a trajectory's own fields from
+    `records`, a negative's id and type, its parent's source, domain and env."""
+    negative = rows[:, 1] == 1
+    # A row's trajectory: a kept one (its row in `records`) or a negative (after them).
+    of = pa.array(np.where(negative, records.num_rows + rows[:, 2], rows[:, 0]), pa.int64())
+    record_id = pa.concat_arrays([_array(records["id"]), pa.array(negative_ids, pa.string())]).take(of)
+    negative_type = pa.concat_arrays([_array(records["negative_type"]), pa.array(negative_types, pa.string())]).take(of)
+    kind = pa.array(["positive", "negative"], pa.string()).take(pa.array(negative.astype(np.int64)))
+    parents = pa.array(rows[:, 0], pa.int64())
+    return [pc.binary_join_element_wise(record_id, "#steps", ""), record_id, kind, negative_type,
+            *(records[name].take(parents) for name in ("source", "domain", "env"))]
+
+
+def _array(column: pa.ChunkedArray) -> pa.Array:
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()

@@ -454,10 +454,12 @@ def batch_negatives(records: pa.Table, parents: list[dict], pools: EnvPools, con
     return [_made(parent, makers, pools, config.seed) if makers else [] for parent, makers in zip(parents, drawn)]
 
 
-def _turn_rows(negative: list[dict], parent: list[dict], start: int, own: list[dict], base: int) -> list[int]:
+def _turn_rows(negative: list[dict], parent: list[dict], start: int, own: list[dict], base: int,
+               placed: dict[int, int]) -> list[int]:
     """Where each turn of a negative's conversation is in the pool `negative_table` takes them from:
     `start` + j for its parent's turn j (the same dict, `_negative`), else `base` + its place in
-    `own`, where it is added."""
+    `own`, where it is added once (`placed`: by the turn's id, the pool row of each turn in `own`;
+    an action loop repeats its own turn)."""
     rows = []
     at: dict[int, int] | None = None
     for k, turn in enumerate(negative):
@@ -469,9 +471,12 @@ def _turn_rows(negative: list[dict], parent: list[dict], start: int, own: list[d
         j = at.get(id(turn))
         if j is not None and parent[j] is turn:
             rows.append(start + j)
-        else:
-            rows.append(base + len(own))
+            continue
+        row = placed.get(id(turn))
+        if row is None:
+            row = placed[id(turn)] = base + len(own)
             own.append(turn)
+        rows.append(row)
     return rows
 
 
@@ -488,12 +493,13 @@ def negative_table(records: pa.Table, parents: list[dict], negatives: list[list[
     turns, bounds = conversations.flatten(), (offsets - offsets[0]).tolist()
     taken: list[int] = []
     own: list[dict] = []
+    placed: dict[int, int] = {}  # the negatives' turns (alive until the end: their ids are theirs) -> pool row
     rows: list[int] = []
     lengths: list[int] = []
     made = []
     for p, (parent, its_negatives) in enumerate(zip(parents, negatives)):
         for negative in its_negatives:
-            at = _turn_rows(negative["conversations"], parent["conversations"], bounds[p], own, len(turns))
+            at = _turn_rows(negative["conversations"], parent["conversations"], bounds[p], own, len(turns), placed)
             taken += at
             lengths.append(len(at))
             rows.append(p)
