@@ -49,7 +49,7 @@ def signatures_and_sketches(high, low, starts, a, b, bins):
     for i in range(n):
         minima[:] = _EMPTY
         smallest[:] = _EMPTY
-        # Unsigned indices (module doc); the minimum as `min`, which the compiler vectorizes.
+        # Unsigned indices (module doc); the minimum as `min`, no branch.
         for s in range(np.uint64(starts[i]), np.uint64(starts[i + 1])):
             x = high[s]
             k = np.uint64(low[s] & mask)
