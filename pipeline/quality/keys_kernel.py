@@ -114,6 +114,72 @@ def tokens(data, bounds, classes, lower):
     return words[:w], word_bounds, bare[:r], bare_bounds
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def shingle_views(padded, bounds, size):
+    """dedup.py's `word_shingle_hashes` up to the hash, in one pass over the words: (sizes, views).
+    `padded`: `DedupTokens.words` and 16 zero bytes; `bounds`: its `word_bounds` (n + 1 of them).
+    sizes[t]: text t's shingles (`max(words - (size - 1), 1)`); views: (shingles, 4) uint32, each
+    shingle (`size` words, or all of a shorter text's, or none of an empty one: text after text,
+    word after word) as `dedup._string_views` writes its Arrow string view over `padded`."""
+    texts = len(bounds) - 1
+    sizes = np.empty(texts, dtype=np.int64)
+    total = 0
+    for t in range(texts):
+        n = 0
+        for i in range(np.uint64(bounds[t]), np.uint64(bounds[t + 1])):
+            n += padded[i] == 0x20  # every space ends a word
+        sizes[t] = max(n - (size - 1), 1)
+        total += sizes[t]
+    views = np.empty((total, 4), dtype=np.uint32)
+    ends = np.empty(len(padded) // 2 + 1, dtype=np.int64)  # where each word of the current text ends
+    row = 0
+    for t in range(texts):
+        start, n = bounds[t], 0
+        for i in range(np.uint64(start), np.uint64(bounds[t + 1])):
+            if padded[i] == 0x20:
+                ends[np.uint64(n)] = i
+                n += 1
+        if n == 0:  # one empty shingle
+            views[np.uint64(row)] = 0
+            row += 1
+            continue
+        for j in range(n - (size - 1) if n > size - 1 else 1):
+            begin = start if j == 0 else ends[np.uint64(j - 1)] + 1
+            _view(padded, views, np.uint64(row), begin, ends[np.uint64(min(j + size - 1, n - 1))] - begin)
+            row += 1
+    return sizes, views
+
+
+@numba.njit(inline="always")
+def _view(padded, views, row, begin, length):
+    """Row `row` of `views`: the string padded[begin:begin + length] as an Arrow string view (its
+    length, then itself up to 12 bytes, zeros after it; else its first 4 bytes, buffer 0, `begin`)."""
+    at = np.uint64(begin)
+    views[row, 0] = length
+    first = _four(padded, at)
+    if length > 12:
+        views[row, 1] = first
+        views[row, 2] = 0
+        views[row, 3] = begin
+    else:
+        views[row, 1] = first & _mask(length)
+        views[row, 2] = _four(padded, at + np.uint64(4)) & _mask(length - 4) if length > 4 else 0
+        views[row, 3] = _four(padded, at + np.uint64(8)) & _mask(length - 8) if length > 8 else 0
+
+
+@numba.njit(inline="always")
+def _mask(length):
+    """The mask of a little-endian uint32's first `length` (>= 0) bytes, all of them from 4 on."""
+    return np.uint32(0xFFFFFFFF) if length >= 4 else np.uint32((1 << (8 * length)) - 1)
+
+
+@numba.njit(inline="always")
+def _four(padded, at):
+    """The little-endian uint32 of padded[at:at + 4] (`at` unsigned)."""
+    return (np.uint32(padded[at]) | np.uint32(padded[at + np.uint64(1)]) << np.uint32(8)
+            | np.uint32(padded[at + np.uint64(2)]) << np.uint32(16) | np.uint32(padded[at + np.uint64(3)]) << np.uint32(24))
+
+
 @numba.njit(inline="always")
 def _code_point(data, i, lead):
     """The code point of the UTF-8 character whose lead byte `lead` is data[i] (`i` unsigned), unsigned."""
