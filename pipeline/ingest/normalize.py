@@ -116,12 +116,19 @@ class _Turns:
         roles, contents, losses = [], [], []
         # `_turn`'s checks in one loop, for turns of exactly the types it takes (nearly all): a call
         # and a tuple per turn less. At the first other turn, `_turn` takes every turn, and says why not.
+        # A turn of exactly `from`, `value` and `loss` (the ShareGPT layout most upstream files use) is told
+        # by its size and three lookups, where the subset test of its keys costs a view and a set comparison.
         for turn in raw_turns:
-            if type(turn) is not dict or not turn.keys() <= TURN_KEYS:
+            if type(turn) is not dict:
                 break
-            role = turn["role"] if "role" in turn else turn.get("from")
-            content = turn["content"] if "content" in turn else turn.get("value")
-            loss = turn.get("loss")
+            if len(turn) == 3 and "from" in turn and "value" in turn and "loss" in turn:
+                role, content, loss = turn["from"], turn["value"], turn["loss"]
+            elif turn.keys() <= TURN_KEYS:
+                role = turn["role"] if "role" in turn else turn.get("from")
+                content = turn["content"] if "content" in turn else turn.get("value")
+                loss = turn.get("loss")
+            else:
+                break
             if type(role) is not str or role not in ROLE_NAMES or type(content) is not str or not (
                     loss is None or type(loss) is bool):
                 break

@@ -368,7 +368,14 @@ def word_shingle_hashes(words: bytes, bounds: np.ndarray, size: int, seed: int) 
     view array), never a string of its own. A shingle that repeats in a text is hashed each time:
     MinHash and the sketches keep minima, which a repeat does not change (`np.unique` of a text's
     hashes is its set's). Positions are 32-bit (a batch's words are far under 4 GiB): half the
-    memory traffic of 64-bit ones, and what the views hold."""
+    memory traffic of 64-bit ones, and what the views hold. From COMPILED_TOKENS_FROM bytes the
+    views are made in one compiled pass (keys_kernel.shingle_views: the same views, ~4x faster)."""
+    if len(words) >= COMPILED_TOKENS_FROM:
+        from trajforge.pipeline.quality.keys_kernel import shingle_views
+
+        padded = words + bytes(16)
+        sizes, views = shingle_views(np.frombuffer(padded, dtype=np.uint8), bounds.astype(np.int64, copy=False), size)
+        return sizes, pl.Series(_views_array(views, padded)).hash(seed=seed).to_numpy()
     ends = np.flatnonzero(np.frombuffer(words, dtype=np.uint8) == 0x20).astype(np.uint32)  # every space ends a word
     n_words = len(ends)
     first_word = np.searchsorted(ends, bounds.astype(np.uint32))
@@ -418,7 +425,12 @@ def _string_views(data: bytes, starts: np.ndarray, lengths: np.ndarray) -> pa.Ar
         at, size = starts[inline], lengths[inline].astype(np.int64)
         for column in (1, 2, 3):
             views[inline, column] = fours[at + 4 * (column - 1)] & _PREFIX_MASKS[np.clip(size - 4 * (column - 1), 0, 4)]
-    return pa.Array.from_buffers(pa.string_view(), len(starts), [None, pa.py_buffer(views), pa.py_buffer(padded)])
+    return _views_array(views, padded)
+
+
+def _views_array(views: np.ndarray, padded: bytes) -> pa.Array:
+    """The Arrow string view array of `views` ((n, 4) uint32, as `_string_views` makes them) over `padded`."""
+    return pa.Array.from_buffers(pa.string_view(), len(views), [None, pa.py_buffer(views), pa.py_buffer(padded)])
 
 
 def hash_halves(hashed: np.ndarray) -> np.ndarray:

@@ -1,10 +1,14 @@
-"""The key table's compiled loops (numba): tokenizing a key batch's texts, and its MinHash
-signatures with its one-permutation sketches.
+"""The key table's compiled loops (numba): tokenizing a key batch's texts, the string views of its
+word shingles, and its MinHash signatures with its one-permutation sketches.
 
 - `tokens`: dedup.py's tokenizer (`_joined_tokens`) in one pass over the batch's UTF-8 bytes, where
   numpy makes a dozen (a class per byte by `bytes.translate`, the masks, the kept bytes, the counts
   per text): on the 20k corpus's key batches (45 MB) ~0.19 -> ~0.11 s, the same bytes (tests/quality/
   test_dedup.py runs its tokenizer tests on both).
+- `shingle_views`: `dedup.word_shingle_hashes` finds each text's words and shingles and writes their
+  Arrow string views (`dedup._string_views`) in ~15 numpy passes; here in one pass per text, the same
+  views (polars hashes them either way): on the 100k corpus's key batches ~0.0110 -> ~0.0083 ms a
+  record for the whole of `word_shingle_hashes`.
 - `signatures_and_sketches`: `dedup._numpy_signatures` and `dedup_table.sketches` compute these in
   numpy: the signatures as a (permutations x shingles) buffer written by a multiply, then an add,
   then read by a per-set minimum (three passes over ~3 MB, beyond L2), the sketches by
@@ -12,6 +16,11 @@ signatures with its one-permutation sketches.
   minima stay in registers and L1, and the same loop keeps its sketch bin's minimum: on the 20k
   corpus's key batches (7.0M shingles, 18,278 sets) 0.26 -> 0.11 s, the same bits
   (tests/quality/test_dedup_table.py).
+
+Both loops index through unsigned integers: through a signed one numba tests every access for a
+negative (from the end) index. On the 100k corpus's key batches (same-process, bench/ab_map.py's
+rows): `tokens` ~0.0095 -> ~0.0066 ms a record, `signatures_and_sketches` ~0.0107 -> ~0.0098, the same
+bits.
 
 numba is loaded only where one of these is first called (a build's map; the near screen loads it
 anyway, sketch_screen.py): ~0.7 s of CPU in a process that has the build's other modules, most of
@@ -44,15 +53,14 @@ def signatures_and_sketches(high, low, starts, a, b, bins):
     for i in range(n):
         minima[:] = _EMPTY
         smallest[:] = _EMPTY
-        for s in range(starts[i], starts[i + 1]):
+        # Unsigned indices (module doc); the minimum as `min`, no branch.
+        for s in range(np.uint64(starts[i]), np.uint64(starts[i + 1])):
             x = high[s]
-            k = low[s] & mask
+            k = np.uint64(low[s] & mask)
             if x < smallest[k]:
                 smallest[k] = x
-            for p in range(perms):
-                value = np.uint32(a[p] * x + b[p])
-                if value < minima[p]:
-                    minima[p] = value
+            for p in range(np.uint64(perms)):
+                minima[p] = min(minima[p], np.uint32(a[p] * x + b[p]))
         sig[i] = minima
         for k in range(bins):
             if smallest[k] != _EMPTY:
@@ -83,46 +91,117 @@ def tokens(data, bounds, classes, lower):
     word_bounds = np.empty(len(bounds), dtype=np.int64)
     bare_bounds = np.empty(len(bounds), dtype=np.int64)
     to_lower = np.uint8(0x20 if lower else 0)
-    w = 0
-    r = 0
+    # Unsigned positions (module doc).
+    w = np.uint64(0)
+    r = np.uint64(0)
     cls = np.uint8(0)
-    previous_word = np.int64(0)
+    previous_word = np.uint64(0)
     for text in range(len(bounds) - 1):
         word_bounds[text] = w
         bare_bounds[text] = r
-        for i in range(bounds[text], bounds[text + 1]):
+        for i in range(np.uint64(bounds[text]), np.uint64(bounds[text + 1])):
             c = data[i]
             if c < 0x80:
-                cls = classes[c]
+                cls = classes[np.uint64(c)]
                 c |= to_lower * np.uint8(_ASCII_A <= c <= _ASCII_Z)
             elif c >= 0xC0:
                 cls = classes[_code_point(data, i, c)]
-            word = np.int64(cls == _WORD)
+            word = np.uint64(cls == _WORD)
             # The end of a word run is a space (for a multi-byte character, its lead byte only).
             words[w] = c if word else np.uint8(0x20)
             w += word | previous_word
             bare[r] = c
-            r += cls != _SPACE
+            r += np.uint64(cls != _SPACE)
             previous_word = word
     word_bounds[len(bounds) - 1] = w
     bare_bounds[len(bounds) - 1] = r
     return words[:w], word_bounds, bare[:r], bare_bounds
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def shingle_views(padded, bounds, size):
+    """dedup.py's `word_shingle_hashes` up to the hash, in one pass over the words: (sizes, views).
+    `padded`: `DedupTokens.words` and 16 zero bytes; `bounds`: its `word_bounds` (n + 1 of them).
+    sizes[t]: text t's shingles (`max(words - (size - 1), 1)`); views: (shingles, 4) uint32, each
+    shingle (`size` words, or all of a shorter text's, or none of an empty one: text after text,
+    word after word) as `dedup._string_views` writes its Arrow string view over `padded`."""
+    texts = len(bounds) - 1
+    sizes = np.empty(texts, dtype=np.int64)
+    total = 0
+    for t in range(texts):
+        n = 0
+        for i in range(np.uint64(bounds[t]), np.uint64(bounds[t + 1])):
+            n += padded[i] == 0x20  # every space ends a word
+        sizes[t] = max(n - (size - 1), 1)
+        total += sizes[t]
+    views = np.empty((total, 4), dtype=np.uint32)
+    ends = np.empty(len(padded) // 2 + 1, dtype=np.int64)  # where each word of the current text ends
+    row = 0
+    for t in range(texts):
+        start, n = bounds[t], 0
+        for i in range(np.uint64(start), np.uint64(bounds[t + 1])):
+            if padded[i] == 0x20:
+                ends[np.uint64(n)] = i
+                n += 1
+        if n == 0:  # one empty shingle
+            views[np.uint64(row)] = 0
+            row += 1
+            continue
+        for j in range(n - (size - 1) if n > size - 1 else 1):
+            begin = start if j == 0 else ends[np.uint64(j - 1)] + 1
+            _view(padded, views, np.uint64(row), begin, ends[np.uint64(min(j + size - 1, n - 1))] - begin)
+            row += 1
+    return sizes, views
+
+
+@numba.njit(inline="always")
+def _view(padded, views, row, begin, length):
+    """Row `row` of `views`: the string padded[begin:begin + length] as an Arrow string view (its
+    length, then itself up to 12 bytes, zeros after it; else its first 4 bytes, buffer 0, `begin`)."""
+    at = np.uint64(begin)
+    views[row, 0] = length
+    first = _four(padded, at)
+    if length > 12:
+        views[row, 1] = first
+        views[row, 2] = 0
+        views[row, 3] = begin
+    else:
+        views[row, 1] = first & _mask(length)
+        views[row, 2] = _four(padded, at + np.uint64(4)) & _mask(length - 4) if length > 4 else 0
+        views[row, 3] = _four(padded, at + np.uint64(8)) & _mask(length - 8) if length > 8 else 0
+
+
+@numba.njit(inline="always")
+def _mask(length):
+    """The mask of a little-endian uint32's first `length` (>= 0) bytes, all of them from 4 on."""
+    return np.uint32(0xFFFFFFFF) if length >= 4 else np.uint32((1 << (8 * length)) - 1)
+
+
+@numba.njit(inline="always")
+def _four(padded, at):
+    """The little-endian uint32 of padded[at:at + 4] (`at` unsigned)."""
+    return (np.uint32(padded[at]) | np.uint32(padded[at + np.uint64(1)]) << np.uint32(8)
+            | np.uint32(padded[at + np.uint64(2)]) << np.uint32(16) | np.uint32(padded[at + np.uint64(3)]) << np.uint32(24))
+
+
 @numba.njit(inline="always")
 def _code_point(data, i, lead):
-    """The code point of the UTF-8 character whose lead byte `lead` is data[i]."""
+    """The code point of the UTF-8 character whose lead byte `lead` is data[i] (`i` unsigned), unsigned."""
+    one, two, three = np.uint64(1), np.uint64(2), np.uint64(3)
     if lead < 0xE0:
-        return (np.int64(lead) & 0x1F) << 6 | (np.int64(data[i + 1]) & 0x3F)
+        return (np.uint64(lead) & 0x1F) << 6 | (np.uint64(data[i + one]) & 0x3F)
     if lead < 0xF0:
-        return (np.int64(lead) & 0x0F) << 12 | (np.int64(data[i + 1]) & 0x3F) << 6 | (np.int64(data[i + 2]) & 0x3F)
-    return ((np.int64(lead) & 0x07) << 18 | (np.int64(data[i + 1]) & 0x3F) << 12
-            | (np.int64(data[i + 2]) & 0x3F) << 6 | (np.int64(data[i + 3]) & 0x3F))
+        return ((np.uint64(lead) & 0x0F) << 12 | (np.uint64(data[i + one]) & 0x3F) << 6
+                | (np.uint64(data[i + two]) & 0x3F))
+    return ((np.uint64(lead) & 0x07) << 18 | (np.uint64(data[i + one]) & 0x3F) << 12
+            | (np.uint64(data[i + two]) & 0x3F) << 6 | (np.uint64(data[i + three]) & 0x3F))
 
 
 def warm() -> None:
-    """Load both loops (from numba's cache, or compiled) now: a process that forks workers (the
+    """Load the loops (from numba's cache, or compiled) now: a process that forks workers (the
     `processes` runner's fork server) can load them once for every worker it starts."""
     tokens(np.frombuffer(b"a\n", dtype=np.uint8), np.array([0, 2], dtype=np.int64), np.zeros(128, dtype=np.uint8), True)
     one = np.zeros(1, dtype=np.uint32)
     signatures_and_sketches(one, one, np.array([0, 1], dtype=np.int64), one, one, 8)
+    # Read-only, as `word_shingle_hashes` passes its padded bytes: the type the build's calls load.
+    shingle_views(np.frombuffer(b"a " + bytes(16), dtype=np.uint8), np.array([0, 2], dtype=np.int64), 5)

@@ -144,9 +144,12 @@ def test_signature_estimates_jaccard(backend):
     assert (sig[0] == sig[2]).mean() < 0.1
 
 
-def test_word_shingle_hashes_are_those_of_the_shingle_strings():
+@pytest.mark.parametrize("compiled_from", [0, 1 << 62], ids=["compiled", "numpy"])
+def test_word_shingle_hashes_are_those_of_the_shingle_strings(monkeypatch, compiled_from):
     """Per text, the hashes of its `shingles` (as `shingle_hashes` makes them of the strings): no
-    words, fewer than a shingle, exactly one, many; shingles within 12 bytes and longer, multi-byte words."""
+    words, fewer than a shingle, exactly one, many; shingles within 12 bytes and longer, multi-byte
+    words; the views made in the compiled pass and in numpy."""
+    monkeypatch.setattr(dedup, "COMPILED_TOKENS_FROM", compiled_from)
     rng = random.Random(2)
     vocab = ["a", "bb", "δέλτα", "x_1", "2", "е\u0301", "longerword", "日本語"]
     words = [" ".join(rng.choice(vocab) for _ in range(n)) for n in [0, 1, 2, 4, 5, 6, 0, 30, *range(12)] * 5]
@@ -157,6 +160,23 @@ def test_word_shingle_hashes_are_those_of_the_shingle_strings():
             expected_sizes, expected = shingle_hashes([shingles(w.split(), size) for w in batch], seed=3)
             assert [set(part.tolist()) for part in np.split(hashed, np.cumsum(sizes)[:-1])] == \
                 [set(part.tolist()) for part in np.split(expected, np.cumsum(expected_sizes)[:-1])]
+
+
+def test_word_shingle_hashes_are_the_same_compiled_and_in_numpy(monkeypatch):
+    """The same sizes and hashes, in the same order, whichever makes the views: texts without words,
+    shorter than a shingle, words of 1 to 40 bytes (views within 12 bytes and longer)."""
+    rng = random.Random(5)
+    vocab = ["a", "bb", "ccc", "dddd", "eeeee", "f" * 12, "g" * 13, "é", "日本", "x" * 40]
+    for _ in range(200):
+        texts = [b"".join(f"{rng.choice(vocab)} ".encode() for _ in range(rng.choice([0, 1, 2, 4, 5, 6, 9, 20])))
+                 for _ in range(rng.randint(0, 8))]
+        words, bounds = b"".join(texts), np.cumsum([0, *map(len, texts)])
+        for size in (1, 2, 5):
+            made = []
+            for compiled_from in (0, 1 << 62):
+                monkeypatch.setattr(dedup, "COMPILED_TOKENS_FROM", compiled_from)
+                made.append(word_shingle_hashes(words, bounds, size, seed=3))
+            assert np.array_equal(made[0][0], made[1][0]) and np.array_equal(made[0][1], made[1][1])
 
 
 def test_config_rejects_bad_values():
