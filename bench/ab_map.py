@@ -9,7 +9,7 @@ Reads up to `--share` rows of each unit of CORPUS (a generated corpus, bench/pro
 (`normalize_stage`), `validate` (`validate_stage` of what normalize kept) and `keys`
 (`stage_keys` of the kept records in the build's batches), each timed by `time.process_time`.
 Prints the least and the median CPU of each stage over the repetitions, in ms a record. Run it
-with PYTHONPATH at the `.shim` of each checkout in turn, alternating.
+with each checkout's code importable in turn (its editable install, or PYTHONPATH), alternating.
 """
 from __future__ import annotations
 

@@ -226,12 +226,12 @@ def on_task_runner(function, calls: list[tuple], sizes: list[int] | None = None,
     here once the calls are submitted.
 
     A step's files go in a folder of its own under `claims` (on a filesystem the workers share: the
-    build's staging folder), removed after it. With `tasks`, the step is `tasks` tasks that each read the whole call list, largest first by `sizes`
-    (none: in call order), from one file written here, and claim the calls one at a time
-    (`unit_step`): a worker that is done early takes the next call, whatever the estimates. Tasks are
-    few because each costs Prefect ~0.1-0.3 s of CPU in the worker and in the flow; the calls go in a
-    file rather than as the tasks' parameters, which Prefect walks (looking for futures) and pickles
-    once a task. Without `tasks`: a task per call (a cluster at an address, its size unknown here)."""
+    build's staging folder), removed after it. With `tasks`, the step is `tasks` tasks that each read
+    the whole call list, largest first by `sizes` (none: in call order), from one file written here,
+    and claim the calls one at a time (`unit_step`): a worker that is done early takes the next call,
+    whatever the estimates. Tasks are few because each costs Prefect ~0.1-0.3 s of CPU in the worker
+    and in the flow; the calls go in a file rather than as the tasks' parameters, which Prefect walks
+    (looking for futures) and pickles once a task. Without `tasks`: a task per call (a cluster at an address, its size unknown here)."""
     step = unit_step.with_options(name=function.__name__.replace("_", "-"))
     order = largest_first(sizes) if sizes else list(range(len(calls)))
     folder = claims / uuid.uuid4().hex
