@@ -155,8 +155,10 @@ def _internal_error(what: str, exc: BaseException, source_id: str | None = None)
     return Dropped("internal_error", f"{type(exc).__name__}: {exc}"[:1000], source_id)
 
 
-def process_unit(source_name: str, file: SourceFile, staging: Path, config: BuildConfig = BuildConfig()) -> UnitResult:
-    """Read one file of one source, run every row through the map stages, stage the results.
+def process_unit(source_name: str, file: SourceFile, staging: Path, config: BuildConfig = BuildConfig(),
+                 input_sha256: str | None = None) -> UnitResult:
+    """Read one file of one source, run every row through the map stages, stage the results
+    (`input_sha256`: the file's, when the caller hashed it already).
 
     Every row ends as a staged record or a quarantine entry (the first stage that dropped it,
     with its reason), whatever it holds; each stage's tally counts what it kept and dropped.
@@ -216,7 +218,7 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
     foreign = looks_like(source_name, file.path)
     result = UnitResult(source_name, name, str(records.path), str(quarantine.path), keys_path=str(keys.path),
                         stages=[tally.as_dict() for tally in [*tallies, writing]], envs=envs,
-                        input_sha256=file_sha256(file.path), revision=hub_revision(file.path), input_path=str(file.path),
+                        input_sha256=input_sha256 or file_sha256(file.path), revision=hub_revision(file.path), input_path=str(file.path),
                         note="empty file: no records" if file.path.stat().st_size == 0 else None,
                         looks_like=foreign[0] if foreign else None)
     log.info("%s/%s: read %d, valid %d, quarantined %d %s", source_name, name, result.read, result.written,
