@@ -78,6 +78,11 @@ def _eval_tasks(config: BuildConfig) -> tuple[Contamination | None, HeldOut | No
     return (Contamination(texts, config.decontaminate_ngram) if texts else None), held
 
 
+# Tasks checked at once: polars builds the n-gram index's automaton anew at each check (~2 ms), so
+# checking 8192 tasks at a time rather than each staged batch (1000) costs ~20 % less.
+CONTAMINATION_CHUNK = 8192
+
+
 def unit_contamination(records_path: str, index: Contamination | None, held: HeldOut | None) -> list[str | None]:
     """Per record of one unit's staged records, in order: why its task overlaps an evaluation task
     (the n-gram `index`, the `held` out items), or null. Reads the `task`, `env` and `source_id`
@@ -91,11 +96,6 @@ def unit_contamination(records_path: str, index: Contamination | None, held: Hel
             details += _contamination(*columns, index, held)
             columns = ([], [], [])
     return details + _contamination(*columns, index, held)
-
-
-# Tasks checked at once: polars builds the n-gram index's automaton anew at each check (~2 ms), so
-# checking 8192 tasks at a time rather than each staged batch (1000) costs ~20 % less.
-CONTAMINATION_CHUNK = 8192
 
 
 def _contamination(tasks: list[str], envs: list[str], source_ids: list[str], index: Contamination | None,
