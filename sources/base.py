@@ -223,6 +223,9 @@ class _JsonText:
         self.buf = ""
         self.eof = False
         self.read_bytes = 0  # bytes of the file fed to the decoder
+        # Whether the text read so far may hold bytes that are not UTF-8 or an escaped surrogate: until
+        # it does (most files never), its elements need no check of their own (`_decoded_row`'s).
+        self.suspect = False
 
     def more(self) -> bool:
         """Read one more chunk; False at the end of the file."""
@@ -230,7 +233,11 @@ class _JsonText:
             return False
         chunk = self.fh.read(CHUNK_BYTES)
         self.read_bytes += len(chunk)
-        self.buf += self.decoder.decode(chunk, final=not chunk)
+        text = self.decoder.decode(chunk, final=not chunk)
+        # An escape may also begin in the last 5 characters before the chunk's text.
+        self.suspect = self.suspect or _undecodable(text) or any(
+            _SURROGATE_ESCAPE.search(part) for part in (text, self.buf[-5:] + text[:5]))
+        self.buf += text
         self.eof = not chunk
         return True
 
@@ -325,7 +332,8 @@ def _json_array_rows(text: _JsonText, name: str, pos: int) -> Iterator[RawRow]:
         except RecursionError:
             error, detail = "too_deep", "nested deeper than the JSON parser goes"
         if error is None:
-            yield _decoded_row(name, index, text.buf[pos:end], value)
+            yield (RawRow(name, index, row=value) if type(value) is dict and not text.suspect
+                   else _decoded_row(name, index, text.buf[pos:end], value))
             pos = text.skip_space(end)
             if pos < len(text.buf) and text.buf[pos] == ",":
                 pos += 1

@@ -78,17 +78,32 @@ def _eval_tasks(config: BuildConfig) -> tuple[Contamination | None, HeldOut | No
     return (Contamination(texts, config.decontaminate_ngram) if texts else None), held
 
 
+# Tasks checked at once: polars builds the n-gram index's automaton anew at each check (~2 ms), so
+# checking 8192 tasks at a time rather than each staged batch (1000) costs ~20 % less.
+CONTAMINATION_CHUNK = 8192
+
+
 def unit_contamination(records_path: str, index: Contamination | None, held: HeldOut | None) -> list[str | None]:
     """Per record of one unit's staged records, in order: why its task overlaps an evaluation task
     (the n-gram `index`, the `held` out items), or null. Reads the `task`, `env` and `source_id`
     columns only."""
     details: list[str | None] = []
+    columns: tuple[list, list, list] = ([], [], [])  # task, env, source_id
     for batch in read_batches(records_path, ["task", "env", "source_id"]):
-        tasks, envs, source_ids = (batch.column(c).to_pylist() for c in ("task", "env", "source_id"))
-        overlaps = index.details(tasks) if index else [None] * len(tasks)
-        details += [(held and held.item_match(env, source_id)) or overlap or None
-                    for env, source_id, overlap in zip(envs, source_ids, overlaps)]
-    return details
+        for values, column in zip(columns, batch.columns):
+            values += column.to_pylist()
+        if len(columns[0]) >= CONTAMINATION_CHUNK:
+            details += _contamination(*columns, index, held)
+            columns = ([], [], [])
+    return details + _contamination(*columns, index, held)
+
+
+def _contamination(tasks: list[str], envs: list[str], source_ids: list[str], index: Contamination | None,
+                   held: HeldOut | None) -> list[str | None]:
+    """`unit_contamination` of these records."""
+    overlaps = index.details(tasks) if index and tasks else [None] * len(tasks)
+    return [(held and held.item_match(env, source_id)) or overlap or None
+            for env, source_id, overlap in zip(envs, source_ids, overlaps)]
 
 
 def contamination(units: list[UnitResult], config: BuildConfig, map_units=in_order) -> pl.Series:

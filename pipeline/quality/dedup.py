@@ -149,9 +149,7 @@ def _unlowered_text(record: dict) -> tuple[str, int]:
     joined = "".join(parts)
     if "\x1b" in joined or "\x07" in joined:
         return _record_text(record), len(parts) // 2
-    if "\\" in joined:
-        joined = _LITERAL_ESCAPE.sub(" ", joined)
-    return joined if joined.isascii() else joined.lower(), len(parts) // 2
+    return _unlowered(joined), len(parts) // 2
 
 
 # Per code point, its class among the tokens' characters: a word character (`re`'s \w), whitespace
@@ -542,8 +540,12 @@ class Contamination:
         if not self.entries:
             return [None] * len(texts)
         words = _task_words(texts)
-        found = (" " + words + " ").str.contains_any(self.entries)
-        return [self._match(_split(joined)) if hit else None for joined, hit in zip(words.to_list(), found.to_list())]
+        hits = (" " + words + " ").str.contains_any(self.entries).arg_true()
+        out: list[tuple[int, str] | None] = [None] * len(texts)
+        # Only the texts that hold an entry (few) come back to Python as strings.
+        for i, joined in zip(hits.to_list(), words.gather(hits).to_list()):
+            out[i] = self._match(_split(joined))
+        return out
 
     def details(self, texts: Sequence[str]) -> list[str | None]:
         """Per text: the quarantine detail of its overlap with an evaluation task, or None."""
@@ -562,8 +564,23 @@ class Contamination:
 
 
 def _task_words(texts: Sequence[str]) -> pl.Series:
-    """The word tokens (maximal \\w+ runs) of each folded text, joined by spaces: dedup's tokens."""
-    return pl.Series(_tokens([_folded(text) for text in texts]).word_texts(), dtype=pl.String)
+    """The word tokens (maximal \\w+ runs) of each folded text, joined by spaces: dedup's tokens.
+    The ASCII texts' lowercasing is left to the tokenizer (as `_unlowered_text` leaves it), and the
+    words are string views into its buffer: no string per text in Python."""
+    tokens = _joined_tokens(*_joined([_unlowered(text) for text in texts]), lower=True)
+    starts = tokens.word_bounds[:-1]
+    # A text's words are its part of `words` less the space after its last word.
+    lengths = np.maximum(np.diff(tokens.word_bounds) - 1, 0)
+    return pl.Series(_string_views(tokens.words, starts.astype(np.uint32), lengths.astype(np.uint32)), dtype=pl.String)
+
+
+def _unlowered(text: str) -> str:
+    """`_folded`, less the lowercasing of an ASCII text (`_joined_tokens` does it with `lower`)."""
+    if "\x1b" in text or "\x07" in text:
+        return _folded(text)
+    if "\\" in text:
+        text = _LITERAL_ESCAPE.sub(" ", text)
+    return text if text.isascii() else text.lower()
 
 
 def _split(words: str) -> tuple[str, ...]:
