@@ -281,11 +281,20 @@ def _with_repeat(record: dict, repeat: int | None) -> dict:
     return {**record, "id": f"{record['id']}~{repeat}", "meta": json.dumps(meta, sort_keys=True)}
 
 
+def _read_fields(outputs: list[Output]) -> list[str]:
+    """The fields of a kept record that `outputs`' makers read from its dict (`Output.reads`, the
+    turns when a row maker reads them), with the id and meta `_with_repeat` changes, in schema order."""
+    read = {"id", "meta"}.union(*(output.reads for output in outputs))
+    if any(output.rows is not None and output.reads_turns for output in outputs):
+        read.add("conversations")
+    return [name for name in arrow_schema("trajectory").names if name in read]
+
+
 def _kept_records(records_path: str, kept_rows: np.ndarray, repeats: dict[int, int],
                   quarantined: dict[int, tuple[str, str]], out: UnitOutputs,
-                  turns: bool = True) -> Iterator[tuple[pa.Table, list[dict]]]:
+                  fields: list[str] | None = None) -> Iterator[tuple[pa.Table, list[dict]]]:
     """Per staged batch, its kept records (their ids made unique, `repeats`) as an Arrow table and
-    as dicts (without their `conversations` unless `turns`); the quarantine rows of its records a
+    as dicts (of `fields` only, with id and meta, when given); the quarantine rows of its records a
     global stage quarantined go to `out`."""
     kept = np.sort(kept_rows)
     start = 0
@@ -303,9 +312,9 @@ def _kept_records(records_path: str, kept_rows: np.ndarray, repeats: dict[int, i
             keep = np.zeros(batch.num_rows, dtype=bool)
             keep[rows - start] = True
             table = table.filter(pa.array(keep))
-        # Without their turns when no row maker reads them (`Output.reads_turns`): a batch's maker
-        # converts those it reads (`Output.batch`).
-        records = (table if turns else table.drop_columns(["conversations"])).to_pylist()
+        # Only the fields the makers read (`Output.reads`; the turns only when a row maker reads
+        # them, `Output.reads_turns`: a batch's maker converts those it reads, `Output.batch`).
+        records = (table if fields is None else table.select(fields)).to_pylist()
         repeated = [(i, repeats[row]) for i, row in enumerate(rows.tolist()) if row in repeats] if repeats else []
         if repeated:
             for i, repeat in repeated:
@@ -372,8 +381,7 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
     unit = UnitContext(pools, negatives)
     out = UnitOutputs()
     with cyclic_gc_paused():
-        turns = any(output.rows is not None and output.reads_turns for output in makers)
-        for table, records in _kept_records(records_path, kept_rows, repeats, quarantined, out, turns):
+        for table, records in _kept_records(records_path, kept_rows, repeats, quarantined, out, _read_fields(written)):
             made = _made_rows(table, records, makers, unit)
             for output in written:
                 _write_batch(output, table, records, made, writers[output.name], counts)
