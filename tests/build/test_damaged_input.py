@@ -19,6 +19,7 @@ import pytest
 
 import trajforge.pipeline.build.second_half as second_half
 import trajforge.pipeline.build.units as units
+import trajforge.sources.base as base
 from tests.support.paths import RAW
 from trajforge.pipeline.atomic import StreamingTable
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
@@ -110,6 +111,24 @@ def test_unpaired_surrogate_is_a_reason_not_a_question_mark(tmp_path, container)
     rows[1]["conversations"][0]["value"] = "MARK"
     ok = json.dumps(rows[1]).replace('"MARK"', '"x \\ud83d\\ude00 y"').encode()
     assert next(iter_rows(_write(tmp_path / "pair.jsonl", ok))).row is not None
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2, 3, 5, 7, 11, 64, 1 << 20])
+def test_damage_found_wherever_the_read_chunks_end(tmp_path, monkeypatch, chunk_bytes):
+    """The JSON array reader checks a chunk's text, not each element, for bytes that are not UTF-8
+    and escaped surrogates, until one shows: one that straddles two chunks is found all the same,
+    in clean rows after clean rows, and a bad byte late in a file spoils only its own element."""
+    rows = fifty()[:6]
+    rows[2]["conversations"][0]["value"] = "LONE"
+    rows[4]["conversations"][0]["value"] = "BYTES"
+    texts = [json.dumps(r) for r in rows]
+    payload = ("[" + ", ".join(texts) + "]").encode()
+    payload = payload.replace(b'"LONE"', b'"x \\udc00 y"').replace(b'"BYTES"', b'"x \xff y"')
+    monkeypatch.setattr(base, "CHUNK_BYTES", chunk_bytes)
+    read = list(iter_rows(_write(tmp_path / "webshop_train.json", payload)))
+    assert [(r.index, r.error) for r in read] == [(0, None), (1, None), (2, "unpaired_surrogate"), (3, None),
+                                                   (4, "invalid_utf8"), (5, None)]
+    assert [r.row for r in read if r.error is None] == [rows[i] for i in (0, 1, 3, 5)]
 
 
 def _write(path, payload: bytes):
