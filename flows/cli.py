@@ -301,10 +301,12 @@ def _small_local_input(run: BuildRun) -> bool:
 def _run_build(args: argparse.Namespace) -> int:
     run = _build_run(args)
     _check_build_args(run)
-    # The stages' settings, checked before Prefect loads (the stages load in a few seconds, Prefect in more).
-    config = stage_config(run.stages, args.config if "config" in args else "options")
     small = _small_local_input(run)
     with _flow_api(small) as api:
+        # The stages' settings, checked before this process loads Prefect, while the temporary server
+        # starts (loading the stages takes ~0.8 s: the server used to start that much later). A bad
+        # setting stops the server unused.
+        config = stage_config(run.stages, args.config if "config" in args else "options")
         fork_server = not small and run.runner in (AUTO, "processes")
         if fork_server:
             from trajforge.flows.workers import start_fork_server

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from tests.support.cli import CPU_BOUND_S, WALL_BOUND_S, refused, trajforge
@@ -204,15 +205,28 @@ def test_build_config_file_missing_or_with_an_unknown_key(tmp_path):
     assert "--source nosuch: unknown source" in refused("build", "--config", str(config))
 
 
-def test_build_config_unknown_stage_key_exits_2_before_prefect(tmp_path):
+@pytest.mark.parametrize("runner", ["auto", "processes"])
+def test_build_config_unknown_stage_key_exits_2_before_prefect(tmp_path, runner):
     """Stage settings are checked against the stage configs (which load in seconds, so this case has
-    no time bound), before Prefect starts or the output folder is made."""
+    no time bound), before this process loads Prefect or the output folder is made. Where a build
+    needs a temporary server (`processes`; `auto` on small input runs in process), it starts while
+    they load, and a bad setting stops it: no server outlives the refusal."""
     config = tmp_path / "build.yaml"
     config.write_text(f"out: {tmp_path / 'out'}\nstages:\n  dedup:\n    treshold: 0.9\n")
-    proc, _, _ = trajforge("build", "--config", str(config), "--source", f"agentinstruct={RAW / 'agentinstruct'}")
+    mark = f"refused-{os.getpid()}-{runner}"
+    proc, _, _ = trajforge("build", "--config", str(config), "--runner", runner,
+                           "--source", f"agentinstruct={RAW / 'agentinstruct'}", TRAJFORGE_TEST_MARK=mark)
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
     assert "unknown key stages.dedup.treshold" in line and not (tmp_path / "out").exists()
+    assert not [p for p in psutil.process_iter() if _environ(p).get("TRAJFORGE_TEST_MARK") == mark]
+
+
+def _environ(process: psutil.Process) -> dict[str, str]:
+    try:
+        return process.environ()
+    except psutil.Error:
+        return {}
 
 
 def test_build_needs_an_output_folder():
