@@ -251,6 +251,18 @@ def _sketch_rows(values: pa.Array) -> np.ndarray:
     return data[offsets[0]:offsets[-1]].reshape(len(values), SKETCH_BINS)
 
 
+def _rows_within(kept: np.ndarray, start: int, end: int) -> np.ndarray:
+    """The rows of `kept` (sorted) in [start, end): a staged batch's kept rows."""
+    return kept[np.searchsorted(kept, start):np.searchsorted(kept, end)]
+
+
+def _batch_mask(rows: np.ndarray, start: int, num_rows: int) -> pa.Array:
+    """A batch's filter mask (the batch starts at row `start`): true at `rows`."""
+    keep = np.zeros(num_rows, dtype=bool)
+    keep[rows - start] = True
+    return pa.array(keep)
+
+
 def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:
     """The pools of one unit's kept positives, in order; reads four small columns and the first turn
     of the tool domain's positives (the only first turns `EnvPools.add` reads: converting every
@@ -260,9 +272,8 @@ def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:
     start = 0
     for batch in read_batches(records_path, ["kind", "env", "domain", "answer", "conversations"]):
         end = start + batch.num_rows
-        keep = np.zeros(batch.num_rows, dtype=bool)
-        keep[kept[np.searchsorted(kept, start):np.searchsorted(kept, end)] - start] = True
-        positives = batch.filter(pc.and_(pa.array(keep), pc.equal(batch.column("kind"), "positive")))
+        keep = _batch_mask(_rows_within(kept, start, end), start, batch.num_rows)
+        positives = batch.filter(pc.and_(keep, pc.equal(batch.column("kind"), "positive")))
         tool = pc.equal(positives.column("domain"), "tool")
         firsts = iter(pc.list_slice(positives.column("conversations").filter(tool), 0, 1).to_pylist())
         for record, is_tool in zip(positives.drop_columns(["conversations"]).to_pylist(), tool.to_pylist()):
@@ -304,14 +315,12 @@ def _kept_records(records_path: str, kept_rows: np.ndarray, repeats: dict[int, i
         if held:
             records = batch.take(pa.array(np.asarray(held) - start)).to_pylist()
             out.quarantined.extend(_quarantine_row(record, *quarantined[row]) for row, record in zip(held, records))
-        rows = kept[np.searchsorted(kept, start):np.searchsorted(kept, end)]
+        rows = _rows_within(kept, start, end)
         table = pa.Table.from_batches([batch])
         if len(rows) < batch.num_rows:  # else the batch as read, not a copy
             # A filter, not a take of the rows: the same table at half the CPU (strings are copied
             # in runs, their sizes known before, where a take appends them one at a time).
-            keep = np.zeros(batch.num_rows, dtype=bool)
-            keep[rows - start] = True
-            table = table.filter(pa.array(keep))
+            table = table.filter(_batch_mask(rows, start, batch.num_rows))
         # Only the fields the makers read (`Output.reads`; the turns only when a row maker reads
         # them, `Output.reads_turns`: a batch's maker converts those it reads, `Output.batch`).
         records = (table if fields is None else table.select(fields)).to_pylist()
