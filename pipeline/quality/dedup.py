@@ -149,7 +149,7 @@ def _unlowered_text(record: dict) -> tuple[str, int]:
     joined = "".join(parts)
     if "\x1b" in joined or "\x07" in joined:
         return _record_text(record), len(parts) // 2
-    return _unlowered(joined), len(parts) // 2
+    return _unescaped_unlowered(joined), len(parts) // 2
 
 
 # Per code point, its class among the tokens' characters: a word character (`re`'s \w), whitespace
@@ -578,6 +578,11 @@ def _unlowered(text: str) -> str:
     """`_folded`, less the lowercasing of an ASCII text (`_joined_tokens` does it with `lower`)."""
     if "\x1b" in text or "\x07" in text:
         return _folded(text)
+    return _unescaped_unlowered(text)
+
+
+def _unescaped_unlowered(text: str) -> str:
+    """`_unlowered` of a text without terminal control sequences."""
     if "\\" in text:
         text = _LITERAL_ESCAPE.sub(" ", text)
     return text if text.isascii() else text.lower()
