@@ -457,23 +457,22 @@ def batch_negatives(records: pa.Table, parents: list[dict], pools: EnvPools, con
 def _turn_rows(negative: list[dict], parent: list[dict], start: int, own: list[dict], base: int,
                placed: dict[int, int]) -> list[int]:
     """Where each turn of a negative's conversation is in the pool `negative_table` takes them from:
-    `start` + j for its parent's turn j (the same dict, `_negative`), else `base` + its place in
-    `own`, where it is added once (`placed`: by the turn's id, the pool row of each turn in `own`;
-    an action loop repeats its own turn)."""
+    `start` + j for its parent's turn j (the same dict, `_negative`, or an equal one: the same values),
+    else `base` + its place in `own`, where it is added once (`placed`: by the turn's id, the pool row
+    of each turn in `own`; an action loop repeats its own turn)."""
     rows = []
-    at: dict[int, int] | None = None
     for k, turn in enumerate(negative):
         if k < len(parent) and turn is parent[k]:
             rows.append(start + k)
             continue
-        if at is None:
-            at = {id(t): j for j, t in enumerate(parent)}
-        j = at.get(id(turn))
-        if j is not None and parent[j] is turn:
-            rows.append(start + j)
-            continue
         row = placed.get(id(turn))
         if row is None:
+            # A parent's turn elsewhere (an action loop repeats the reply it loops on). Searched by
+            # equality, in C: a new turn (`_turn`) has fewer keys than a staged one, and a dict of
+            # another size is unequal at once (no map of the parent's turns per negative).
+            if turn in parent:
+                rows.append(start + parent.index(turn))
+                continue
             row = placed[id(turn)] = base + len(own)
             own.append(turn)
         rows.append(row)
