@@ -125,29 +125,56 @@ def tokens(data, bounds, classes, lower):
     bare = np.empty(size + 1, dtype=np.uint8)
     word_bounds = np.empty(len(bounds), dtype=np.int64)
     bare_bounds = np.empty(len(bounds), dtype=np.int64)
-    to_lower = np.uint8(0x20 if lower else 0)
+    # Per ASCII byte, looked up rather than worked out at each byte, in a loop of their own (a
+    # multi-byte character's bytes take the next): whether it is a word character, whether `bare`
+    # keeps it, and the byte written (lower case with `lower`).
+    is_word = np.empty(128, dtype=np.uint64)
+    not_space = np.empty(128, dtype=np.uint64)
+    cased = np.empty(128, dtype=np.uint8)
+    for c in range(128):
+        is_word[c] = classes[c] == _WORD
+        not_space[c] = classes[c] != _SPACE
+        cased[c] = c | (0x20 if lower and _ASCII_A <= c <= _ASCII_Z else 0)
     # Unsigned positions (module doc).
     w = np.uint64(0)
     r = np.uint64(0)
-    cls = np.uint8(0)
     previous_word = np.uint64(0)
     for text in range(len(bounds) - 1):
         word_bounds[text] = w
         bare_bounds[text] = r
-        for i in range(np.uint64(bounds[text]), np.uint64(bounds[text + 1])):
+        i = np.uint64(bounds[text])
+        end = np.uint64(bounds[text + 1])
+        while i < end:
             c = data[i]
             if c < 0x80:
-                cls = classes[np.uint64(c)]
-                c |= to_lower * np.uint8(_ASCII_A <= c <= _ASCII_Z)
-            elif c >= 0xC0:
-                cls = classes[_code_point(data, i, c)]
+                word = is_word[c]
+                c = cased[c]
+                # The end of a word run is a space.
+                words[w] = c if word else np.uint8(0x20)
+                w += word | previous_word
+                bare[r] = c
+                r += not_space[c]
+                previous_word = word
+                i += np.uint64(1)
+                continue
+            # A lead byte (the text is UTF-8), then its continuation bytes: each written as the
+            # character's class says (the end of a word run a space, the lead byte only).
+            cls = classes[_code_point(data, i, c)]
             word = np.uint64(cls == _WORD)
-            # The end of a word run is a space (for a multi-byte character, its lead byte only).
+            keep = np.uint64(cls != _SPACE)
             words[w] = c if word else np.uint8(0x20)
             w += word | previous_word
             bare[r] = c
-            r += np.uint64(cls != _SPACE)
+            r += keep
             previous_word = word
+            i += np.uint64(1)
+            while i < end and data[i] & 0xC0 == 0x80:
+                c = data[i]
+                words[w] = c
+                w += word
+                bare[r] = c
+                r += keep
+                i += np.uint64(1)
     word_bounds[len(bounds) - 1] = w
     bare_bounds[len(bounds) - 1] = r
     return words[:w], word_bounds, bare[:r], bare_bounds
