@@ -4,7 +4,10 @@ word shingles, and its MinHash signatures with its one-permutation sketches.
 - `tokens`: dedup.py's tokenizer (`_joined_tokens`) in one pass over the batch's UTF-8 bytes, where
   numpy makes a dozen (a class per byte by `bytes.translate`, the masks, the kept bytes, the counts
   per text): on the 20k corpus's key batches (45 MB) ~0.19 -> ~0.11 s, the same bytes (tests/quality/
-  test_dedup.py runs its tokenizer tests on both).
+  test_dedup.py runs its tokenizer tests on both). It also lowers the key texts' characters beyond
+  ASCII (by a table of `str.lower`'s), which Python did text by text before: `stage_keys` 40.7 ->
+  35.7 us a record on the 100k corpus's key batches (a quarter of its texts are not ASCII; median
+  of 9, same process, alternated).
 - `shingle_views`: `dedup.word_shingle_hashes` finds each text's words and shingles and writes their
   Arrow string views (`dedup._string_views`) in ~15 numpy passes; here in one pass per text, the same
   views (polars hashes them either way): on the 100k corpus's key batches ~0.0110 -> ~0.0083 ms a
@@ -109,20 +112,26 @@ _ASCII_A, _ASCII_Z = 0x41, 0x5A
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def tokens(data, bounds, classes, lower):
+def tokens(data, bounds, classes, lower, lowered):
     """dedup.py's `_joined_tokens` in one pass over the UTF-8 bytes `data` (texts at `bounds`):
-    (words, word_bounds, bare, bare_bounds) as `DedupTokens` holds them, words and bare as uint8
-    arrays. `classes`: the class of every code point (`dedup._classes`); with `lower`, ASCII letters
-    are made lower case in both.
+    (words, word_bounds, bare, bare_bounds, whole) as `DedupTokens` holds the first four, words and
+    bare as uint8 arrays. `classes`: the class of every code point (`dedup._classes`); with `lower`,
+    ASCII letters are made lower case in both, and so is every code point below len(lowered) into
+    lowered[cp] (`dedup._lowered`: an empty table leaves them as they are). `whole` is False when a
+    text holds a code point Python lowers otherwise (U+0130 into two, U+03A3 by its neighbours):
+    those texts are not lowered as `str.lower` would.
 
-    A byte takes its character's class (a continuation byte its lead's). `words` keeps each word
-    character's bytes and the first byte after a run of them, which becomes a space unless it is a
-    word character's; `bare` keeps every byte but whitespace's."""
+    A byte takes its character's class (a continuation byte its lead's); a lowered character is
+    written as its lower case, in UTF-8, with that one's class. `words` keeps each word character's
+    bytes and the first byte after a run of them, which becomes a space unless it is a word
+    character's; `bare` keeps every byte but whitespace's."""
     size = len(data)
     # One byte more than can be kept: each byte is written, and kept by moving on past it or not
-    # (no branch on the class, which changes every few bytes).
-    words = np.empty(size + 1, dtype=np.uint8)
-    bare = np.empty(size + 1, dtype=np.uint8)
+    # (no branch on the class, which changes every few bytes); lowering makes a character at most
+    # half as long again (2 bytes into 3).
+    capacity = size + 1 + (size // 2 if len(lowered) else 0)
+    words = np.empty(capacity, dtype=np.uint8)
+    bare = np.empty(capacity, dtype=np.uint8)
     word_bounds = np.empty(len(bounds), dtype=np.int64)
     bare_bounds = np.empty(len(bounds), dtype=np.int64)
     # Per ASCII byte, looked up rather than worked out at each byte, in a loop of their own (a
@@ -135,6 +144,7 @@ def tokens(data, bounds, classes, lower):
         is_word[c] = classes[c] == _WORD
         not_space[c] = classes[c] != _SPACE
         cased[c] = c | (0x20 if lower and _ASCII_A <= c <= _ASCII_Z else 0)
+    whole = True
     # Unsigned positions (module doc).
     w = np.uint64(0)
     r = np.uint64(0)
@@ -159,7 +169,24 @@ def tokens(data, bounds, classes, lower):
                 continue
             # A lead byte (the text is UTF-8), then its continuation bytes: each written as the
             # character's class says (the end of a word run a space, the lead byte only).
-            cls = classes[_code_point(data, i, c)]
+            code = _code_point(data, i, c)
+            if code < len(lowered) and lowered[code] != code:
+                whole = whole and code != 0x130 and code != 0x3A3
+                code = np.uint64(lowered[code])
+                cls = classes[code]
+                word = np.uint64(cls == _WORD)
+                keep = np.uint64(cls != _SPACE)
+                length = _utf8_length(code)
+                for k in range(length):
+                    c = _utf8_byte(code, length, k)
+                    words[w] = c if word != 0 or k > 0 else np.uint8(0x20)
+                    w += word | (previous_word if k == 0 else word)
+                    bare[r] = c
+                    r += keep
+                previous_word = word
+                i += _width(data[i])
+                continue
+            cls = classes[code]
             word = np.uint64(cls == _WORD)
             keep = np.uint64(cls != _SPACE)
             words[w] = c if word else np.uint8(0x20)
@@ -177,7 +204,7 @@ def tokens(data, bounds, classes, lower):
                 i += np.uint64(1)
     word_bounds[len(bounds) - 1] = w
     bare_bounds[len(bounds) - 1] = r
-    return words[:w], word_bounds, bare[:r], bare_bounds
+    return words[:w], word_bounds, bare[:r], bare_bounds, whole
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -253,6 +280,31 @@ def _four(padded, at):
 
 
 @numba.njit(inline="always")
+def _width(lead):
+    """The bytes of the UTF-8 character whose lead byte (>= 0xC0) is `lead`, unsigned."""
+    return np.uint64(2) if lead < 0xE0 else (np.uint64(3) if lead < 0xF0 else np.uint64(4))
+
+
+@numba.njit(inline="always")
+def _utf8_length(code):
+    """The bytes of code point `code` (unsigned) in UTF-8, unsigned."""
+    if code < 0x80:
+        return np.uint64(1)
+    return np.uint64(2) if code < 0x800 else (np.uint64(3) if code < 0x10000 else np.uint64(4))
+
+
+@numba.njit(inline="always")
+def _utf8_byte(code, length, k):
+    """Byte k of code point `code` in UTF-8 (`length` bytes; all unsigned)."""
+    if length == 1:
+        return np.uint8(code)
+    shift = np.uint64(6) * (length - np.uint64(1) - np.uint64(k))
+    if k == 0:  # 0xC0, 0xE0 or 0xF0, then the code point's high bits
+        return np.uint8(((np.uint64(0xFF00) >> length) & np.uint64(0xFF)) | (code >> shift))
+    return np.uint8(np.uint64(0x80) | ((code >> shift) & np.uint64(0x3F)))
+
+
+@numba.njit(inline="always")
 def _code_point(data, i, lead):
     """The code point of the UTF-8 character whose lead byte `lead` is data[i] (`i` unsigned), unsigned."""
     one, two, three = np.uint64(1), np.uint64(2), np.uint64(3)
@@ -268,7 +320,8 @@ def _code_point(data, i, lead):
 def warm() -> None:
     """Load the loops (from numba's cache, or compiled) now: a process that forks workers (the
     `processes` runner's fork server) can load them once for every worker it starts."""
-    tokens(np.frombuffer(b"a\n", dtype=np.uint8), np.array([0, 2], dtype=np.int64), np.zeros(128, dtype=np.uint8), True)
+    tokens(np.frombuffer(b"a\n", dtype=np.uint8), np.array([0, 2], dtype=np.int64), np.zeros(128, dtype=np.uint8), True,
+           np.zeros(1, dtype=np.uint32))
     one = np.zeros(1, dtype=np.uint32)
     signatures_and_sketches(one, one, np.array([0, 1], dtype=np.int64), one, one, 8)
     # Read-only, as `word_shingle_hashes` passes its padded bytes: the type the build's calls load.
