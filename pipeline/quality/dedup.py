@@ -334,6 +334,10 @@ def dedup_group(record: dict) -> str:
     return f"{record['kind']}:{record['negative_type'] or ''}"
 
 
+# Between the group, the words and the bare text in what the exact key hashes.
+_KEY_SEPARATOR = b"\x1f"
+
+
 def exact_key(group: str, text: DedupText) -> str:
     """The exact-dedup hash of a record, from its group and its `DedupText`."""
     return _exact_key(group, text.words.encode(), text.bare.encode())
@@ -358,10 +362,6 @@ def exact_keys(groups: Sequence[str], tokens: DedupTokens) -> list[str]:
         key.update(bare[bare_bounds[i]:bare_bounds[i + 1]])
         keys.append(key.hexdigest())
     return keys
-
-
-# Between the group, the words and the bare text in what the exact key hashes.
-_KEY_SEPARATOR = b"\x1f"
 
 
 def _exact_key(group: str, words, bare) -> str:

@@ -20,7 +20,7 @@ word shingles, and its MinHash signatures with its one-permutation sketches.
   bits each, in L1), their minima in registers, and a second pass keeps each sketch bin's minimum:
   on the 20k corpus's key batches (7.0M shingles, 18,278 sets) 0.26 -> 0.11 s, the same bits
   (tests/quality/test_dedup_table.py); a pass over the permutations per shingle (loading and
-  storing every minimum at each shingle) cost ~5x these passes (100k corpus's key batches,
+  storing every minimum at each shingle) cost ~4-6x these passes (100k corpus's key batches,
   bench/ab_map.py's rows: ~8.3 -> ~1.9 us a record).
 
 Both loops index through unsigned integers: through a signed one numba tests every access for a
@@ -60,7 +60,7 @@ def signatures_and_sketches(high, low, starts, a, b, bins):
         xs = high[np.uint64(starts[i]):np.uint64(starts[i + 1])]
         # Eight permutations a pass over the set's shingles, their minima in registers (the loop
         # vectorized over the shingles); a loop over the permutations per shingle instead loads and
-        # stores every minimum at each shingle, ~6x the CPU.
+        # stores every minimum at each shingle, ~4-6x the CPU.
         for p in range(0, blocked, 8):
             _minima8(xs, a, b, p, sig[i])
         for p in range(blocked, perms):
