@@ -4,18 +4,24 @@ word shingles, and its MinHash signatures with its one-permutation sketches.
 - `tokens`: dedup.py's tokenizer (`_joined_tokens`) in one pass over the batch's UTF-8 bytes, where
   numpy makes a dozen (a class per byte by `bytes.translate`, the masks, the kept bytes, the counts
   per text): on the 20k corpus's key batches (45 MB) ~0.19 -> ~0.11 s, the same bytes (tests/quality/
-  test_dedup.py runs its tokenizer tests on both).
+  test_dedup.py runs its tokenizer tests on both). It also lowers the key texts' characters beyond
+  ASCII (by a table of `str.lower`'s), which Python did text by text before: `stage_keys` 40.7 ->
+  35.7 us a record on the 100k corpus's key batches (a quarter of its texts are not ASCII; median
+  of 9, same process, alternated).
 - `shingle_views`: `dedup.word_shingle_hashes` finds each text's words and shingles and writes their
   Arrow string views (`dedup._string_views`) in ~15 numpy passes; here in one pass per text, the same
   views (polars hashes them either way): on the 100k corpus's key batches ~0.0110 -> ~0.0083 ms a
-  record for the whole of `word_shingle_hashes`.
+  record for the whole of `word_shingle_hashes`; with the words' ends found without a branch, this
+  loop 4.2 -> 1.6 us a record (bench/ab_map.py's rows, same process).
 - `signatures_and_sketches`: `dedup._numpy_signatures` and `dedup_table.sketches` compute these in
   numpy: the signatures as a (permutations x shingles) buffer written by a multiply, then an add,
   then read by a per-set minimum (three passes over ~3 MB, beyond L2), the sketches by
-  `np.minimum.at`. Here each shingle's 32 high bits go through the permutations while the set's
-  minima stay in registers and L1, and the same loop keeps its sketch bin's minimum: on the 20k
-  corpus's key batches (7.0M shingles, 18,278 sets) 0.26 -> 0.11 s, the same bits
-  (tests/quality/test_dedup_table.py).
+  `np.minimum.at`. Here eight permutations at a time take one pass over a set's shingles (32 high
+  bits each, in L1), their minima in registers, and a second pass keeps each sketch bin's minimum:
+  on the 20k corpus's key batches (7.0M shingles, 18,278 sets) 0.26 -> 0.11 s, the same bits
+  (tests/quality/test_dedup_table.py); a pass over the permutations per shingle (loading and
+  storing every minimum at each shingle) cost ~4-6x these passes (100k corpus's key batches,
+  bench/ab_map.py's rows: ~8.3 -> ~1.9 us a record).
 
 Both loops index through unsigned integers: through a signed one numba tests every access for a
 negative (from the end) index. On the 100k corpus's key batches (same-process, bench/ab_map.py's
@@ -45,27 +51,59 @@ def signatures_and_sketches(high, low, starts, a, b, bins):
     is k, stored as minimum % 255 + 1, and 0 where none is (or the minimum is 0xFFFFFFFF)."""
     n = len(starts) - 1
     perms = a.shape[0]
+    blocked = perms - perms % 8
     sig = np.empty((n, perms), dtype=np.uint32)
     sketch = np.zeros((n, bins), dtype=np.uint8)
-    minima = np.empty(perms, dtype=np.uint32)
     smallest = np.empty(bins, dtype=np.uint32)
     mask = np.uint32(bins - 1)
     for i in range(n):
-        minima[:] = _EMPTY
+        xs = high[np.uint64(starts[i]):np.uint64(starts[i + 1])]
+        # Eight permutations a pass over the set's shingles, their minima in registers (the loop
+        # vectorized over the shingles); a loop over the permutations per shingle instead loads and
+        # stores every minimum at each shingle, ~4-6x the CPU.
+        for p in range(0, blocked, 8):
+            _minima8(xs, a, b, p, sig[i])
+        for p in range(blocked, perms):
+            sig[i, p] = _minimum(xs, a[p], b[p])
         smallest[:] = _EMPTY
-        # Unsigned indices (module doc); the minimum as `min`, no branch.
+        # Unsigned indices (module doc); the minimum as `min`, no branch (~5x faster than an `if`
+        # on these random values).
         for s in range(np.uint64(starts[i]), np.uint64(starts[i + 1])):
-            x = high[s]
             k = np.uint64(low[s] & mask)
-            if x < smallest[k]:
-                smallest[k] = x
-            for p in range(np.uint64(perms)):
-                minima[p] = min(minima[p], np.uint32(a[p] * x + b[p]))
-        sig[i] = minima
+            smallest[k] = min(smallest[k], high[s])
         for k in range(bins):
             if smallest[k] != _EMPTY:
                 sketch[i, k] = np.uint8(smallest[k] % np.uint32(255) + np.uint32(1))
     return sig, sketch
+
+
+@numba.njit(inline="always")
+def _minimum(xs, a, b):
+    """The minimum of (a * x + b) mod 2^32 over the uint32s `xs`."""
+    m = _EMPTY
+    for s in range(len(xs)):
+        m = min(m, np.uint32(a * xs[s] + b))
+    return m
+
+
+@numba.njit(inline="always")
+def _minima8(xs, a, b, p, out):
+    """out[p:p + 8]: the `_minimum` of permutations p .. p + 7, in one pass over `xs`."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = a[p], a[p + 1], a[p + 2], a[p + 3], a[p + 4], a[p + 5], a[p + 6], a[p + 7]
+    b0, b1, b2, b3, b4, b5, b6, b7 = b[p], b[p + 1], b[p + 2], b[p + 3], b[p + 4], b[p + 5], b[p + 6], b[p + 7]
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = _EMPTY
+    for s in range(len(xs)):
+        x = xs[s]
+        m0 = min(m0, np.uint32(a0 * x + b0))
+        m1 = min(m1, np.uint32(a1 * x + b1))
+        m2 = min(m2, np.uint32(a2 * x + b2))
+        m3 = min(m3, np.uint32(a3 * x + b3))
+        m4 = min(m4, np.uint32(a4 * x + b4))
+        m5 = min(m5, np.uint32(a5 * x + b5))
+        m6 = min(m6, np.uint32(a6 * x + b6))
+        m7 = min(m7, np.uint32(a7 * x + b7))
+    out[p], out[p + 1], out[p + 2], out[p + 3] = m0, m1, m2, m3
+    out[p + 4], out[p + 5], out[p + 6], out[p + 7] = m4, m5, m6, m7
 
 
 # Character classes, as dedup.py's `_classes` numbers them.
@@ -74,48 +112,99 @@ _ASCII_A, _ASCII_Z = 0x41, 0x5A
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def tokens(data, bounds, classes, lower):
+def tokens(data, bounds, classes, lower, lowered):
     """dedup.py's `_joined_tokens` in one pass over the UTF-8 bytes `data` (texts at `bounds`):
-    (words, word_bounds, bare, bare_bounds) as `DedupTokens` holds them, words and bare as uint8
-    arrays. `classes`: the class of every code point (`dedup._classes`); with `lower`, ASCII letters
-    are made lower case in both.
+    (words, word_bounds, bare, bare_bounds, whole) as `DedupTokens` holds the first four, words and
+    bare as uint8 arrays. `classes`: the class of every code point (`dedup._classes`); with `lower`,
+    ASCII letters are made lower case in both, and so is every code point below len(lowered) into
+    lowered[cp] (`dedup._lowered`: an empty table leaves them as they are). `whole` is False when a
+    text holds a code point Python lowers otherwise (U+0130 into two, U+03A3 by its neighbours):
+    those texts are not lowered as `str.lower` would.
 
-    A byte takes its character's class (a continuation byte its lead's). `words` keeps each word
-    character's bytes and the first byte after a run of them, which becomes a space unless it is a
-    word character's; `bare` keeps every byte but whitespace's."""
+    A byte takes its character's class (a continuation byte its lead's); a lowered character is
+    written as its lower case, in UTF-8, with that one's class. `words` keeps each word character's
+    bytes and the first byte after a run of them, which becomes a space unless it is a word
+    character's; `bare` keeps every byte but whitespace's."""
     size = len(data)
     # One byte more than can be kept: each byte is written, and kept by moving on past it or not
-    # (no branch on the class, which changes every few bytes).
-    words = np.empty(size + 1, dtype=np.uint8)
-    bare = np.empty(size + 1, dtype=np.uint8)
+    # (no branch on the class, which changes every few bytes); lowering makes a character at most
+    # half as long again (2 bytes into 3).
+    capacity = size + 1 + (size // 2 if len(lowered) else 0)
+    words = np.empty(capacity, dtype=np.uint8)
+    bare = np.empty(capacity, dtype=np.uint8)
     word_bounds = np.empty(len(bounds), dtype=np.int64)
     bare_bounds = np.empty(len(bounds), dtype=np.int64)
-    to_lower = np.uint8(0x20 if lower else 0)
+    # Per ASCII byte, looked up rather than worked out at each byte, in a loop of their own (a
+    # multi-byte character's bytes take the next): whether it is a word character, whether `bare`
+    # keeps it, and the byte written (lower case with `lower`).
+    is_word = np.empty(128, dtype=np.uint64)
+    not_space = np.empty(128, dtype=np.uint64)
+    cased = np.empty(128, dtype=np.uint8)
+    for c in range(128):
+        is_word[c] = classes[c] == _WORD
+        not_space[c] = classes[c] != _SPACE
+        cased[c] = c | (0x20 if lower and _ASCII_A <= c <= _ASCII_Z else 0)
+    whole = True
     # Unsigned positions (module doc).
     w = np.uint64(0)
     r = np.uint64(0)
-    cls = np.uint8(0)
     previous_word = np.uint64(0)
     for text in range(len(bounds) - 1):
         word_bounds[text] = w
         bare_bounds[text] = r
-        for i in range(np.uint64(bounds[text]), np.uint64(bounds[text + 1])):
+        i = np.uint64(bounds[text])
+        end = np.uint64(bounds[text + 1])
+        while i < end:
             c = data[i]
             if c < 0x80:
-                cls = classes[np.uint64(c)]
-                c |= to_lower * np.uint8(_ASCII_A <= c <= _ASCII_Z)
-            elif c >= 0xC0:
-                cls = classes[_code_point(data, i, c)]
+                word = is_word[c]
+                c = cased[c]
+                # The end of a word run is a space.
+                words[w] = c if word else np.uint8(0x20)
+                w += word | previous_word
+                bare[r] = c
+                r += not_space[c]
+                previous_word = word
+                i += np.uint64(1)
+                continue
+            # A lead byte (the text is UTF-8), then its continuation bytes: each written as the
+            # character's class says (the end of a word run a space, the lead byte only).
+            code = _code_point(data, i, c)
+            if code < len(lowered) and lowered[code] != code:
+                whole = whole and code != 0x130 and code != 0x3A3
+                code = np.uint64(lowered[code])
+                cls = classes[code]
+                word = np.uint64(cls == _WORD)
+                keep = np.uint64(cls != _SPACE)
+                length = _utf8_length(code)
+                for k in range(length):
+                    c = _utf8_byte(code, length, k)
+                    words[w] = c if word != 0 or k > 0 else np.uint8(0x20)
+                    w += word | (previous_word if k == 0 else word)
+                    bare[r] = c
+                    r += keep
+                previous_word = word
+                i += _width(data[i])
+                continue
+            cls = classes[code]
             word = np.uint64(cls == _WORD)
-            # The end of a word run is a space (for a multi-byte character, its lead byte only).
+            keep = np.uint64(cls != _SPACE)
             words[w] = c if word else np.uint8(0x20)
             w += word | previous_word
             bare[r] = c
-            r += np.uint64(cls != _SPACE)
+            r += keep
             previous_word = word
+            i += np.uint64(1)
+            while i < end and data[i] & 0xC0 == 0x80:
+                c = data[i]
+                words[w] = c
+                w += word
+                bare[r] = c
+                r += keep
+                i += np.uint64(1)
     word_bounds[len(bounds) - 1] = w
     bare_bounds[len(bounds) - 1] = r
-    return words[:w], word_bounds, bare[:r], bare_bounds
+    return words[:w], word_bounds, bare[:r], bare_bounds, whole
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -128,29 +217,35 @@ def shingle_views(padded, bounds, size):
     texts = len(bounds) - 1
     sizes = np.empty(texts, dtype=np.int64)
     total = 0
+    longest = 0
     for t in range(texts):
         n = 0
         for i in range(np.uint64(bounds[t]), np.uint64(bounds[t + 1])):
             n += padded[i] == 0x20  # every space ends a word
         sizes[t] = max(n - (size - 1), 1)
         total += sizes[t]
+        longest = max(longest, bounds[t + 1] - bounds[t])
     views = np.empty((total, 4), dtype=np.uint32)
-    ends = np.empty(len(padded) // 2 + 1, dtype=np.int64)  # where each word of the current text ends
-    row = 0
+    # Where each word of the current text ends: sized to the longest text (stays in cache), one
+    # more than the spaces it can hold.
+    ends = np.empty(longest + 1, dtype=np.int64)
+    row = np.uint64(0)
     for t in range(texts):
-        start, n = bounds[t], 0
+        start = bounds[t]
+        # Each byte's position is written and kept by moving on past it at a space only: no branch
+        # on the bytes (one every ~6 bytes mispredicted: ~2.5x the CPU of this function).
+        n = np.uint64(0)
         for i in range(np.uint64(start), np.uint64(bounds[t + 1])):
-            if padded[i] == 0x20:
-                ends[np.uint64(n)] = i
-                n += 1
+            ends[n] = i
+            n += np.uint64(padded[i] == 0x20)
         if n == 0:  # one empty shingle
-            views[np.uint64(row)] = 0
-            row += 1
+            views[row] = 0
+            row += np.uint64(1)
             continue
         for j in range(n - (size - 1) if n > size - 1 else 1):
             begin = start if j == 0 else ends[np.uint64(j - 1)] + 1
-            _view(padded, views, np.uint64(row), begin, ends[np.uint64(min(j + size - 1, n - 1))] - begin)
-            row += 1
+            _view(padded, views, row, begin, ends[np.uint64(min(j + size - 1, n - 1))] - begin)
+            row += np.uint64(1)
     return sizes, views
 
 
@@ -185,6 +280,31 @@ def _four(padded, at):
 
 
 @numba.njit(inline="always")
+def _width(lead):
+    """The bytes of the UTF-8 character whose lead byte (>= 0xC0) is `lead`, unsigned."""
+    return np.uint64(2) if lead < 0xE0 else (np.uint64(3) if lead < 0xF0 else np.uint64(4))
+
+
+@numba.njit(inline="always")
+def _utf8_length(code):
+    """The bytes of code point `code` (unsigned) in UTF-8, unsigned."""
+    if code < 0x80:
+        return np.uint64(1)
+    return np.uint64(2) if code < 0x800 else (np.uint64(3) if code < 0x10000 else np.uint64(4))
+
+
+@numba.njit(inline="always")
+def _utf8_byte(code, length, k):
+    """Byte k of code point `code` in UTF-8 (`length` bytes; all unsigned)."""
+    if length == 1:
+        return np.uint8(code)
+    shift = np.uint64(6) * (length - np.uint64(1) - np.uint64(k))
+    if k == 0:  # 0xC0, 0xE0 or 0xF0, then the code point's high bits
+        return np.uint8(((np.uint64(0xFF00) >> length) & np.uint64(0xFF)) | (code >> shift))
+    return np.uint8(np.uint64(0x80) | ((code >> shift) & np.uint64(0x3F)))
+
+
+@numba.njit(inline="always")
 def _code_point(data, i, lead):
     """The code point of the UTF-8 character whose lead byte `lead` is data[i] (`i` unsigned), unsigned."""
     one, two, three = np.uint64(1), np.uint64(2), np.uint64(3)
@@ -198,9 +318,15 @@ def _code_point(data, i, lead):
 
 
 def warm() -> None:
-    """Load the loops (from numba's cache, or compiled) now: a process that forks workers (the
+    """Load the loops (from numba's cache, or compiled) now, and make the tables `tokens` reads
+    (dedup.py's `_classes`, ~0.11 s of CPU, and `_lowered`): a process that forks workers (the
     `processes` runner's fork server) can load them once for every worker it starts."""
-    tokens(np.frombuffer(b"a\n", dtype=np.uint8), np.array([0, 2], dtype=np.int64), np.zeros(128, dtype=np.uint8), True)
+    from trajforge.pipeline.quality.dedup import _classes, _lowered
+
+    _classes()
+    _lowered()
+    tokens(np.frombuffer(b"a\n", dtype=np.uint8), np.array([0, 2], dtype=np.int64), np.zeros(128, dtype=np.uint8), True,
+           np.zeros(1, dtype=np.uint32))
     one = np.zeros(1, dtype=np.uint32)
     signatures_and_sketches(one, one, np.array([0, 1], dtype=np.int64), one, one, 8)
     # Read-only, as `word_shingle_hashes` passes its padded bytes: the type the build's calls load.

@@ -131,6 +131,23 @@ def test_damage_found_wherever_the_read_chunks_end(tmp_path, monkeypatch, chunk_
     assert [r.row for r in read if r.error is None] == [rows[i] for i in (0, 1, 3, 5)]
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 2, 3, 5, 7, 64, 1 << 20])
+def test_bad_bytes_after_a_bom_and_before_split_characters(tmp_path, monkeypatch, chunk_bytes):
+    """The reader decodes strictly until a chunk holds a byte that is not UTF-8, then decodes that
+    chunk again from the same state keeping the bad bytes: the BOM is dropped once, and the
+    multi-byte characters on either side (split between chunks or not) read as they are."""
+    rows = fifty()[:3]
+    rows[0]["conversations"][0]["value"] = "é BYTES é"
+    rows[1]["conversations"][0]["value"] = "ü 漢字 😀"
+    payload = ("[" + ", ".join(json.dumps(r, ensure_ascii=False) for r in rows) + "]").encode()
+    payload = b"\xef\xbb\xbf" + payload.replace(b"BYTES", b"\xff")
+    monkeypatch.setattr(base, "CHUNK_BYTES", chunk_bytes)
+    read = list(iter_rows(_write(tmp_path / "webshop_train.json", payload)))
+    assert [(r.index, r.error) for r in read] == [(0, "invalid_utf8"), (1, None), (2, None)]
+    assert "é \\xff é" in read[0].raw_text
+    assert [r.row for r in read[1:]] == rows[1:]
+
+
 def _write(path, payload: bytes):
     path.write_bytes(payload)
     return path

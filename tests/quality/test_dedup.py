@@ -285,6 +285,23 @@ def test_tokens_are_those_of_re_on_every_code_point(monkeypatch, compiled_from):
 
 
 @pytest.mark.parametrize("compiled_from", [0, 1 << 62], ids=["compiled", "numpy"])
+def test_every_code_point_is_lowered_as_str_lower_does(monkeypatch, compiled_from):
+    """Records whose texts hold every code point between two capitals: the compiled loop lowers
+    them itself (`_lowered`), numpy's caller by `str.lower`; a batch with U+0130 or U+03A3 in a text
+    (which `str.lower` lowers into two, or as its neighbours say) is lowered by `str.lower` in
+    either. The tokens are `fold`'s."""
+    monkeypatch.setattr(dedup, "COMPILED_TOKENS_FROM", compiled_from)
+    every = [chr(c) for c in range(0x80, 0x110000) if not 0xD800 <= c <= 0xDFFF and c not in (0x130, 0x3A3)]
+    texts = ["".join(f"A{c}B" for c in every[start:start + 20_000]) for start in range(0, len(every), 20_000)]
+    for special in ([], ["\u0130 ΑΣ Σ. aΣb"]):
+        records = [{"task": text, "conversations": []} for text in texts + special]
+        for record, found in zip(records, dedup_texts(records)):
+            tokens = fold(record["task"])
+            assert found.bare == "".join(tokens)
+            assert found.words == " ".join(t for t in tokens if re.fullmatch(r"\w+", t))
+
+
+@pytest.mark.parametrize("compiled_from", [0, 1 << 62], ids=["compiled", "numpy"])
 def test_ascii_tokens_are_those_of_re_on_every_ascii_code_point(monkeypatch, compiled_from):
     """An ASCII text (read by bytes.translate in numpy): each ASCII code point between two letters is
     one word with them, a space, or a token of its own, as Python's `re` decides."""

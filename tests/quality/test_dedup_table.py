@@ -237,7 +237,8 @@ def test_pools_of_units_merged_in_order_equal_the_pool_of_all_records(merged, pa
 
 def test_compiled_signatures_and_sketches_are_numpys_bit_for_bit():
     """keys_kernel.py against `_numpy_signatures` and `sketches`: sets of one shingle, of many,
-    shingles that repeat, bins whose smallest value is 0 or 0xFFFFFFFF (stored as an empty bin)."""
+    shingles that repeat, bins whose smallest value is 0 or 0xFFFFFFFF (stored as an empty bin), a
+    number of permutations that is not a multiple of 8."""
     from trajforge.pipeline.quality.dedup import ShingleSets, _numpy_signatures
 
     rng = np.random.default_rng(7)
@@ -246,8 +247,8 @@ def test_compiled_signatures_and_sketches_are_numpys_bit_for_bit():
     hashed[:3] = 0xFFFFFFFF00000000 | np.uint64(5)  # a bin whose smallest high half is 0xFFFFFFFF
     hashed[10:20] = hashed[10]  # a repeated shingle
     hashed[30] = np.uint64(7)  # high half 0
-    config = DedupConfig()
-    sigs, sketch = dedup_table.signatures_and_sketches(ShingleSets(None, 5), config, (sizes, hashed))
-    assert np.array_equal(sigs, _numpy_signatures([None] * len(sizes), config.num_perm, config.seed, (sizes, hashed)))
+    for config in (DedupConfig(), DedupConfig(num_perm=131)):  # the permutations in blocks of 8, and 3 after them
+        sigs, sketch = dedup_table.signatures_and_sketches(ShingleSets(None, 5), config, (sizes, hashed))
+        assert np.array_equal(sigs, _numpy_signatures([None] * len(sizes), config.num_perm, config.seed, (sizes, hashed)))
     assert np.array_equal(sketch, dedup_table.sketches(sizes, hashed).reshape(-1))
     assert sketch.reshape(len(sizes), -1)[0].max() == 0
