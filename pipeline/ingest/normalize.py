@@ -24,6 +24,7 @@ from trajforge.pipeline.ingest.dialects import (
     FREE_TEXT,
     ParseError,
     clean_text,
+    clean_texts,
     extract_answer,
     parse_cleaned_turn,
     render_react,
@@ -143,7 +144,7 @@ class _Turns:
         """Each content cleaned (`clean_text`); too long or empty after it is an error, of the first
         such turn."""
         if max(map(len, self.raw)) <= max_chars:
-            contents = [_clean_first_turn(self.raw[0]), *map(clean_text, self.raw[1:])]
+            contents = [_clean_first_turn(self.raw[0]), *clean_texts(self.raw[1:])]
             if "" not in contents:
                 return contents
         i, text = next((i, text) for i, text in enumerate(self.raw) if len(text) > max_chars or not clean_text(text))
