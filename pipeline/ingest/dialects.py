@@ -78,7 +78,10 @@ def clean_texts(texts: Sequence[str]) -> list[str]:
             else _stripped_lines(text) for text in texts]
 
 
-@dataclass(frozen=True)
+# Not frozen: normalize builds one for most assistant turns, and a frozen dataclass's __init__
+# (object.__setattr__ per field) costs three times a plain one's. Nothing changes one once built (the
+# parse cache hands the same one to every caller).
+@dataclass
 class ParsedTurn:
     thought: str
     action: str | None
