@@ -34,6 +34,25 @@ from trajforge.pipeline.ingest.dialects import parse_literal
 INVENTED_VERBS = ("teleport", "levitate", "summon", "conjure")
 
 
+class _cached_once:
+    """`functools.cached_property` without its lock: Python 3.11's takes an RLock at each first read,
+    which costs as much as building the value it guards here. A Context is read by the thread that
+    built it."""
+
+    def __init__(self, func: Callable):
+        self.func = func
+        self.__doc__ = func.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance, owner: type | None = None):
+        if instance is None:
+            return self
+        value = instance.__dict__[self.name] = self.func(instance)
+        return value
+
+
 # Not frozen: validation builds one for every action, and a frozen dataclass's generated __init__
 # (object.__setattr__ per field) costs several times a plain one's. Nothing changes one once built.
 @dataclass
@@ -45,12 +64,12 @@ class Context:
 
     # Joined only when a grammar reads it (tool, KG, Mind2Web): joining every action's growing
     # prompt costs as much as checking the action.
-    @functools.cached_property
+    @_cached_once
     def prompt(self) -> str:
         """The turns seen, joined by newlines."""
         return "\n".join(self.seen)
 
-    @functools.cached_property
+    @_cached_once
     def tools(self) -> dict[str, list[str]]:
         """`offered_tools(self.prompt)`, read turn by turn (each turn's listing is read once, not once
         per action after it), unless a listing may run on from one turn into the next."""
