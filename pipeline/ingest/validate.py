@@ -292,7 +292,8 @@ class _Grounding:
 
 def _grounded(record: dict) -> _Grounding:
     """The record's grounding in one pass over its turns: each trained action checked against the
-    grammar in its `action_contexts` context, then its verdict taken (`_step`)."""
+    grammar in its `action_contexts` context, then its verdict taken (`_step`) where the grammar
+    breaks or the env refused (most trained turns have neither: no call for them)."""
     turns = record["conversations"]
     grammar = grammar_for(record["env"])
     replies = grammar.replies if grammar is not None else _NO_REPLIES
@@ -305,20 +306,22 @@ def _grounded(record: dict) -> _Grounding:
         breach = None
         if grammar is not None and turn["action"] is not None:
             checked += 1
-            breach = grammar.check(turn["action"], _context(turns, i, seen))
+            breach = grammar.check(turn["action"], Context(tuple(seen), _before(turns, i), turn["dialect"]))
             breached += breach is not None
-        step = _step(turns, i, replies, breach)
-        if step is not None:
-            steps.append(step)
+        reply = reply_to(turns, i)
+        refusal = replies.refusal(reply) if reply is not None else None
+        if breach is not None or refusal is not None:
+            step = _step(turns, i, reply, refusal, breach)
+            if step is not None:
+                steps.append(step)
     return _Grounding(steps, trained, checked, breached)
 
 
-def _step(turns: list[dict], i: int, replies: Replies, breach: Breach | None) -> Step | None:
-    """The verdict on trained assistant turn `i` (`breach`: the grammar rule its action breaks), or
-    None when the grammar holds and the env did not refuse it."""
+def _step(turns: list[dict], i: int, reply: str | None, refusal: str | None, breach: Breach | None) -> Step | None:
+    """The verdict on trained assistant turn `i` (`reply`: the env's answer to it, `refusal`: the
+    refusal that answer is, `breach`: the grammar rule its action breaks), or None when the grammar
+    holds and the env did not refuse it."""
     turn = turns[i]
-    reply = reply_to(turns, i)
-    refusal = replies.refusal(reply) if reply is not None else None
     if turn["action"] is None:
         # A turn in no dialect that the env answered with a refusal (AgentGym sends the whole turn).
         if refusal is not None and turn["dialect"] == FREE_TEXT:
