@@ -307,14 +307,15 @@ class _DialectsByStart:
                 tried.append((d.needle, d.parse))
         return tuple(tried)
 
-    def __call__(self, text: str) -> tuple[tuple[str, Callable[[str], ParsedTurn | None]], ...]:
+    def of(self, text: str) -> tuple[tuple[str, Callable[[str], ParsedTurn | None]], ...]:
         if self.registered != len(self.dialects):
             self._build()
         # No colon: text[:0], no start marker.
         return self.by_start.get(text[:text.find(":", 0, self.longest) + 1], self.unmarked)
 
 
-_dialects_by_start = _DialectsByStart(DIALECTS)
+# A bound method, called as a function: an instance's __call__ is looked up on each call.
+_dialects_by_start = _DialectsByStart(DIALECTS).of
 
 
 # A turn read again soon after (an acknowledgement, a validated record's turn) is a lookup. Bounded,
