@@ -130,10 +130,12 @@ class _Turns:
                 loss = turn.get("loss")
             else:
                 break
-            if type(role) is not str or role not in ROLE_NAMES or type(content) is not str or not (
-                    loss is None or type(loss) is bool):
+            if type(role) is not str or type(content) is not str or not (loss is None or type(loss) is bool):
                 break
-            roles.append(ROLE_NAMES[role])
+            name = ROLE_NAMES.get(role)
+            if name is None:
+                break
+            roles.append(name)
             contents.append(content)
             losses.append(loss)
         else:
