@@ -42,12 +42,6 @@ _MODEL_OBSERVATION = re.compile(
     r"^(?:Observation:|The output of the OS:|\[?Observation\]?\s*:)", re.M)
 
 
-def _mentions_observation(content: str) -> bool:
-    """Whether `content` has what every match of _MODEL_OBSERVATION contains: a turn without it is
-    not searched line by line."""
-    return "Observation" in content or "The output of the OS:" in content
-
-
 INVALID_STEPS = ("mask", "drop", "keep")
 _CONTENT = itemgetter("content")
 
@@ -173,7 +167,9 @@ def _model_written_observation(record: dict, config: ValidateConfig) -> Violatio
     for i, turn in enumerate(record["conversations"]):
         if turn["role"] == "assistant" and turn["loss"]:
             content = turn["content"]
-            if _mentions_observation(content) and _MODEL_OBSERVATION.search(content):
+            # Every match of _MODEL_OBSERVATION holds one of these: a turn without either is not searched
+            # line by line (tested here, not by a call per trained turn).
+            if ("Observation" in content or "The output of the OS:" in content) and _MODEL_OBSERVATION.search(content):
                 return Violation("model_written_observation", f"turn {i} writes the environment's observation")
     return None
 
