@@ -73,11 +73,13 @@ class Context:
     def tools(self) -> dict[str, list[str]]:
         """`offered_tools(self.prompt)`, read turn by turn (each turn's listing is read once, not once
         per action after it), unless a listing may run on from one turn into the next."""
-        if any(map(_open_listing, self.seen)):
-            return offered_tools(self.prompt)
         tools: dict[str, list[str]] = {}
         for turn in self.seen:
-            tools.update(offered_tools(turn))
+            listed, open_listing = _turn_listing(turn)
+            if open_listing:
+                return offered_tools(self.prompt)
+            if listed:
+                tools.update(listed)
         return tools
 
 
@@ -242,13 +244,24 @@ _AGENTGYM_TOOL_LIST = re.compile(r"^Name:\s*([\w.\-]+)\(([^)]*)\)", re.M)
 _WORD = re.compile(r"[\w.\-]+")
 
 
-# Read for each turn of the prompt before every action (`Context.tools`): one scan of a turn.
 # Callers only read the mapping.
 @functools.lru_cache(maxsize=256)
 def offered_tools(prompt: str) -> dict[str, list[str]]:
     """The tools an AgentGym tool prompt lists (`Name: get_tasks(project_id)`) with their parameters."""
+    return _listed_tools(prompt)
+
+
+def _listed_tools(prompt: str) -> dict[str, list[str]]:
     return {m.group(1): [p.strip() for p in m.group(2).split(",") if p.strip()]
             for m in _tool_listings(prompt)}
+
+
+# Read for each turn of the prompt before every action (`Context.tools`): one scan of a turn, one lookup
+# for both answers. Callers only read the mapping.
+@functools.lru_cache(maxsize=256)
+def _turn_listing(text: str) -> tuple[dict[str, list[str]], bool]:
+    """(the tools `text` lists, whether a listing in it may run on into the next turn: `_open_listing`)."""
+    return _listed_tools(text), _open_listing(text)
 
 
 def _tool_listings(prompt: str):
@@ -263,8 +276,6 @@ def _tool_listings(prompt: str):
             yield m
 
 
-# Read for each turn before every action of a tool env (`Context.tools`), like `offered_tools`.
-@functools.lru_cache(maxsize=256)
 def _open_listing(text: str) -> bool:
     """Whether a `Name:` line of `text` has no `)` after it: the only listing text that follows may
     change (a match never reads past the first `)` after its start)."""
