@@ -404,9 +404,9 @@ def check_tool_call(action: str, context: Context) -> Breach | None:
     if parsed is None:
         return Breach("tool.arguments", f"{name}: the arguments {(args or '')[:100]!r} are not an object")
     params = context.tools.get(name)
-    unknown = sorted(set(parsed) - set(params)) if params is not None else []
+    unknown = parsed.keys() - params if params is not None else None
     if unknown:
-        return Breach("tool.parameters", f"{name} takes {params}, not {unknown}")
+        return Breach("tool.parameters", f"{name} takes {params}, not {sorted(unknown)}")
     return None
 
 
