@@ -222,10 +222,10 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
     upstream_loss = turns.losses.count(None) < len(turns.losses)
     conversations = _parsed(turns, contents, task_at, demo_turns, upstream_loss)
     rendering = _render_react(conversations, task_at) if config.rendering == "react" else "native"
-    extra_keys = sorted(row.keys() - KNOWN_ROW_KEYS)
     # The usual meta as its JSON text (keys sorted): written out, it costs a tenth of the encoder's call.
-    meta = ({"source_index": index, "split": split, "extra_keys": extra_keys} if extra_keys
-            else f'{{"source_index": {index}, "split": {encode_basestring(split)}}}')
+    # Most rows have no other keys: a subset test, without building their difference.
+    meta = (f'{{"source_index": {index}, "split": {encode_basestring(split)}}}' if row.keys() <= KNOWN_ROW_KEYS
+            else {"source_index": index, "split": split, "extra_keys": sorted(row.keys() - KNOWN_ROW_KEYS)})
     return NormalizedRecord(new_record(
         id=source.record_id(split, source_id), source=source.name, source_id=source_id, source_file=source_file,
         license=source.license, domain=domain, env=env, negative_type=source.negative_type(split, source_id),
