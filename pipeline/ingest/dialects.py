@@ -163,9 +163,10 @@ _MARKER_DIALECTS = [
     # AgentInstruct ALFWorld.
     ("upper_thought_action", r"THOUGHT:[ \t]*", r"ACTION:[ \t]*(?P<action>\S.*)", "THOUGHT: ", "\n", "ACTION: ",
      (("THOUGHT", "Think"), ("ACTION", "Act"))),
-    # AgentGym block style: Thought:\n...\n\nAction:\n...
+    # AgentGym block style: Thought:\n...\n\nAction:\n... A cleaned turn has no space before a line break:
+    # its action marker is then `Action:\n` (the other Thought/Action turns are not tried).
     ("thought_action_block", r"Thought:[ \t]*\n", r"Action:[ \t]*\n(?P<action>.*\S.*)", "Thought:\n", "\n\n",
-     "Action:\n", _THOUGHT_ACTION_WORDS),
+     "Action:\n", _THOUGHT_ACTION_WORDS, None, "Action:\n"),
     # AgentGym tool envs: Action: X with Action Input: {...}
     ("action_input", r"Thought:[ \t]*", r"Action:[ \t]*(?P<action>[\w.\-]+ with Action Input:.*)", "Thought: ",
      "\n\n", "Action: ", _THOUGHT_ACTION_WORDS, None, " with Action Input:"),
