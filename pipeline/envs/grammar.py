@@ -34,6 +34,25 @@ from trajforge.pipeline.ingest.dialects import parse_literal
 INVENTED_VERBS = ("teleport", "levitate", "summon", "conjure")
 
 
+class _cached_once:
+    """`functools.cached_property` without its lock: Python 3.11's takes an RLock at each first read,
+    which costs as much as building the value it guards here. A Context is read by the thread that
+    built it."""
+
+    def __init__(self, func: Callable):
+        self.func = func
+        self.__doc__ = func.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance, owner: type | None = None):
+        if instance is None:
+            return self
+        value = instance.__dict__[self.name] = self.func(instance)
+        return value
+
+
 # Not frozen: validation builds one for every action, and a frozen dataclass's generated __init__
 # (object.__setattr__ per field) costs several times a plain one's. Nothing changes one once built.
 @dataclass
@@ -45,20 +64,22 @@ class Context:
 
     # Joined only when a grammar reads it (tool, KG, Mind2Web): joining every action's growing
     # prompt costs as much as checking the action.
-    @functools.cached_property
+    @_cached_once
     def prompt(self) -> str:
         """The turns seen, joined by newlines."""
         return "\n".join(self.seen)
 
-    @functools.cached_property
+    @_cached_once
     def tools(self) -> dict[str, list[str]]:
         """`offered_tools(self.prompt)`, read turn by turn (each turn's listing is read once, not once
         per action after it), unless a listing may run on from one turn into the next."""
-        if any(map(_open_listing, self.seen)):
-            return offered_tools(self.prompt)
         tools: dict[str, list[str]] = {}
         for turn in self.seen:
-            tools.update(offered_tools(turn))
+            listed, open_listing = _turn_listing(turn)
+            if open_listing:
+                return offered_tools(self.prompt)
+            if listed:
+                tools.update(listed)
         return tools
 
 
@@ -223,13 +244,24 @@ _AGENTGYM_TOOL_LIST = re.compile(r"^Name:\s*([\w.\-]+)\(([^)]*)\)", re.M)
 _WORD = re.compile(r"[\w.\-]+")
 
 
-# Read for each turn of the prompt before every action (`Context.tools`): one scan of a turn.
 # Callers only read the mapping.
 @functools.lru_cache(maxsize=256)
 def offered_tools(prompt: str) -> dict[str, list[str]]:
     """The tools an AgentGym tool prompt lists (`Name: get_tasks(project_id)`) with their parameters."""
+    return _listed_tools(prompt)
+
+
+def _listed_tools(prompt: str) -> dict[str, list[str]]:
     return {m.group(1): [p.strip() for p in m.group(2).split(",") if p.strip()]
             for m in _tool_listings(prompt)}
+
+
+# Read for each turn of the prompt before every action (`Context.tools`): one scan of a turn, one lookup
+# for both answers. Callers only read the mapping.
+@functools.lru_cache(maxsize=256)
+def _turn_listing(text: str) -> tuple[dict[str, list[str]], bool]:
+    """(the tools `text` lists, whether a listing in it may run on into the next turn: `_open_listing`)."""
+    return _listed_tools(text), _open_listing(text)
 
 
 def _tool_listings(prompt: str):
@@ -244,8 +276,6 @@ def _tool_listings(prompt: str):
             yield m
 
 
-# Read for each turn before every action of a tool env (`Context.tools`), like `offered_tools`.
-@functools.lru_cache(maxsize=256)
 def _open_listing(text: str) -> bool:
     """Whether a `Name:` line of `text` has no `)` after it: the only listing text that follows may
     change (a match never reads past the first `)` after its start)."""
@@ -374,9 +404,9 @@ def check_tool_call(action: str, context: Context) -> Breach | None:
     if parsed is None:
         return Breach("tool.arguments", f"{name}: the arguments {(args or '')[:100]!r} are not an object")
     params = context.tools.get(name)
-    unknown = sorted(set(parsed) - set(params)) if params is not None else []
+    unknown = parsed.keys() - params if params is not None else None
     if unknown:
-        return Breach("tool.parameters", f"{name} takes {params}, not {unknown}")
+        return Breach("tool.parameters", f"{name} takes {params}, not {sorted(unknown)}")
     return None
 
 

@@ -17,7 +17,7 @@ import ast
 import functools
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from trajforge.pipeline.registry import Registry
@@ -26,13 +26,22 @@ from trajforge.pipeline.registry import Registry
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]|\x07")
 
 
-def _may_have_trailing_space(text: str) -> bool:
-    """Whether a line of an ASCII text may end in whitespace (str.isspace) other than LF and CR: a
-    space or tab before LF, or any of the rare ones anywhere. Written out: a loop over them, or one
-    regex with a character class, costs three times these substring searches (most turns pass). A
-    search for one character is the cheapest: a tab before LF is looked for only where a tab is."""
+def _rare_space(text: str) -> bool:
+    """Whether a text holds whitespace (str.isspace) that ASCII text rarely does, other than LF, CR
+    and tab. Written out: a loop over them, or one regex with a character class, costs three times
+    these substring searches (most turns pass); a search for one character is the cheapest."""
     return ("\x0b" in text or "\x0c" in text or "\x1c" in text or "\x1d" in text or "\x1e" in text
-            or "\x1f" in text or " \n" in text or ("\t" in text and "\t\n" in text))
+            or "\x1f" in text)
+
+
+def _space_before_break(text: str) -> bool:
+    """Whether a space or a tab comes right before a LF (a tab before LF is looked for only where a
+    tab is)."""
+    return " \n" in text or ("\t" in text and "\t\n" in text)
+
+
+def _stripped_lines(text: str) -> str:
+    return "\n".join(map(str.rstrip, text.split("\n"))).strip()
 
 
 def clean_text(text: str) -> str:
@@ -47,13 +56,32 @@ def clean_text(text: str) -> str:
         text = _ANSI.sub("", text)
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
-    # One line (a third of real turns): its trailing whitespace is the text's own.
-    if "\n" not in text or (text.isascii() and not _may_have_trailing_space(text)):
+    # One line (a third of real turns): its trailing whitespace is the text's own. A line of an ASCII
+    # text ends in whitespace only at one of those.
+    if "\n" not in text or (text.isascii() and not _rare_space(text) and not _space_before_break(text)):
         return text.strip()
-    return "\n".join(map(str.rstrip, text.split("\n"))).strip()
+    return _stripped_lines(text)
 
 
-@dataclass(frozen=True)
+def clean_texts(texts: Sequence[str]) -> list[str]:
+    """`clean_text` of each text, its tests that hold for nearly every text run once over them all,
+    joined (a call per test and text costs more than the scans): escape codes, CR and the rare
+    spaces; then, for each text, whether a line of it may end in a space. Joined texts that pass
+    that test too are only stripped. A line break in one text and a space ending the one before may
+    meet in the joined text: such texts are tested one by one."""
+    joined = "".join(texts)
+    if "\x1b" in joined or "\x07" in joined or "\r" in joined or _rare_space(joined):
+        return list(map(clean_text, texts))
+    if joined.isascii() and not _space_before_break(joined):
+        return [text.strip() for text in texts]
+    return [text.strip() if "\n" not in text or (text.isascii() and not _space_before_break(text))
+            else _stripped_lines(text) for text in texts]
+
+
+# Not frozen: normalize builds one for most assistant turns, and a frozen dataclass's __init__
+# (object.__setattr__ per field) costs three times a plain one's. Nothing changes one once built (the
+# parse cache hands the same one to every caller).
+@dataclass
 class ParsedTurn:
     thought: str
     action: str | None
@@ -135,9 +163,10 @@ _MARKER_DIALECTS = [
     # AgentInstruct ALFWorld.
     ("upper_thought_action", r"THOUGHT:[ \t]*", r"ACTION:[ \t]*(?P<action>\S.*)", "THOUGHT: ", "\n", "ACTION: ",
      (("THOUGHT", "Think"), ("ACTION", "Act"))),
-    # AgentGym block style: Thought:\n...\n\nAction:\n...
+    # AgentGym block style: Thought:\n...\n\nAction:\n... A cleaned turn has no space before a line break:
+    # its action marker is then `Action:\n` (the other Thought/Action turns are not tried).
     ("thought_action_block", r"Thought:[ \t]*\n", r"Action:[ \t]*\n(?P<action>.*\S.*)", "Thought:\n", "\n\n",
-     "Action:\n", _THOUGHT_ACTION_WORDS),
+     "Action:\n", _THOUGHT_ACTION_WORDS, None, "Action:\n"),
     # AgentGym tool envs: Action: X with Action Input: {...}
     ("action_input", r"Thought:[ \t]*", r"Action:[ \t]*(?P<action>[\w.\-]+ with Action Input:.*)", "Thought: ",
      "\n\n", "Action: ", _THOUGHT_ACTION_WORDS, None, " with Action Input:"),
@@ -279,14 +308,15 @@ class _DialectsByStart:
                 tried.append((d.needle, d.parse))
         return tuple(tried)
 
-    def __call__(self, text: str) -> tuple[tuple[str, Callable[[str], ParsedTurn | None]], ...]:
+    def of(self, text: str) -> tuple[tuple[str, Callable[[str], ParsedTurn | None]], ...]:
         if self.registered != len(self.dialects):
             self._build()
         # No colon: text[:0], no start marker.
         return self.by_start.get(text[:text.find(":", 0, self.longest) + 1], self.unmarked)
 
 
-_dialects_by_start = _DialectsByStart(DIALECTS)
+# A bound method, called as a function: an instance's __call__ is looked up on each call.
+_dialects_by_start = _DialectsByStart(DIALECTS).of
 
 
 # A turn read again soon after (an acknowledgement, a validated record's turn) is a lookup. Bounded,

@@ -24,6 +24,7 @@ from trajforge.pipeline.ingest.dialects import (
     FREE_TEXT,
     ParseError,
     clean_text,
+    clean_texts,
     extract_answer,
     parse_cleaned_turn,
     render_react,
@@ -129,10 +130,12 @@ class _Turns:
                 loss = turn.get("loss")
             else:
                 break
-            if type(role) is not str or role not in ROLE_NAMES or type(content) is not str or not (
-                    loss is None or type(loss) is bool):
+            if type(role) is not str or type(content) is not str or not (loss is None or type(loss) is bool):
                 break
-            roles.append(ROLE_NAMES[role])
+            name = ROLE_NAMES.get(role)
+            if name is None:
+                break
+            roles.append(name)
             contents.append(content)
             losses.append(loss)
         else:
@@ -143,7 +146,7 @@ class _Turns:
         """Each content cleaned (`clean_text`); too long or empty after it is an error, of the first
         such turn."""
         if max(map(len, self.raw)) <= max_chars:
-            contents = [_clean_first_turn(self.raw[0]), *map(clean_text, self.raw[1:])]
+            contents = [_clean_first_turn(self.raw[0]), *clean_texts(self.raw[1:])]
             if "" not in contents:
                 return contents
         i, text = next((i, text) for i, text in enumerate(self.raw) if len(text) > max_chars or not clean_text(text))
@@ -219,10 +222,10 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
     upstream_loss = turns.losses.count(None) < len(turns.losses)
     conversations = _parsed(turns, contents, task_at, demo_turns, upstream_loss)
     rendering = _render_react(conversations, task_at) if config.rendering == "react" else "native"
-    extra_keys = sorted(row.keys() - KNOWN_ROW_KEYS)
     # The usual meta as its JSON text (keys sorted): written out, it costs a tenth of the encoder's call.
-    meta = ({"source_index": index, "split": split, "extra_keys": extra_keys} if extra_keys
-            else f'{{"source_index": {index}, "split": {encode_basestring(split)}}}')
+    # Most rows have no other keys: a subset test, without building their difference.
+    meta = (f'{{"source_index": {index}, "split": {encode_basestring(split)}}}' if row.keys() <= KNOWN_ROW_KEYS
+            else {"source_index": index, "split": split, "extra_keys": sorted(row.keys() - KNOWN_ROW_KEYS)})
     return NormalizedRecord(new_record(
         id=source.record_id(split, source_id), source=source.name, source_id=source_id, source_file=source_file,
         license=source.license, domain=domain, env=env, negative_type=source.negative_type(split, source_id),

@@ -42,12 +42,6 @@ _MODEL_OBSERVATION = re.compile(
     r"^(?:Observation:|The output of the OS:|\[?Observation\]?\s*:)", re.M)
 
 
-def _mentions_observation(content: str) -> bool:
-    """Whether `content` has what every match of _MODEL_OBSERVATION contains: a turn without it is
-    not searched line by line."""
-    return "Observation" in content or "The output of the OS:" in content
-
-
 INVALID_STEPS = ("mask", "drop", "keep")
 _CONTENT = itemgetter("content")
 
@@ -109,9 +103,11 @@ def _role_order(record: dict, config: ValidateConfig) -> Violation | None:
         return Violation("role_order", "system turn after the start")
     if not body or body[0] != "user":
         return Violation("role_order", "the conversation does not start with a user turn")
-    for i in range(1, len(body)):
-        if body[i] == "assistant" and body[i - 1] == "assistant":
-            return Violation("role_order", f"two assistant turns in a row at {i}")
+    # Two assistant turns in a row are looked for in the roles joined (one scan; most records have
+    # none), and placed only where found.
+    if "assistant\nassistant" in "\n".join(body):
+        i = next(i for i in range(1, len(body)) if body[i] == "assistant" and body[i - 1] == "assistant")
+        return Violation("role_order", f"two assistant turns in a row at {i}")
     return None
 
 
@@ -173,7 +169,9 @@ def _model_written_observation(record: dict, config: ValidateConfig) -> Violatio
     for i, turn in enumerate(record["conversations"]):
         if turn["role"] == "assistant" and turn["loss"]:
             content = turn["content"]
-            if _mentions_observation(content) and _MODEL_OBSERVATION.search(content):
+            # Every match of _MODEL_OBSERVATION holds one of these: a turn without either is not searched
+            # line by line (tested here, not by a call per trained turn).
+            if ("Observation" in content or "The output of the OS:" in content) and _MODEL_OBSERVATION.search(content):
                 return Violation("model_written_observation", f"turn {i} writes the environment's observation")
     return None
 
@@ -292,7 +290,8 @@ class _Grounding:
 
 def _grounded(record: dict) -> _Grounding:
     """The record's grounding in one pass over its turns: each trained action checked against the
-    grammar in its `action_contexts` context, then its verdict taken (`_step`)."""
+    grammar in its `action_contexts` context, then its verdict taken (`_step`) where the grammar
+    breaks or the env refused (most trained turns have neither: no call for them)."""
     turns = record["conversations"]
     grammar = grammar_for(record["env"])
     replies = grammar.replies if grammar is not None else _NO_REPLIES
@@ -305,20 +304,22 @@ def _grounded(record: dict) -> _Grounding:
         breach = None
         if grammar is not None and turn["action"] is not None:
             checked += 1
-            breach = grammar.check(turn["action"], _context(turns, i, seen))
+            breach = grammar.check(turn["action"], Context(tuple(seen), _before(turns, i), turn["dialect"]))
             breached += breach is not None
-        step = _step(turns, i, replies, breach)
-        if step is not None:
-            steps.append(step)
+        reply = reply_to(turns, i)
+        refusal = replies.refusal(reply) if reply is not None else None
+        if breach is not None or refusal is not None:
+            step = _step(turns, i, reply, refusal, breach)
+            if step is not None:
+                steps.append(step)
     return _Grounding(steps, trained, checked, breached)
 
 
-def _step(turns: list[dict], i: int, replies: Replies, breach: Breach | None) -> Step | None:
-    """The verdict on trained assistant turn `i` (`breach`: the grammar rule its action breaks), or
-    None when the grammar holds and the env did not refuse it."""
+def _step(turns: list[dict], i: int, reply: str | None, refusal: str | None, breach: Breach | None) -> Step | None:
+    """The verdict on trained assistant turn `i` (`reply`: the env's answer to it, `refusal`: the
+    refusal that answer is, `breach`: the grammar rule its action breaks), or None when the grammar
+    holds and the env did not refuse it."""
     turn = turns[i]
-    reply = reply_to(turns, i)
-    refusal = replies.refusal(reply) if reply is not None else None
     if turn["action"] is None:
         # A turn in no dialect that the env answered with a refusal (AgentGym sends the whole turn).
         if refusal is not None and turn["dialect"] == FREE_TEXT:

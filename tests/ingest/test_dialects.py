@@ -15,6 +15,7 @@ from trajforge.pipeline.ingest.dialects import (
     FREE_TEXT,
     ParseError,
     clean_text,
+    clean_texts,
     parse_turn,
     render_react,
     render_turn,
@@ -141,6 +142,20 @@ def test_clean_text_matches_the_line_by_line_rule_on_every_kind_of_space():
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) for _ in range(20000)]
     texts += [f"x{space}\ny" for space in spaces] + [f"x{space}" for space in spaces]
     mismatched = [t for t in texts if clean_text(t) != _clean_line_by_line(t)]
+    assert not mismatched, mismatched[:5]
+
+
+def test_clean_texts_cleans_each_text_as_clean_text_does():
+    # Texts of one row share the tests made on them joined: one text's trailing space meeting the next
+    # one's line break, a rare space or an escape code in one text, ASCII and other texts mixed.
+    rng = random.Random(11)
+    alphabet = ["a", "b", " ", "\t", "\n", "\u00e9", "\u3000", "\xa0", "\x0b", "\x1f", "\x1b", "[", "m", "\r"]
+    plain = ["a", "b", " ", "\n", "x y\nz"]
+    groups = [[], [""], ["a ", "\nb"], ["a\t", "\nb"], ["x\u3000\ny", "a b"], ["a \nb", "c\nd"], ["\u00e9\u3000\nx", "a\nb"]]
+    for _ in range(5000):
+        letters = alphabet if rng.random() < 0.3 else plain
+        groups.append(["".join(rng.choice(letters) for _ in range(rng.randint(0, 10))) for _ in range(rng.randint(1, 6))])
+    mismatched = [g for g in groups if clean_texts(g) != [clean_text(t) for t in g]]
     assert not mismatched, mismatched[:5]
 
 

@@ -64,6 +64,15 @@ def test_rule_catches_its_case(record, change, reason):
     assert violation is not None and violation.reason == reason, violation
 
 
+def test_two_assistant_turns_in_a_row_are_placed(record):
+    # The webshop record starts user, assistant, user, assistant: the copy of turn 3 at 4 is the pair
+    # (3, 4), at body index 4 (no system turn).
+    assert _broken(record, _two_assistants).detail == "two assistant turns in a row at 4"
+    system = {**record["conversations"][0], "role": "system"}
+    assert _broken(record, lambda r: (_two_assistants(r), r["conversations"].insert(0, system))).detail == (
+        "two assistant turns in a row at 4")
+
+
 def test_a_normalized_record_still_fails_the_schema_where_its_row_decides():
     """Validation leaves out the schema's turn check for a record normalize built (its turns are
     built to it); what the row decides still fails, with the full check's reason and detail."""
