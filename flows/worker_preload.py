@@ -7,7 +7,7 @@ this module is what loads them."""
 import prefect.task_engine  # noqa: F401
 
 import trajforge.flows.build  # noqa: F401
-from trajforge.pipeline.quality import keys_kernel, sketch_screen
+from trajforge.pipeline.quality import dedup, sketch_screen
 
-keys_kernel.warm()
+dedup.warm()
 sketch_screen.warm()

@@ -274,6 +274,17 @@ def _joined_tokens(joined: bytes, bounds: list[int], lower: bool = False) -> Ded
 _NOT_LOWERED = np.zeros(0, dtype=np.uint32)
 
 
+def warm() -> None:
+    """Make the tables the compiled tokenizer reads (`_classes`, ~0.11 s of CPU, and `_lowered`) and
+    load the compiled loops (`keys_kernel.warm`) now: a process that forks workers (the `processes`
+    runner's fork server) makes them once for every worker it starts."""
+    from trajforge.pipeline.quality import keys_kernel
+
+    _classes()
+    _lowered()
+    keys_kernel.warm()
+
+
 def _compiled_tokens(joined: bytes, bounds: list[int], lower: bool, lowered: np.ndarray = _NOT_LOWERED) -> DedupTokens | None:
     """The compiled loop's tokens (with `lower`, of texts lowered as `str.lower` lowers them but for
     the characters `lowered` leaves as they are: `_lowered`'s, or none), or None when a text holds a

@@ -318,13 +318,8 @@ def _code_point(data, i, lead):
 
 
 def warm() -> None:
-    """Load the loops (from numba's cache, or compiled) now, and make the tables `tokens` reads
-    (dedup.py's `_classes`, ~0.11 s of CPU, and `_lowered`): a process that forks workers (the
-    `processes` runner's fork server) can load them once for every worker it starts."""
-    from trajforge.pipeline.quality.dedup import _classes, _lowered
-
-    _classes()
-    _lowered()
+    """Load the loops (from numba's cache, or compiled) now (`dedup.warm` also makes the tables
+    `tokens` reads)."""
     tokens(np.frombuffer(b"a\n", dtype=np.uint8), np.array([0, 2], dtype=np.int64), np.zeros(128, dtype=np.uint8), True,
            np.zeros(1, dtype=np.uint32))
     one = np.zeros(1, dtype=np.uint32)
