@@ -304,7 +304,7 @@ def _grounded(record: dict) -> _Grounding:
         breach = None
         if grammar is not None and turn["action"] is not None:
             checked += 1
-            breach = grammar.check(turn["action"], Context(tuple(seen), _before(turns, i), turn["dialect"]))
+            breach = grammar.check(turn["action"], _context(turns, i, seen))
             breached += breach is not None
         reply = reply_to(turns, i)
         refusal = replies.refusal(reply) if reply is not None else None
