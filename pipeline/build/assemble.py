@@ -156,16 +156,19 @@ def unique_ids(kept: pl.DataFrame, dropped: pl.DataFrame, records: StagedRecords
             .filter(pl.col("repeat") > 1))
 
 
-def with_unique_ids(duplicates: list[dict], repeats: pl.DataFrame) -> list[dict]:
+def with_unique_ids(duplicates: pl.DataFrame, repeats: pl.DataFrame) -> pl.DataFrame:
     """The duplicates map with the ids `unique_ids` gave the dropped and the kept records (by the
-    build `order` of each; `repeats` as `unique_ids` returns them)."""
-    repeat = dict(repeats.select("order", "repeat").iter_rows())
+    build `order` and `kept_order` of each; `repeats` as `unique_ids` returns them)."""
+    repeat = repeats.select("order", pl.col("repeat").cast(pl.String))
+    kept_repeat = repeat.rename({"order": "kept_order", "repeat": "kept_repeat"})
 
-    def unique(upstream: str, order: int) -> str:
-        return upstream if order not in repeat else f"{upstream}~{repeat[order]}"
+    def unique(upstream: str, suffix: str) -> pl.Expr:
+        return pl.when(pl.col(suffix).is_null()).then(pl.col(upstream)).otherwise(pl.concat_str(upstream, pl.lit("~"), suffix))
 
-    return [{**d, "id": unique(d["id"], d["order"]), "kept_id": unique(d["kept_id"], d["kept_order"])}
-            for d in duplicates]
+    return (duplicates.join(repeat, on="order", how="left", maintain_order="left")
+            .join(kept_repeat, on="kept_order", how="left", maintain_order="left")
+            .with_columns(id=unique("id", "repeat"), kept_id=unique("kept_id", "kept_repeat"))
+            .drop("repeat", "kept_repeat"))
 
 
 def read_rows(paths: Sequence[str], wanted: dict[int, list[int]], columns: list[str] | None = None,

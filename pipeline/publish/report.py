@@ -8,10 +8,12 @@ needed) next to report.html.
 from __future__ import annotations
 
 import html
-import statistics
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
+import polars as pl
 
 from trajforge.pipeline.atomic import atomic_path, write_text
 
@@ -29,36 +31,43 @@ def pyplot():
     return plt
 
 
-def _clusters(duplicates: list[dict]) -> list[dict]:
+def _counts(values: pl.Series) -> dict:
+    return dict(sorted(values.value_counts().iter_rows()))
+
+
+def _cross_source_clusters(duplicates: pl.DataFrame) -> list[dict]:
+    """The clusters (a kept record and the records dropped for it) of more than one source, by kept id."""
+    crossing = duplicates.filter((pl.col("source") != pl.col("kept_source")).any().over("kept_id"))
     members: dict[str, list[dict]] = defaultdict(list)
-    for d in duplicates:
+    for d in crossing.select("id", "source", "kept_id", "kept_source", "match").iter_rows(named=True):
         members[d["kept_id"]].append(d)
-    out = []
-    for kept_id, dups in sorted(members.items()):
-        sources = sorted({dups[0]["kept_source"], *(d["source"] for d in dups)})
-        out.append({"kept_id": kept_id, "size": len(dups) + 1, "sources": sources,
-                    "dropped": sorted(d["id"] for d in dups), "match": sorted({d["match"] for d in dups})})
-    return out
+    return [{"kept_id": kept_id, "size": len(dups) + 1, "sources": sorted({dups[0]["kept_source"], *(d["source"] for d in dups)}),
+             "dropped": sorted(d["id"] for d in dups), "match": sorted({d["match"] for d in dups})}
+            for kept_id, dups in sorted(members.items())]
 
 
-def _summary(values: list[int]) -> dict:
-    if not values:
+def _summary(values: np.ndarray) -> dict:
+    """min, median (as `statistics.median`: the mean of the middle two of an even count) and max."""
+    if not len(values):
         return {"min": 0, "median": 0, "max": 0}
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+    ordered = np.sort(values)
+    middle = len(ordered) // 2
+    median = int(ordered[middle]) if len(ordered) % 2 else (int(ordered[middle - 1]) + int(ordered[middle])) / 2
+    return {"min": int(ordered[0]), "median": median, "max": int(ordered[-1])}
 
 
-def report_extras(report: dict, duplicates: list[dict], turns: list[int], chars: list[int]) -> None:
-    """Dedup and data-shape sections of report.json (in place). `turns` and `chars` are per
-    written trajectory: its number of turns and of characters."""
-    clusters = _clusters(duplicates)
-    cross = Counter(f"{d['source']} -> {d['kept_source']}" for d in duplicates if d["source"] != d["kept_source"])
+def report_extras(report: dict, duplicates: pl.DataFrame, turns: np.ndarray, chars: np.ndarray) -> None:
+    """Dedup and data-shape sections of report.json (in place). `duplicates` is the duplicates map
+    (pipeline/build/second_half.py `write_duplicates`); `turns` and `chars` are per written
+    trajectory: its number of turns and of characters."""
+    cross = duplicates.filter(pl.col("source") != pl.col("kept_source"))
     report["duplicates"] = {
-        "total": len(duplicates),
-        "by_match": dict(sorted(Counter(d["match"] for d in duplicates).items())),
-        "by_source": dict(sorted(Counter(d["source"] for d in duplicates).items())),
-        "cross_source": dict(sorted(cross.items())),
-        "clusters": len(clusters),
-        "cross_source_clusters": [c for c in clusters if len(c["sources"]) > 1],
+        "total": duplicates.height,
+        "by_match": _counts(duplicates["match"]),
+        "by_source": _counts(duplicates["source"]),
+        "cross_source": _counts(cross.select(pl.format("{} -> {}", "source", "kept_source")).to_series()),
+        "clusters": duplicates["kept_id"].n_unique(),
+        "cross_source_clusters": _cross_source_clusters(duplicates),
     }
     report["shape"] = {"turns": _summary(turns), "chars": _summary(chars)}
 
@@ -158,14 +167,15 @@ def plot_quarantine(report: dict, out: Path) -> str:
     return _save(fig, out, "quarantine.png")
 
 
-def plot_duplicates(duplicates: list[dict], out: Path) -> str:
+def plot_duplicates(duplicates: pl.DataFrame, out: Path) -> str:
     fig, ax = pyplot().subplots(figsize=(7, 4.5))
-    if not duplicates:
+    if duplicates.is_empty():
         _empty(ax, "no duplicates")
         return _save(fig, out, "duplicates.png")
-    dropped = sorted({d["source"] for d in duplicates})
-    kept = sorted({d["kept_source"] for d in duplicates})
-    grid = [[sum(1 for d in duplicates if d["source"] == s and d["kept_source"] == k) for k in kept] for s in dropped]
+    dropped = sorted(duplicates["source"].unique().to_list())
+    kept = sorted(duplicates["kept_source"].unique().to_list())
+    pairs = {(s, k): n for s, k, n in duplicates.group_by("source", "kept_source").len().iter_rows()}
+    grid = [[pairs.get((s, k), 0) for k in kept] for s in dropped]
     ax.imshow(grid, cmap="Blues")
     top = max(max(row) for row in grid)
     ax.set_xticks(range(len(kept)), kept, rotation=20)
@@ -237,7 +247,7 @@ td:first-child,th:first-child{text-align:left}img{max-width:100%;border:1px soli
 .ok{color:#2a7a2a}.bad{color:#b22}"""
 
 
-def write_html(out: Path, report: dict, duplicates: list[dict], turns: Sequence[int], chars: Sequence[int]) -> list[Path]:
+def write_html(out: Path, report: dict, duplicates: pl.DataFrame, turns: Sequence[int], chars: Sequence[int]) -> list[Path]:
     """report.html and its PNGs under `out`; returns the files written (`turns`, `chars`: as in
     report_extras, or as numpy arrays: see plot_lengths)."""
     plots = {"Counts per source and stage": plot_stages(report, out),
