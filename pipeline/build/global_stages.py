@@ -35,9 +35,6 @@ if TYPE_CHECKING:
 # Where a global stage's dropped records go.
 QUARANTINE, DUPLICATES = "quarantine", "duplicates"
 QUARANTINE_COLUMNS = {"order": pl.Int64, "reason": pl.String, "detail": pl.String}
-DUPLICATE_COLUMNS = {"id": pl.String, "source": pl.String, "source_id": pl.String, "source_file": pl.String,
-                     "kept_id": pl.String, "kept_source": pl.String, "match": pl.String, "similarity": pl.Float64,
-                     "order": pl.Int64, "kept_order": pl.Int64}
 
 
 @dataclass(frozen=True)
@@ -154,9 +151,8 @@ class Dedup:
 
     def run(self, keys: pl.DataFrame, build: StagedBuild) -> tuple[StageTally, pl.DataFrame]:
         config = replace(build.config.dedup, near=self.near and build.config.dedup.near)
-        rows = duplicates_table(keys.select(*RANK_COLUMNS, "source", "source_file"), StagedRecords.of(build.units, config),
-                                config, build.map_units, build.workdir)
-        dropped = pl.DataFrame(rows, schema=DUPLICATE_COLUMNS).with_columns(reason=pl.col("match"))
+        dropped = duplicates_table(keys.select(*RANK_COLUMNS, "source", "source_file"), StagedRecords.of(build.units, config),
+                                   config, build.map_units, build.workdir).with_columns(reason=pl.col("match"))
         return tally_of(self.name, keys, dropped), dropped
 
     def report(self, tally: StageTally, config: BuildConfig) -> dict:

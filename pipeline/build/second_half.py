@@ -30,14 +30,7 @@ from trajforge.pipeline.build.assemble import (
     write_unit,
 )
 from trajforge.pipeline.build.config import BuildConfig
-from trajforge.pipeline.build.global_stages import (
-    DUPLICATE_COLUMNS,
-    DUPLICATES,
-    QUARANTINE,
-    StagedBuild,
-    StageRun,
-    run_global_stages,
-)
+from trajforge.pipeline.build.global_stages import DUPLICATES, QUARANTINE, StagedBuild, StageRun, run_global_stages
 from trajforge.pipeline.build.outputs import OUTPUTS, BuildOutputs, card_notes
 from trajforge.pipeline.build.report import source_counts, stage_tallies
 from trajforge.pipeline.build.units import UnitResult
@@ -54,6 +47,7 @@ from trajforge.pipeline.publish.manifest import (
 )
 from trajforge.pipeline.publish.report import report_extras, write_html
 from trajforge.pipeline.publish.shards import SplitShards, link_readers, plan_split, write_shard_from_files
+from trajforge.pipeline.quality.dedup_table import DUPLICATE_COLUMNS
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.stages import cyclic_gc_paused, in_order
 from trajforge.schemas import arrow_schema

@@ -176,9 +176,9 @@ def deduplicate_in_memory(records: list[dict], config: DedupConfig = DedupConfig
     keys = pl.concat([record_keys(records[i:i + batch], i, config) for i in range(0, max(1, len(records)), batch)])
     keys = keys.with_columns(pl.lit(0, dtype=pl.Int32).alias("unit"), pl.col("order").alias("row"))
     rows = duplicates_table(keys, RecordsInMemory(records, keys, config), config)
-    dropped = {row["order"] for row in rows}
+    dropped = set(rows["order"].to_list())
     kept = [r for i, r in enumerate(records) if i not in dropped]
-    return kept, [{k: v for k, v in row.items() if k not in ("order", "kept_order")} for row in rows]
+    return kept, rows.drop("order", "kept_order").to_dicts()
 
 
 # --- derived sets (pipeline/quality/derived.py) ---------------------------------------------------
