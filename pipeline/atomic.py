@@ -129,8 +129,8 @@ class StreamingTable:
     schema: written as they are, never through Python), cut into batches of `batch_rows` either way.
     Memory stays one batch deep however many rows go through. A batch of dicts that Arrow refuses is
     written row by row: each row it still refuses goes to `on_refused(row, exc)` (a build unit
-    quarantines it), and the rest of the batch is kept; `on_written(rows)` sees the rows of every
-    batch written. As a context manager, it is renamed into place on a clean exit and its temp
+    quarantines it), and the rest of the batch is kept; `on_written(rows, table)` sees the rows of
+    every batch written, and the Arrow table they were written as. As a context manager, it is renamed into place on a clean exit and its temp
     file removed on an error. `durable` False skips the fsyncs, for a file that only the run writing
     it reads back (after a crash the rerun writes it again): the writer does not wait for the disk.
     """
@@ -208,7 +208,7 @@ class StreamingTable:
             table = pa.Table.from_pylist(rows, schema=self.schema)
         self._write(table, table.nbytes)
         if self.on_written is not None:
-            self.on_written(rows)
+            self.on_written(rows, table)
 
     def _write(self, table: pa.Table, nbytes: int) -> None:
         self.writer.write_table(table)

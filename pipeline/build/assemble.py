@@ -29,7 +29,6 @@ import json
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,7 +41,7 @@ import pyarrow.parquet as pq
 from trajforge.pipeline.atomic import StreamingTable, atomic_path, batch_sizes, read_batches
 from trajforge.pipeline.build.config import BATCH_ROWS, BuildConfig
 from trajforge.pipeline.build.outputs import OUTPUTS, Output, UnitContext, UnitOutputs
-from trajforge.pipeline.quality.dedup import DedupConfig
+from trajforge.pipeline.quality.dedup import DedupConfig, string_buffers
 from trajforge.pipeline.quality.dedup_table import SKETCH_BINS, NearParts, band_columns, record_keys, shingle_set_hashes
 from trajforge.pipeline.quality.negatives import NegativesConfig
 from trajforge.pipeline.quality.pools import EnvPools
@@ -53,22 +52,31 @@ from trajforge.schemas import arrow_schema
 if TYPE_CHECKING:
     from trajforge.pipeline.build.units import UnitResult
 
-_CONTENT = itemgetter("content")
 # The codec of the units' staged outputs (`write_unit`).
 STAGED_OUTPUTS_CODEC = "lz4"
 
 
-def stage_keys(records: list[dict], start: int, config: BuildConfig) -> pl.DataFrame:
-    """The key table rows of a batch of one unit's records (`start`: the batch's row in the unit)."""
-    keys = record_keys(records, start, config.dedup)
+def stage_keys(records: list[dict], staged: pa.Table, start: int, config: BuildConfig) -> pl.DataFrame:
+    """The key table rows of a batch of one unit's records (`staged`: the same records as staged, in
+    Arrow, whose columns give the rows; `start`: the batch's row in the unit)."""
+    keys = record_keys(records, start, config.dedup, staged)
+    turns = staged.column("conversations")
     return keys.with_columns(
-        pl.Series("kind", [r["kind"] for r in records], dtype=pl.String),
-        pl.Series("rendering", [r["rendering"] for r in records], dtype=pl.String),
-        pl.Series("domain", [r["domain"] for r in records], dtype=pl.String),
-        pl.Series("env", [r["env"] for r in records], dtype=pl.String),
-        pl.Series("turns", [len(r["conversations"]) for r in records], dtype=pl.Int32),
-        pl.Series("chars", [sum(map(len, map(_CONTENT, r["conversations"]))) for r in records], dtype=pl.Int64),
+        *(pl.Series(name, staged.column(name), dtype=pl.String) for name in ("kind", "rendering", "domain", "env")),
+        pl.Series("turns", pc.list_value_length(turns), dtype=pl.Int32),
+        pl.Series("chars", _chars(turns), dtype=pl.Int64),
     )
+
+
+def _chars(turns: pa.ChunkedArray) -> np.ndarray:
+    """Per record, the characters (`len`) of its turns' contents, summed."""
+    chunks = [chunk for chunk in turns.chunks if len(chunk)]
+    if not chunks:  # no rows (a key file's schema): the compiled loop is not loaded for them
+        return np.zeros(0, dtype=np.int64)
+    from trajforge.pipeline.quality.keys_kernel import record_chars
+
+    return np.concatenate([record_chars(chunk.offsets.to_numpy(), *string_buffers(chunk.values.field("content")))
+                           for chunk in chunks])
 
 
 class KeysWriter:
@@ -78,9 +86,10 @@ class KeysWriter:
     def __init__(self, path: Path, config: BuildConfig, batch_rows: int = BATCH_ROWS):
         self.path, self.config, self.batch_rows = path, config, batch_rows
         self.pending: list[dict] = []
+        self.pending_staged: list[pa.Table] = []
         self.count = 0
         self._file = atomic_path(path)
-        schema = stage_keys([], 0, config).to_arrow().schema
+        schema = stage_keys([], arrow_schema("trajectory").empty_table(), 0, config).to_arrow().schema
         # Hash values (the band keys, the exact hash) and the row counter neither repeat nor compress:
         # written without the dictionary that Parquet tries first. The strings of few values take a
         # dictionary. No column is compressed: zstd was ~2/3 of the writer's CPU (most of it the
@@ -91,18 +100,20 @@ class KeysWriter:
             self._file.__enter__(), schema, compression="none",
             use_dictionary=[name for name in schema.names if name not in plain and name != "sketch"])
 
-    def extend(self, records: list[dict]) -> None:
-        """Records as their unit writes them (StreamingTable's `on_written`): the key table
-        stays row for row in step with the staged records."""
+    def extend(self, records: list[dict], staged: pa.Table) -> None:
+        """Records as their unit writes them, and as it staged them (StreamingTable's `on_written`):
+        the key table stays row for row in step with the staged records."""
         self.pending.extend(records)
+        self.pending_staged.append(staged)
         if len(self.pending) >= self.batch_rows:
             self._flush()
 
     def _flush(self) -> None:
         if self.pending:
-            self._writer.write_table(stage_keys(self.pending, self.count, self.config).to_arrow())
+            staged = pa.concat_tables(self.pending_staged)
+            self._writer.write_table(stage_keys(self.pending, staged, self.count, self.config).to_arrow())
             self.count += len(self.pending)
-            self.pending = []
+            self.pending, self.pending_staged = [], []
 
     def close(self) -> None:
         self._flush()

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import pyarrow as pa
+
 from trajforge.pipeline.atomic import StreamingTable
 from trajforge.pipeline.build.assemble import KeysWriter
 from trajforge.pipeline.build.config import BuildConfig
@@ -184,9 +186,9 @@ def process_unit(source_name: str, file: SourceFile, staging: Path, config: Buil
         writing.drop(dropped.reason)
         reject(index, dropped, shown(record))
 
-    def written(rows: list[dict]) -> None:
+    def written(rows: list[dict], staged: pa.Table) -> None:
         writing.keep(len(rows))
-        keys.extend(rows)
+        keys.extend(rows, staged)
 
     keys = KeysWriter(files["keys_path"], config)
     records = StreamingTable(files["records_path"], arrow_schema("trajectory"), on_refused=refused, on_written=written)

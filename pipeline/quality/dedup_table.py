@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from trajforge.pipeline.quality.dedup import (
     DedupConfig,
@@ -135,12 +136,15 @@ def signatures_and_sketches(sets: ShingleSets, config: DedupConfig,
     return sigs, sketch.reshape(-1)
 
 
-def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig = DedupConfig()) -> pl.DataFrame:
-    """The key table rows of `records`, whose build order starts at `start_order`."""
+def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig = DedupConfig(),
+                staged: pa.Table | None = None) -> pl.DataFrame:
+    """The key table rows of `records`, whose build order starts at `start_order`; `staged`: the
+    same records as staged (Arrow, the trajectory schema), from whose columns the rows are then
+    made rather than from the dicts (the same rows: no Python object a record)."""
     bands, rows = band_params(config)
     n = len(records)
-    tokens = dedup_tokens(records)
-    groups = [dedup_group(r) for r in records]
+    tokens = dedup_tokens(records, staged)
+    groups = [dedup_group(r) for r in records] if staged is None else _staged_groups(staged)
     hashes = word_shingle_hashes(tokens.words, tokens.word_bounds, config.shingle_size, config.seed)
     sigs, sketch = signatures_and_sketches(ShingleSets(tokens, config.shingle_size), config, hashes)
     keys = band_keys(sigs, bands, rows)
@@ -149,17 +153,45 @@ def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig =
         "group": pl.Series(groups, dtype=pl.String),
         "exact": pl.Series(exact_keys(groups, tokens), dtype=pl.String),
         # The keep preference (dedup.py's docstring), as columns (smaller is kept).
-        "not_upstream": pl.Series([r["loss_flags"] != "upstream" for r in records], dtype=pl.Boolean),
-        "source_rank": pl.Series([int(keep_rank(r["source"])) for r in records], dtype=pl.Int8),
-        "unknown": pl.Series([-((r["answer"] is not None) + (r["reward"] is not None) + (r["success"] is not None))
-                              for r in records], dtype=pl.Int8),
-        **{name: pl.Series([r[name] for r in records], dtype=pl.String)
+        **(_preference(records) if staged is None else _staged_preference(staged)),
+        **{name: pl.Series(name, [r[name] for r in records] if staged is None else staged.column(name), dtype=pl.String)
            for name in ("id", "source", "source_id", "source_file")},
         **{f"band{b}": pl.Series(keys[:, b], dtype=pl.UInt64) for b in range(bands)},
         "sketch": pl.Series(pa.FixedSizeBinaryArray.from_buffers(
             pa.binary(SKETCH_BINS), n, [None, pa.py_buffer(sketch)])).cast(pl.Binary),
     }
     return pl.DataFrame(columns)
+
+
+def _preference(records: Sequence[dict]) -> dict[str, pl.Series]:
+    """The keep-preference columns of `records`: upstream loss flags, the source's rank, the known
+    outcome fields (answer, reward, success) negated."""
+    return {
+        "not_upstream": pl.Series([r["loss_flags"] != "upstream" for r in records], dtype=pl.Boolean),
+        "source_rank": pl.Series([int(keep_rank(r["source"])) for r in records], dtype=pl.Int8),
+        "unknown": pl.Series([-((r["answer"] is not None) + (r["reward"] is not None) + (r["success"] is not None))
+                              for r in records], dtype=pl.Int8),
+    }
+
+
+def _staged_preference(staged: pa.Table) -> dict[str, pl.Series]:
+    """`_preference` of staged records, from their columns."""
+    source = staged.column("source")
+    sources = pc.unique(source)
+    ranks = np.array([int(keep_rank(name)) for name in sources.to_pylist()], dtype=np.int8)
+    known = sum(staged.column(name).is_valid().to_numpy(zero_copy_only=False).astype(np.int8)
+                for name in ("answer", "reward", "success"))
+    return {
+        "not_upstream": pl.Series(pc.not_equal(staged.column("loss_flags"), "upstream"), dtype=pl.Boolean),
+        "source_rank": pl.Series(ranks[pc.index_in(source, value_set=sources).to_numpy()], dtype=pl.Int8),
+        "unknown": pl.Series(-known, dtype=pl.Int8),
+    }
+
+
+def _staged_groups(staged: pa.Table) -> list[str]:
+    """`dedup_group` of each staged record, from its columns."""
+    kind, negative = staged.column("kind"), pc.fill_null(staged.column("negative_type"), "")
+    return pc.binary_join_element_wise(kind, negative, ":").to_pylist()
 
 
 def band_columns(config: DedupConfig) -> list[str]:

@@ -1,5 +1,15 @@
-"""The key table's compiled loops (numba): tokenizing a key batch's texts, the string views of its
-word shingles, and its MinHash signatures with its one-permutation sketches.
+"""The key table's compiled loops (numba): joining a key batch's texts from its staged Arrow
+buffers, tokenizing them, the string views of its word shingles, and its MinHash signatures with
+its one-permutation sketches.
+
+- `record_texts`: dedup.py's `_unlowered_text` of each record, joined as `_joined` joins them, read
+  from the staged batch's string buffers in one pass, where Python walked every turn's dict and
+  joined, escaped and encoded each record's parts (~4.8 -> ~0.7-1 us a record on the 20k corpus's
+  key batches); with the key table's columns taken from the staged batch too (`record_chars`, the
+  contents' characters, ~1-1.9 -> 0.1 us a record), `stage_keys` 29.0 -> 22.7 us a record (median of
+  11, same process, alternated); `profile_build.py 100000`, 3 alternated pairs: keys 0.033-0.038 ->
+  0.023-0.030 ms a record. Callgrind counts only -2.8 % of its instructions: most of what it saves
+  is the stalls of walking every turn's dict, scattered over memory, one record after another.
 
 - `tokens`: dedup.py's tokenizer (`_joined_tokens`) in one pass over the batch's UTF-8 bytes, where
   numpy makes a dozen (a class per byte by `bytes.translate`, the masks, the kept bytes, the counts
@@ -207,6 +217,103 @@ def tokens(data, bounds, classes, lower, lowered):
     return words[:w], word_bounds, bare[:r], bare_bounds, whole
 
 
+# What `dedup._record_parts` puts between a record's texts, and what `dedup._unescaped` makes spaces
+# of (a backslash, then one of `ntr`).
+_TURN, _THOUGHT_END, _BACKSLASH, _SPACE_BYTE = 0x1E, 0x1D, 0x5C, 0x20
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def record_texts(task, task_data, turns, assistant, loss, thought, thought_data, has_thought, action, action_data,
+                 has_action, content, content_data):
+    """dedup.py's `_unlowered_text` of each record of a staged Arrow batch, joined as `dedup._joined`
+    joins them: (joined, bounds, plain). The record's `task` (offsets into `task_data`, a string
+    per record), then its turns turns[i]:turns[i + 1] from its first trained assistant turn on
+    (`assistant`, `loss`: per turn) with the turn markers between them: an assistant turn's thought
+    and action (offsets and data; `has_thought`, `has_action`: not null), another's content; each
+    text's literal escapes made spaces, a newline after each record. `plain` is False when a text
+    holds an escape code (ESC, BEL: `clean_text` folds those) or a turn marker of its own: the
+    batch's texts are then not what `_unlowered_text` makes of them."""
+    n = len(turns) - 1
+    capacity = n
+    for i in range(n):
+        capacity += task[i + 1] - task[i] + 4 * (turns[i + 1] - turns[i])
+    capacity += thought[len(thought) - 1] - thought[0] + action[len(action) - 1] - action[0]
+    capacity += content[len(content) - 1] - content[0]
+    out = np.empty(capacity, dtype=np.uint8)
+    bounds = np.empty(n + 1, dtype=np.int64)
+    at = np.uint64(0)
+    plain = True
+    for i in range(n):
+        bounds[i] = at
+        at, ok = _unescaped_copy(task_data, task[i], task[i + 1], out, at)
+        plain &= ok
+        trained = False
+        for t in range(turns[i], turns[i + 1]):
+            if assistant[t]:
+                if not trained:
+                    if not loss[t]:
+                        continue
+                    trained = True
+                out[at] = _TURN
+                at += np.uint64(1)
+                if has_thought[t]:
+                    at, ok = _unescaped_copy(thought_data, thought[t], thought[t + 1], out, at)
+                    plain &= ok
+                out[at] = _THOUGHT_END
+                at += np.uint64(1)
+                if has_action[t]:
+                    at, ok = _unescaped_copy(action_data, action[t], action[t + 1], out, at)
+                    plain &= ok
+            elif trained:
+                out[at] = _TURN
+                at += np.uint64(1)
+                at, ok = _unescaped_copy(content_data, content[t], content[t + 1], out, at)
+                plain &= ok
+        out[at] = 0x0A
+        at += np.uint64(1)
+    bounds[n] = at
+    return out[:at], bounds, plain
+
+
+@numba.njit(inline="always")
+def _unescaped_copy(data, start, end, out, at):
+    """data[start:end] copied to out[at:] with its literal escapes (`\\n`, `\\t`, `\\r`) made spaces:
+    (where the copy ends, whether it holds no escape code and no turn marker)."""
+    ok = True
+    i = np.uint64(start)
+    stop = np.uint64(end)
+    while i < stop:
+        c = data[i]
+        if c < 0x20 or c == _BACKSLASH:
+            if c == _BACKSLASH and i + np.uint64(1) < stop:
+                following = data[i + np.uint64(1)]
+                if following == 0x6E or following == 0x74 or following == 0x72:
+                    out[at] = _SPACE_BYTE
+                    at += np.uint64(1)
+                    i += np.uint64(2)
+                    continue
+            ok &= c != 0x1B and c != 0x07 and c != _TURN and c != _THOUGHT_END
+        out[at] = c
+        at += np.uint64(1)
+        i += np.uint64(1)
+    return at, ok
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def record_chars(turns, content, content_data):
+    """Per record, the characters of its turns' contents (`len` of each, summed): the UTF-8 bytes
+    of turns turns[i]:turns[i + 1] (offsets `content` into `content_data`, consecutive) less their
+    continuation bytes."""
+    n = len(turns) - 1
+    chars = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        count = 0
+        for k in range(np.uint64(content[turns[i]]), np.uint64(content[turns[i + 1]])):
+            count += (content_data[k] & 0xC0) != 0x80
+        chars[i] = count
+    return chars
+
+
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def shingle_views(padded, bounds, size):
     """dedup.py's `word_shingle_hashes` up to the hash, in one pass over the words: (sizes, views).
@@ -326,3 +433,8 @@ def warm() -> None:
     signatures_and_sketches(one, one, np.array([0, 1], dtype=np.int64), one, one, 8)
     # Read-only, as `word_shingle_hashes` passes its padded bytes: the type the build's calls load.
     shingle_views(np.frombuffer(b"a " + bytes(16), dtype=np.uint8), np.array([0, 2], dtype=np.int64), 5)
+    # Read-only offsets and bytes (numpy views of Arrow buffers), writable flags (Arrow's booleans
+    # unpacked), as `dedup._staged_texts` and `assemble._chars` pass them.
+    offsets, data, flags = np.frombuffer(bytes(8), dtype=np.int32), np.frombuffer(b"", dtype=np.uint8), np.zeros(1, bool)
+    record_texts(offsets, data, offsets, flags, flags, offsets, data, flags, offsets, data, flags, offsets, data)
+    record_chars(offsets, offsets, data)

@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import replace
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -32,7 +33,7 @@ from trajforge.pipeline.quality.dedup import (
     signatures,
     word_shingle_hashes,
 )
-from trajforge.schemas import validator
+from trajforge.schemas import arrow_schema, validator
 from trajforge.sources import get_source
 
 
@@ -257,6 +258,42 @@ def test_dedup_texts_tokenize_as_fold_does_on_every_kind_of_text(monkeypatch, co
                                   if turn["role"] == "assistant" else fold(turn["content"]))]
         assert found.bare == "".join(tokens)
         assert found.words == " ".join(t for t in tokens if re.fullmatch(r"\w+", t))
+
+
+def test_staged_records_join_the_texts_of_their_dicts():
+    """The texts of staged records, joined from their Arrow buffers (keys_kernel.record_texts), are
+    `_unlowered_text`'s of their dicts, joined as `_joined` joins them (record after record, over
+    several record batches too); or None where a text holds what only the dicts' path folds (an
+    escape code, a turn marker of its own)."""
+    rng = random.Random(1)
+    alphabet = ([chr(c) for c in range(32, 128)] + list("éİ²–ﬁΣ\u00a0\u3000\n\t")
+                + ["\\n", "\\t", "\\r", "\\x", "\\", "\\\\n"])
+
+    def text():
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+
+    def record():
+        turns = [{"role": "user", "content": text(), "loss": False}]
+        for _ in range(rng.randint(0, 4)):
+            turns += [{"role": "assistant", "content": text(), "thought": rng.choice([None, text()]),
+                       "action": rng.choice([None, text()]), "loss": rng.random() < 0.7},
+                      {"role": rng.choice(["user", "tool"]), "content": text(), "loss": False}]
+        return {"task": text(), "conversations": turns}
+
+    schema = arrow_schema("trajectory")
+    schema = pa.schema([schema.field("task"), schema.field("conversations")])
+    for inside in ["", "\x1b", "\x07", "\x1e", "\x1d"]:
+        records = [record() for _ in range(300)]
+        if inside:
+            records[7]["task"] += inside
+        staged = pa.concat_tables([pa.Table.from_pylist(records[:100], schema=schema),
+                                   pa.Table.from_pylist(records[100:], schema=schema)])
+        found = dedup._staged_texts(staged)
+        if inside:
+            assert found is None
+            continue
+        joined, bounds = dedup._joined([dedup._unlowered_text(r)[0] for r in records])
+        assert found[0].tobytes() == joined and found[1].tolist() == bounds
 
 
 def test_exact_key_is_equal_exactly_when_the_tokens_are():

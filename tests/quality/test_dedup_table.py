@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 import pytest
 
 from tests.support.oracles import (
@@ -15,7 +16,7 @@ from tests.support.oracles import (
     make_negatives,
     sketch_similarity,
 )
-from trajforge.pipeline.quality import dedup_table
+from trajforge.pipeline.quality import dedup, dedup_table
 from trajforge.pipeline.quality.dedup import DedupConfig, dedup_texts, shingles
 from trajforge.pipeline.quality.dedup_table import (
     band_keys,
@@ -30,6 +31,7 @@ from trajforge.pipeline.quality.dedup_table import (
 from trajforge.pipeline.quality.negatives import NEGATIVE_TYPES, NegativesConfig
 from trajforge.pipeline.quality.pools import EnvPools
 from trajforge.pipeline.quality.sketch_screen import pairs_across, pairs_within
+from trajforge.schemas import arrow_schema
 
 
 @pytest.mark.parametrize("threshold", [0.85, 0.6, 0.4])
@@ -46,6 +48,20 @@ def test_batching_does_not_change_the_keys(merged):
     whole = record_keys(merged, 0)
     parts = pl.concat([record_keys(merged[i:i + 7], i) for i in range(0, len(merged), 7)])
     assert whole.equals(parts)
+
+
+@pytest.mark.parametrize("compiled_from", [0, 1 << 62], ids=["compiled", "numpy"])
+def test_keys_of_staged_records_are_those_of_their_dicts(merged, monkeypatch, compiled_from):
+    """The key rows made from the staged records' Arrow columns (the texts joined from its buffers,
+    the group, the keep preference, the ids) are those made from the dicts, over several record
+    batches too."""
+    monkeypatch.setattr(dedup, "COMPILED_TOKENS_FROM", compiled_from)
+    schema = arrow_schema("trajectory")
+    half = len(merged) // 2
+    staged = pa.concat_tables([pa.Table.from_pylist(merged[:half], schema=schema),
+                               pa.Table.from_pylist(merged[half:], schema=schema)])
+    assert record_keys(merged, 3, staged=staged).equals(record_keys(merged, 3))
+    assert record_keys([], 0, staged=schema.empty_table()).equals(record_keys([], 0))
 
 
 def test_band_keys_equal_exactly_when_the_band_values_do():
