@@ -234,6 +234,12 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
         answer=_answer(conversations, domain), conversations=conversations, meta=meta))
 
 
+# A system or user turn but its role and content: a copy of it and two stores cost less than a dict
+# built key by key.
+_PROMPT_TURN: Turn = {"role": "user", "content": "", "loss": False, "thought": None, "action": None, "reasoning": None,
+                      "dialect": None}
+
+
 def _parsed(turns: _Turns, contents: list[str], task_at: int, demo_turns: int, upstream_loss: bool) -> list[Turn]:
     """The record's turns: each assistant turn parsed (thought, action, dialect) and its loss flag
     set (module doc)."""
@@ -241,8 +247,9 @@ def _parsed(turns: _Turns, contents: list[str], task_at: int, demo_turns: int, u
     demo_from = task_at - demo_turns
     for i, (role, content) in enumerate(zip(turns.roles, contents)):
         if role != "assistant":
-            conversations.append({"role": role, "content": content, "loss": False,
-                                  "thought": None, "action": None, "reasoning": None, "dialect": None})
+            turn = _PROMPT_TURN.copy()
+            turn["role"], turn["content"] = role, content
+            conversations.append(turn)
             continue
         try:
             parsed = parse_cleaned_turn(content)
