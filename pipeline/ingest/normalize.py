@@ -64,8 +64,11 @@ class NormalizeConfig:
 
 
 def _raw_turns(row: dict) -> list:
-    key = next((k for k in CONVERSATION_KEYS if k in row), None)
-    if key is None:
+    # A loop, not `next` of a generator: building and resuming one costs more than the lookups.
+    for key in CONVERSATION_KEYS:
+        if key in row:
+            break
+    else:
         raise NormalizeError("missing_conversations", f"row has keys {sorted(row)[:10]}")
     raw_turns = row[key]
     if isinstance(raw_turns, str):
@@ -269,8 +272,10 @@ def _parsed(turns: _Turns, contents: list[str], task_at: int, demo_turns: int, u
 
 def _answer(conversations: list[Turn], domain: str) -> str | None:
     """The final answer of the last assistant turn; a tool agent's final prose reply is its answer."""
-    last = next((t for t in reversed(conversations) if t["role"] == "assistant"), None)
-    if last is None:
+    for last in reversed(conversations):
+        if last["role"] == "assistant":
+            break
+    else:
         return None
     answer = extract_answer(last["action"], last["dialect"])
     if answer is None and last["dialect"] == FREE_TEXT and domain == "tool":
