@@ -528,7 +528,8 @@ def check_record(record: dict, config: ValidateConfig = ValidateConfig()) -> Che
         return Checked(record, violation)
     grounding = _grounded(record)
     steps = grounding.steps
-    refused = [s for s in steps if s.verdict == REFUSED]
+    # Most records have no step: no comprehension (a function built and called) for them.
+    refused = [s for s in steps if s.verdict == REFUSED] if steps else steps
     if refused and len(refused) == grounding.trained:
         return Checked(record, Violation("all_steps_refused", f"the env refused each of the {len(refused)} trained "
                                                               f"steps: {', '.join(s.rule for s in refused)}"),
