@@ -64,8 +64,11 @@ class NormalizeConfig:
 
 
 def _raw_turns(row: dict) -> list:
-    key = next((k for k in CONVERSATION_KEYS if k in row), None)
-    if key is None:
+    # A loop, not `next` of a generator: building and resuming one costs more than the lookups.
+    for key in CONVERSATION_KEYS:
+        if key in row:
+            break
+    else:
         raise NormalizeError("missing_conversations", f"row has keys {sorted(row)[:10]}")
     raw_turns = row[key]
     if isinstance(raw_turns, str):
@@ -234,6 +237,12 @@ def normalize_row(row: dict, source: Source, split: str, source_file: str, index
         answer=_answer(conversations, domain), conversations=conversations, meta=meta))
 
 
+# A system or user turn but its role and content: a copy of it and two stores cost less than a dict
+# built key by key.
+_PROMPT_TURN: Turn = {"role": "user", "content": "", "loss": False, "thought": None, "action": None, "reasoning": None,
+                      "dialect": None}
+
+
 def _parsed(turns: _Turns, contents: list[str], task_at: int, demo_turns: int, upstream_loss: bool) -> list[Turn]:
     """The record's turns: each assistant turn parsed (thought, action, dialect) and its loss flag
     set (module doc)."""
@@ -241,8 +250,9 @@ def _parsed(turns: _Turns, contents: list[str], task_at: int, demo_turns: int, u
     demo_from = task_at - demo_turns
     for i, (role, content) in enumerate(zip(turns.roles, contents)):
         if role != "assistant":
-            conversations.append({"role": role, "content": content, "loss": False,
-                                  "thought": None, "action": None, "reasoning": None, "dialect": None})
+            turn = _PROMPT_TURN.copy()
+            turn["role"], turn["content"] = role, content
+            conversations.append(turn)
             continue
         try:
             parsed = parse_cleaned_turn(content)
@@ -262,8 +272,10 @@ def _parsed(turns: _Turns, contents: list[str], task_at: int, demo_turns: int, u
 
 def _answer(conversations: list[Turn], domain: str) -> str | None:
     """The final answer of the last assistant turn; a tool agent's final prose reply is its answer."""
-    last = next((t for t in reversed(conversations) if t["role"] == "assistant"), None)
-    if last is None:
+    for last in reversed(conversations):
+        if last["role"] == "assistant":
+            break
+    else:
         return None
     answer = extract_answer(last["action"], last["dialect"])
     if answer is None and last["dialect"] == FREE_TEXT and domain == "tool":
