@@ -20,13 +20,15 @@ step was refused is quarantined (`all_steps_refused`) whatever the option.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from decimal import Decimal
 from operator import itemgetter
+
+import fastjsonschema
 
 from trajforge.pipeline.envs.grammar import Breach, Context, Replies
 from trajforge.pipeline.ingest.dialects import FREE_TEXT, extract_answer, parse_turn
@@ -69,67 +71,27 @@ class Violation:
 _CONSTRUCTED = ("schema_version", "kind", "parent_id", "meta")
 
 
-# How `_row_decided_check` writes a property's JSON Schema as Python, `v` its value, as fastjsonschema
-# reads the schema: each type's test, and each keyword's test on a value of the type it applies to.
-_TYPE_TESTS = {"string": "isinstance(v, str)", "boolean": "isinstance(v, bool)", "null": "v is None",
-               "integer": "(isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer())",
-               "number": "(isinstance(v, (int, float, Decimal)) and not isinstance(v, bool))",
-               "array": "isinstance(v, (list, tuple))", "object": "isinstance(v, dict)"}
-_KEYWORD_TESTS = {"minLength": ("string", "len(v) >= {}"), "pattern": ("string", "{}.search(v)"),
-                  "enum": ("string", "v in {}"), "minimum": ("number", "v >= {}"), "minItems": ("array", "len(v) >= {}")}
-_ANNOTATIONS = {"description", "title", "contentMediaType"}
-
-
-def _constant(constants: dict, value) -> str:
-    """The name `value` goes by in the generated code."""
-    name = f"_c{len(constants)}"
-    constants[name] = value
-    return name
-
-
-def _property_test(node: dict, constants: dict) -> str:
-    """A property's schema `node` as one Python test of `v`; its regexes and enums go in `constants`."""
-    types = node["type"] if isinstance(node["type"], list) else [node["type"]]
-    tests = ["(" + " or ".join(_TYPE_TESTS[t] for t in types) + ")"]
-    for keyword, value in node.items():
-        if keyword == "type" or keyword in _ANNOTATIONS:
-            continue
-        applies, test = _KEYWORD_TESTS[keyword]  # a KeyError: a keyword this reading does not know
-        if keyword == "pattern":
-            # fastjsonschema's reading of `$`: the end of the text, not before a final line break.
-            argument = _constant(constants, re.compile(re.sub(r"(?<!\\)\$", r"\\Z", value)))
-        elif keyword == "enum":
-            if not all(isinstance(e, str) for e in value):
-                raise ValueError(f"an enum of other than strings: {value}")
-            argument = _constant(constants, frozenset(value))
-        else:
-            argument = repr(value)
-        test = test.format(argument)
-        tests.append(test if types == [applies] else f"(not {_TYPE_TESTS[applies]} or {test})")
-    return " and ".join(tests)
-
-
 @functools.cache
-def _row_decided_check() -> Callable[[dict], bool]:
-    """The trajectory schema less what `new_record` and normalize's turns guarantee, as one Python
-    function (True: the record fits): the checks left on a `NormalizedRecord` are those of the values its
-    row decides (id, domain, ...), each key read once where fastjsonschema's code keeps a set of the keys
-    to tell which it has (a `NormalizedRecord` has all)."""
-    schema = load_schema("trajectory")
-    constants: dict = {"Decimal": Decimal}
-    lines = ["def check(r):"]
-    for key, node in schema["properties"].items():
-        if key not in _CONSTRUCTED:
-            lines += [f"    v = r[{key!r}]", f"    if not ({_property_test({k: n for k, n in node.items() if k != 'items'}, constants)}):",
-                      "        return False"]
-    exec("\n".join([*lines, "    return True"]), constants)
-    return constants["check"]
+def _row_decided_check():
+    """The compiled trajectory schema less what `new_record` and normalize's turns guarantee: the
+    checks left on a `NormalizedRecord` are those of the values its row decides (id, domain, ...)."""
+    schema = copy.deepcopy(load_schema("trajectory"))
+    del schema["required"], schema["additionalProperties"]
+    for key in _CONSTRUCTED:
+        del schema["properties"][key]
+    for node in schema["properties"].values():
+        node.pop("items", None)
+    return fastjsonschema.compile(schema)
 
 
 def _schema(record: dict, config: ValidateConfig) -> Violation | None:
     built = isinstance(record, NormalizedRecord)
-    if built and _row_decided_check()(record):
-        return None  # a failure is explained below, as for any record
+    if built:
+        try:
+            _row_decided_check()(record)
+            return None
+        except fastjsonschema.JsonSchemaValueException:
+            pass  # explained below, as for any record
     error = first_error("trajectory", record, items_built=built)
     return Violation("schema", error[:500]) if error else None
 
