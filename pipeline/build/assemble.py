@@ -59,7 +59,7 @@ STAGED_OUTPUTS_CODEC = "lz4"
 def stage_keys(records: list[dict], staged: pa.Table, start: int, config: BuildConfig) -> pl.DataFrame:
     """The key table rows of a batch of one unit's records (`staged`: the same records as staged, in
     Arrow, whose columns give the rows; `start`: the batch's row in the unit)."""
-    keys = record_keys(records, start, config.dedup, staged)
+    keys = record_keys(records, staged, start, config.dedup)
     turns = staged.column("conversations")
     return keys.with_columns(
         *(pl.Series(name, staged.column(name), dtype=pl.String) for name in ("kind", "rendering", "domain", "env")),

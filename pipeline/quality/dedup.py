@@ -391,11 +391,6 @@ def dedup_texts(records: Sequence[dict]) -> list[DedupText]:
     return [tokens.text(i) for i in range(len(records))]
 
 
-def dedup_group(record: dict) -> str:
-    """Only records of the same group are compared: the same kind and negative type."""
-    return f"{record['kind']}:{record['negative_type'] or ''}"
-
-
 # Between the group, the words and the bare text in what the exact key hashes.
 _KEY_SEPARATOR = b"\x1f"
 

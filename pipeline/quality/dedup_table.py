@@ -47,7 +47,6 @@ import pyarrow.compute as pc
 from trajforge.pipeline.quality.dedup import (
     DedupConfig,
     ShingleSets,
-    dedup_group,
     dedup_tokens,
     exact_keys,
     hash_halves,
@@ -136,15 +135,16 @@ def signatures_and_sketches(sets: ShingleSets, config: DedupConfig,
     return sigs, sketch.reshape(-1)
 
 
-def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig = DedupConfig(),
-                staged: pa.Table | None = None) -> pl.DataFrame:
+def record_keys(records: Sequence[dict], staged: pa.Table, start_order: int,
+                config: DedupConfig = DedupConfig()) -> pl.DataFrame:
     """The key table rows of `records`, whose build order starts at `start_order`; `staged`: the
-    same records as staged (Arrow, the trajectory schema), from whose columns the rows are then
-    made rather than from the dicts (the same rows: no Python object a record)."""
+    same records as the unit staged them (Arrow, the trajectory schema), from whose columns the
+    rows are made (no Python object a record; the dicts serve only the texts the compiled join
+    leaves to them: dedup.dedup_tokens)."""
     bands, rows = band_params(config)
     n = len(records)
     tokens = dedup_tokens(records, staged)
-    groups = [dedup_group(r) for r in records] if staged is None else _staged_groups(staged)
+    groups = _groups(staged)
     hashes = word_shingle_hashes(tokens.words, tokens.word_bounds, config.shingle_size, config.seed)
     sigs, sketch = signatures_and_sketches(ShingleSets(tokens, config.shingle_size), config, hashes)
     keys = band_keys(sigs, bands, rows)
@@ -153,9 +153,8 @@ def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig =
         "group": pl.Series(groups, dtype=pl.String),
         "exact": pl.Series(exact_keys(groups, tokens), dtype=pl.String),
         # The keep preference (dedup.py's docstring), as columns (smaller is kept).
-        **(_preference(records) if staged is None else _staged_preference(staged)),
-        **{name: pl.Series(name, [r[name] for r in records] if staged is None else staged.column(name), dtype=pl.String)
-           for name in ("id", "source", "source_id", "source_file")},
+        **_preference(staged),
+        **{name: pl.Series(name, staged.column(name), dtype=pl.String) for name in ("id", "source", "source_id", "source_file")},
         **{f"band{b}": pl.Series(keys[:, b], dtype=pl.UInt64) for b in range(bands)},
         "sketch": pl.Series(pa.FixedSizeBinaryArray.from_buffers(
             pa.binary(SKETCH_BINS), n, [None, pa.py_buffer(sketch)])).cast(pl.Binary),
@@ -163,19 +162,9 @@ def record_keys(records: Sequence[dict], start_order: int, config: DedupConfig =
     return pl.DataFrame(columns)
 
 
-def _preference(records: Sequence[dict]) -> dict[str, pl.Series]:
-    """The keep-preference columns of `records`: upstream loss flags, the source's rank, the known
-    outcome fields (answer, reward, success) negated."""
-    return {
-        "not_upstream": pl.Series([r["loss_flags"] != "upstream" for r in records], dtype=pl.Boolean),
-        "source_rank": pl.Series([int(keep_rank(r["source"])) for r in records], dtype=pl.Int8),
-        "unknown": pl.Series([-((r["answer"] is not None) + (r["reward"] is not None) + (r["success"] is not None))
-                              for r in records], dtype=pl.Int8),
-    }
-
-
-def _staged_preference(staged: pa.Table) -> dict[str, pl.Series]:
-    """`_preference` of staged records, from their columns."""
+def _preference(staged: pa.Table) -> dict[str, pl.Series]:
+    """The keep-preference columns of staged records: upstream loss flags, the source's rank, the
+    known outcome fields (answer, reward, success) negated."""
     source = staged.column("source")
     sources = pc.unique(source)
     ranks = np.array([int(keep_rank(name)) for name in sources.to_pylist()], dtype=np.int8)
@@ -188,8 +177,9 @@ def _staged_preference(staged: pa.Table) -> dict[str, pl.Series]:
     }
 
 
-def _staged_groups(staged: pa.Table) -> list[str]:
-    """`dedup_group` of each staged record, from its columns."""
+def _groups(staged: pa.Table) -> list[str]:
+    """The dedup group of each staged record: only records of the same group are compared, the
+    same kind and negative type (`kind:negative_type`, empty without one)."""
     kind, negative = staged.column("kind"), pc.fill_null(staged.column("negative_type"), "")
     return pc.binary_join_element_wise(kind, negative, ":").to_pylist()
 

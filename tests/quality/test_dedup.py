@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.support.oracles import TOKEN, deduplicate, fold, jaccard
+from tests.support.oracles import TOKEN, dedup_group, deduplicate, fold, jaccard
 from tests.support.paths import FIXTURE_SOURCES
 from trajforge.pipeline.build import BuildConfig, finalize, process_unit
 from trajforge.pipeline.quality import dedup
@@ -24,7 +24,6 @@ from trajforge.pipeline.quality.dedup import (
     _task_words,
     _tokens,
     decontaminate,
-    dedup_group,
     dedup_texts,
     exact_key,
     read_eval_tasks,

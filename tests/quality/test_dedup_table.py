@@ -13,8 +13,10 @@ from tests.support.oracles import (
     deduplicate,
     deduplicate_in_memory,
     jaccard,
+    key_columns_of_dicts,
     make_negatives,
     sketch_similarity,
+    staged_keys,
 )
 from trajforge.pipeline.quality import dedup, dedup_table
 from trajforge.pipeline.quality.dedup import DedupConfig, dedup_texts, shingles
@@ -45,23 +47,27 @@ def test_same_duplicate_map_as_the_in_memory_dedup_on_the_fixtures(merged, thres
 
 
 def test_batching_does_not_change_the_keys(merged):
-    whole = record_keys(merged, 0)
-    parts = pl.concat([record_keys(merged[i:i + 7], i) for i in range(0, len(merged), 7)])
+    whole = staged_keys(merged, 0)
+    parts = pl.concat([staged_keys(merged[i:i + 7], i) for i in range(0, len(merged), 7)])
     assert whole.equals(parts)
 
 
 @pytest.mark.parametrize("compiled_from", [0, 1 << 62], ids=["compiled", "numpy"])
 def test_keys_of_staged_records_are_those_of_their_dicts(merged, monkeypatch, compiled_from):
     """The key rows made from the staged records' Arrow columns (the texts joined from its buffers,
-    the group, the keep preference, the ids) are those made from the dicts, over several record
-    batches too."""
+    the group, the keep preference, the ids) are those the dicts give, over several record batches
+    too."""
     monkeypatch.setattr(dedup, "COMPILED_TOKENS_FROM", compiled_from)
     schema = arrow_schema("trajectory")
     half = len(merged) // 2
     staged = pa.concat_tables([pa.Table.from_pylist(merged[:half], schema=schema),
                                pa.Table.from_pylist(merged[half:], schema=schema)])
-    assert record_keys(merged, 3, staged=staged).equals(record_keys(merged, 3))
-    assert record_keys([], 0, staged=schema.empty_table()).equals(record_keys([], 0))
+    keys = record_keys(merged, staged, 3)
+    assert keys.equals(staged_keys(merged, 3))
+    expected = key_columns_of_dicts(merged)
+    assert keys.select(expected.columns).equals(expected)
+    assert len(set(expected["source_rank"])) > 1 and len(set(expected["unknown"])) > 1 and any(expected["not_upstream"])
+    assert record_keys([], schema.empty_table(), 0).columns == keys.columns
 
 
 def test_band_keys_equal_exactly_when_the_band_values_do():
@@ -156,7 +162,7 @@ def test_sketches_estimate_the_jaccard_of_the_fixture_pairs(merged):
     """The screen's premise: on real trajectories the sketch similarity is close to the true
     Jaccard, and no pair at or above the threshold falls below threshold - SKETCH_MARGIN."""
     config = DedupConfig()
-    keys = record_keys(merged, 0, config)
+    keys = staged_keys(merged, 0, config)
     _, sketch = near_matrices(keys, config)
     sets = [shingles(t.words.split(), config.shingle_size) for t in dedup_texts(merged)]
     rng = np.random.default_rng(0)
@@ -194,7 +200,7 @@ def test_candidates_are_verified_by_the_true_jaccard(merged):
     loose = DedupConfig(bands=64, rows=1)
     kept, dups = deduplicate(merged, loose)
     assert deduplicate_in_memory(merged, loose)[1] == dups
-    keys = record_keys(merged, 0, loose)
+    keys = staged_keys(merged, 0, loose)
     bands, _ = near_matrices(keys, loose)
     groups = keys["group"].rank("dense").to_numpy()
     assert len(set().union(*band_pairs(groups, bands))) > 5 * len(dups)

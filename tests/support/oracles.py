@@ -36,7 +36,6 @@ from trajforge.pipeline.quality.dedup import (
     SCHEME,
     DedupConfig,
     _folded,
-    dedup_group,
     dedup_texts,
     exact_key,
     shingles,
@@ -52,6 +51,7 @@ from trajforge.pipeline.quality.dedup_table import (
 from trajforge.pipeline.quality.derived import grpo_env_row, record_task, reference_answer
 from trajforge.pipeline.quality.negatives import NegativesConfig, negatives_of
 from trajforge.pipeline.quality.pools import EnvPools
+from trajforge.schemas import arrow_schema
 from trajforge.sources import keep_rank as source_keep_rank
 
 # --- dedup (pipeline/quality/dedup.py, dedup_table.py) -------------------------------------------
@@ -110,6 +110,31 @@ def sketch_similarity(sketch: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.nd
     left, right = sketch[a], sketch[b]
     both_empty = ((left == 0) & (right == 0)).sum(axis=1)
     return ((left == right).sum(axis=1) - both_empty) / np.maximum(1, sketch.shape[1] - both_empty)
+
+
+def dedup_group(record: dict) -> str:
+    """Only records of the same group are compared: the same kind and negative type."""
+    return f"{record['kind']}:{record['negative_type'] or ''}"
+
+
+def staged_keys(records: list[dict], start_order: int = 0, config: DedupConfig = DedupConfig()) -> pl.DataFrame:
+    """`record_keys` of records staged as a build unit stages them (one Arrow table of the trajectory schema)."""
+    return record_keys(records, pa.Table.from_pylist(records, schema=arrow_schema("trajectory")), start_order, config)
+
+
+def key_columns_of_dicts(records: list[dict], config: DedupConfig = DedupConfig()) -> pl.DataFrame:
+    """The key table's group, exact key, keep-preference and id columns made from the records'
+    dicts: what `record_keys` makes of their staged columns."""
+    texts = dedup_texts(records)
+    return pl.DataFrame({
+        "group": [dedup_group(r) for r in records],
+        "exact": [exact_key(dedup_group(r), text) for r, text in zip(records, texts)],
+        "not_upstream": [r["loss_flags"] != "upstream" for r in records],
+        "source_rank": pl.Series([int(source_keep_rank(r["source"])) for r in records], dtype=pl.Int8),
+        "unknown": pl.Series([-sum(r[k] is not None for k in ("answer", "reward", "success")) for r in records],
+                             dtype=pl.Int8),
+        **{name: [r[name] for r in records] for name in ("id", "source", "source_id", "source_file")},
+    }, schema_overrides={name: pl.String for name in ("group", "exact", "id", "source", "source_id", "source_file")})
 
 
 def keep_rank(record: dict, order: int) -> tuple:
@@ -173,7 +198,7 @@ class RecordsInMemory:
 def deduplicate_in_memory(records: list[dict], config: DedupConfig = DedupConfig(),
                           batch: int = 4096) -> tuple[list[dict], list[dict]]:
     """`deduplicate` through the build's key table: (kept records in build order, duplicates map)."""
-    keys = pl.concat([record_keys(records[i:i + batch], i, config) for i in range(0, max(1, len(records)), batch)])
+    keys = pl.concat([staged_keys(records[i:i + batch], i, config) for i in range(0, max(1, len(records)), batch)])
     keys = keys.with_columns(pl.lit(0, dtype=pl.Int32).alias("unit"), pl.col("order").alias("row"))
     rows = duplicates_table(keys, RecordsInMemory(records, keys, config), config)
     dropped = set(rows["order"].to_list())
