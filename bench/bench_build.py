@@ -13,7 +13,7 @@ true shingle Jaccard stays near 0.93).
 
 Measured in the same run:
 - the I/O floor: pyarrow reads the same upstream files (Parquet, and the JSON arrays through `json` into
-  Arrow) and writes the same rows as zstd Parquet;
+  Arrow) and writes the same rows as zstd Parquet, before and after the build (the ratio is to their mean);
 - `trajforge build` as a subprocess of the real CLI (`--source NAME=PATH`), its wall time and the peak
   RSS and PSS of its process tree (sampled every 0.2 s);
 - from the build's outputs: rows/s, recall of the planted copies (the share of planted copies found in
@@ -321,13 +321,19 @@ def main() -> None:
             (work / "planted.json").write_text(json.dumps(counts))
             print(f"corpus: {args.n} trajectories in {time.perf_counter() - t0:.0f} s, {counts}")
         size = sum(f.stat().st_size for f in corpus.rglob("*") if f.is_file())
-        floor_s, rows = io_floor(corpus, work / "floor")
+        before, rows = io_floor(corpus, work / "floor")
         shutil.rmtree(work / "floor")
-        print(f"I/O floor: {rows} rows, {size / 1e6:.0f} MB upstream, {floor_s:.1f} s; load average "
+        print(f"I/O floor: {rows} rows, {size / 1e6:.0f} MB upstream, {before:.1f} s; load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         out = work / "build"
         shutil.rmtree(out, ignore_errors=True)
         wall, cpu, peak, rc = run_build(corpus, out, args.runner, args.timeout)
+        # The floor again after the build: a shared machine's speed drifts over minutes (the same
+        # floor ran 29-41 s within an hour at 1M), so the build is set against the floor on both sides of it.
+        after, _ = io_floor(corpus, work / "floor")
+        shutil.rmtree(work / "floor")
+        floor_s = (before + after) / 2
+        print(f"I/O floor after the build: {after:.1f} s (mean {floor_s:.1f} s)")
         line = (f"build ({args.runner}): rc {rc}, wall {wall:.1f} s = {wall / floor_s:.1f}x the floor, CPU {cpu:.0f} s, "
                 f"peak RSS {peak[0] / 2**30:.2f} GiB (PSS {peak[1] / 2**30:.2f} GiB), {rows / wall:.0f} rows/s")
         if rc == 0:
