@@ -45,7 +45,7 @@ from trajforge.pipeline.publish.manifest import (
     set_manifest_aside,
     write_manifest,
 )
-from trajforge.pipeline.publish.report import report_extras, write_html
+from trajforge.pipeline.publish.report import report_extras, value_counts, write_html
 from trajforge.pipeline.publish.shards import SplitShards, link_readers, plan_split, write_shard_from_files
 from trajforge.pipeline.quality.dedup_table import DUPLICATE_COLUMNS
 from trajforge.pipeline.quality.pools import EnvPools
@@ -242,7 +242,7 @@ def build_report(units: list[UnitResult], runs: list[StageRun], kept_keys: pl.Da
     report = {**source_counts(units, runs), "generator": GENERATOR, "config": asdict(config),
               "outputs": {**outputs.files, "quarantine": [QUARANTINE_FILE], "duplicates": [DUPLICATES_FILE]}}
     for column, name in [("rendering", "renderings"), ("domain", "domains"), ("env", "envs"), ("kind", "kinds")]:
-        report[name] = dict(sorted(kept_keys[column].value_counts().iter_rows()))
+        report[name] = value_counts(kept_keys[column])
     report["validation_by_env"] = merge_env_figures([u.envs for u in units])
     for run in runs:
         report.update(run.stage.report(run.tally, config))

@@ -31,7 +31,8 @@ def pyplot():
     return plt
 
 
-def _counts(values: pl.Series) -> dict:
+def value_counts(values: pl.Series) -> dict:
+    """{value: count} of a column, by value: a report's counts section."""
     return dict(sorted(values.value_counts().iter_rows()))
 
 
@@ -63,9 +64,9 @@ def report_extras(report: dict, duplicates: pl.DataFrame, turns: np.ndarray, cha
     cross = duplicates.filter(pl.col("source") != pl.col("kept_source"))
     report["duplicates"] = {
         "total": duplicates.height,
-        "by_match": _counts(duplicates["match"]),
-        "by_source": _counts(duplicates["source"]),
-        "cross_source": _counts(cross.select(pl.format("{} -> {}", "source", "kept_source")).to_series()),
+        "by_match": value_counts(duplicates["match"]),
+        "by_source": value_counts(duplicates["source"]),
+        "cross_source": value_counts(cross.select(pl.format("{} -> {}", "source", "kept_source")).to_series()),
         "clusters": duplicates["kept_id"].n_unique(),
         "cross_source_clusters": _cross_source_clusters(duplicates),
     }
