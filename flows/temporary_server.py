@@ -4,11 +4,11 @@ With no Prefect API configured, Prefect starts a temporary server at a flow's fi
 flow's process first imports Prefect's server package to launch it (~3 s on a 2-core machine, on
 the critical path), then waits for it to answer (~4 s). `TemporaryServer.start` launches the same
 server (Prefect's ASGI app factory under uvicorn, with the environment Prefect gives its temporary
-server: no UI, the services of an ephemeral server) as soon as a command's arguments are checked,
-without that import, so that its start overlaps the command's own imports; the flow then runs
-within `api()`, which waits until the server answers and sets Prefect's API to it: Prefect starts
-none. Flow-run heartbeats are off there: they let a server notice a crashed run later, and this
-server ends with the command.
+server: no UI, the services of an ephemeral server; and no block types registered at start) as
+soon as a command's arguments are checked, without that import, so that its start overlaps the
+command's own imports; the flow then runs within `api()`, which waits until the server answers and
+sets Prefect's API to it: Prefect starts none. Flow-run heartbeats are off there: they let a server
+notice a crashed run later, and this server ends with the command.
 
 The app is Prefect's, behind `RetryBusyDatabase`: a request that finds SQLite busy is answered 503,
 and Prefect's client waits 2 s before it tries again (its backoff, 2**try seconds), with the whole
@@ -35,8 +35,13 @@ UVICORN_STARTUP_FAILURE = 3
 # Starts before a server that keeps failing to start is an error (uvicorn gives the same status when
 # Prefect's app fails to start).
 STARTS = 3
-# Prefect's environment for its temporary server (prefect.server.api.server.SubprocessASGIServer).
-SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+# Prefect's environment for its temporary server (prefect.server.api.server.SubprocessASGIServer),
+# without registering the block types at start: to do that, its app imports every installed Prefect
+# collection (prefect-dask loads dask.distributed: ~0.7 s of the server's ~4.5 s start on 2 cores,
+# on the build's critical path) and hashes the block registry. A build's flows use no block, and a
+# block saved on this server registers its own type and schema (`Block.save`).
+SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+              "PREFECT_API_BLOCKS_REGISTER_ON_START": "0", "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION": "0"}
 # `python -m uvicorn`, with Prefect's server package imported first without cyclic garbage
 # collection: its imports (FastAPI, pydantic models, SQLAlchemy) make ~0.5M objects and next to no
 # garbage, and the collections they set off walk them again and again; frozen afterwards, the

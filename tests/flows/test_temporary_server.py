@@ -9,6 +9,7 @@ import psutil
 import pytest
 from fastapi import Request
 from prefect import flow, get_run_logger, task
+from prefect.blocks.system import Secret
 from prefect.client.orchestration import get_client
 from prefect.settings import get_current_settings
 
@@ -55,13 +56,19 @@ def test_a_flow_runs_on_the_temporary_server_and_only_there(prefect_home):
 
             async def recorded():
                 async with get_client() as client:
-                    return await client.read_flow_run(state.state_details.flow_run_id)
+                    return (await client.read_flow_run(state.state_details.flow_run_id),
+                            [block.slug for block in await client.read_block_types()])
 
             import asyncio
 
-            run = asyncio.run(recorded())
+            run, block_types_at_start = asyncio.run(recorded())
+            # Block types are not registered as the server starts (SERVER_ENV); saving a block still
+            # registers its own.
+            Secret(value="s3cret").save("token")
+            saved = Secret.load("token").get()
         assert (result, api_url, heartbeat, ui_url) == (2, server.url, None, "")
         assert run.state.is_completed()
+        assert block_types_at_start == [] and saved == "s3cret"
         assert "PREFECT_API_URL" not in os.environ
         assert get_current_settings().api.url != server.url
     finally:
