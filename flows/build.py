@@ -38,6 +38,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 from trajforge.flows.artifacts import Progress, build_artifacts
 from trajforge.flows.config import AUTO, BuildRun, auto_runner, build_run, stage_config
 from trajforge.flows.names import build_run_name
+from trajforge.flows.stopping import end_with_owner
 from trajforge.flows.workers import fork_server_available, preload
 from trajforge.pipeline.build import (
     BuildConfig,
@@ -56,9 +57,11 @@ from trajforge.sources import DEFAULT_SOURCES, SourceError, SourceFile, check_la
 TASK_RUNNERS = Registry("runner")
 
 
-def _set_environment(env: dict[str, str]) -> None:
-    """A worker process's initializer: this run's Prefect API, so that it starts no server of its own."""
+def _start_worker(env: dict[str, str], owner_pid: int) -> None:
+    """A worker process's initializer: this run's Prefect API, so that it starts no server of its own;
+    and its end once the flow's process (`owner_pid`) has ended, however that ended."""
     os.environ.update(env)
+    end_with_owner(owner_pid)
 
 
 def process_workers(workers: int) -> int:
@@ -93,7 +96,7 @@ def _processes(address: str | None, workers: int, env: dict[str, str]):
     # Units are CPU-bound Python (parsing, normalizing, MinHash): processes use every core, threads
     # only one (the GIL).
     return ForkedProcessPoolTaskRunner(max_workers=process_workers(workers),
-                                       initializer=_set_environment, initargs=(env,))
+                                       initializer=_start_worker, initargs=(env, os.getpid()))
 
 
 @TASK_RUNNERS.register("threads")

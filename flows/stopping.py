@@ -19,6 +19,9 @@ Inside `stop_on_signals`, the first SIGTERM or SIGINT
 The watchdog thread learns of the signal through `signal.set_wakeup_fd`, which the interpreter
 writes to whichever Python handler is installed (ours, or Prefect's during a flow run).
 
+A command killed outright (SIGKILL, the OOM killer) runs no handler: its workers and Prefect's
+temporary server end by themselves within seconds once it is gone (`end_with_owner`).
+
 Stopping loses nothing finished: files are written under a temp name and renamed whole
 (pipeline/atomic.py), a build's manifest is written last, finished units and episodes are marked or
 journaled, and the same command run again resumes.
@@ -31,6 +34,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import NoReturn
 
@@ -40,6 +44,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Seconds a stopping command has to unwind (mark its flow run Crashed, remove temp files) before
 # it is ended.
 STOP_GRACE_S = 4.0
+# Seconds between a child's looks at the command it serves (`end_with_owner`).
+OWNER_POLL_S = 1.0
 
 
 class Stopped(BaseException):
@@ -61,6 +67,33 @@ def stop_processes(processes: list[psutil.Process], timeout_s: float = 2.0) -> N
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
     psutil.wait_procs(alive, timeout=timeout_s)
+
+
+def end_with_owner(owner_pid: int, poll_s: float = OWNER_POLL_S, grace_s: float = STOP_GRACE_S) -> None:
+    """End this process once process `owner_pid` has: for the children a command cannot stop when it
+    is killed outright (SIGKILL, the OOM killer), its task runner's workers and Prefect's temporary
+    server, which would otherwise run on orphaned (a worker finishing its unit first). A daemon
+    thread looks every `poll_s`; this process then gets SIGTERM, and is ended `grace_s` later if it
+    still runs."""
+    try:
+        owner = psutil.Process(owner_pid)
+    except psutil.NoSuchProcess:
+        owner = None
+
+    def gone() -> bool:
+        try:
+            return owner is None or not owner.is_running() or owner.status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return True
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="trajforge-end-with-owner", daemon=True).start()
 
 
 def _resource_tracker() -> set[int]:

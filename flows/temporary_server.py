@@ -48,8 +48,10 @@ SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREF
 # server's own collections skip them. Answers ~1 s sooner on 2 cores (3.4-5.5 -> 2.8-3.4 s). Its
 # command line still names `uvicorn` as an argument of its own, as `-m uvicorn` did (what tools and
 # tests that look for the server match).
-SERVER_MAIN = ("import gc, sys; gc.disable(); import uvicorn, prefect.server.api.server; gc.freeze(); gc.enable(); "
-               "sys.argv = sys.argv[1:]; uvicorn.main()")
+# Its first argument is the command's pid: the server ends once the command has (`end_with_owner`).
+SERVER_MAIN = ("import gc, sys; from trajforge.flows.stopping import end_with_owner; end_with_owner(int(sys.argv[1])); "
+               "gc.disable(); import uvicorn, prefect.server.api.server; gc.freeze(); gc.enable(); "
+               "sys.argv = sys.argv[2:]; uvicorn.main()")
 # A request Prefect's app answers 503 (SQLite busy: its transaction was rolled back) is run again
 # this many times, this many seconds apart, before the 503 goes out (and the client's backoff applies).
 BUSY_ATTEMPTS, BUSY_PAUSE_S = 5, 0.02
@@ -85,7 +87,7 @@ class TemporaryServer:
         self.port = _free_port()
         prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent
         self.process = subprocess.Popen(
-            [sys.executable, "-c", SERVER_MAIN, "uvicorn", "--app-dir", str(prefect_dir.parent), "--factory",
+            [sys.executable, "-c", SERVER_MAIN, str(os.getpid()), "uvicorn", "--app-dir", str(prefect_dir.parent), "--factory",
              f"{__name__}:create_app", "--host", "127.0.0.1", "--port", str(self.port),
              "--log-level", "error", "--lifespan", "on"],
             env={**os.environ, **SERVER_ENV})

@@ -88,6 +88,21 @@ def wait_for_server(proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+def wait_for_workers(proc: subprocess.Popen) -> list[psutil.Process]:
+    """Until the command's task runner has forked its workers from the fork server (processes two
+    levels below the command) and Prefect's temporary server runs; then every process below it."""
+    while proc.poll() is None:
+        try:
+            below = psutil.Process(proc.pid).children(recursive=True)
+            if (any(p.ppid() != proc.pid for p in below)
+                    and any("uvicorn" in p.cmdline() for p in below if p.ppid() == proc.pid)):
+                return below
+        except psutil.Error:  # a child that ended meanwhile
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"the command ended (status {proc.returncode}) before its workers started")
+
+
 @pytest.fixture(scope="module")
 def clean_build(tmp_path_factory) -> dict[str, str]:
     out = tmp_path_factory.mktemp("clean")
@@ -126,6 +141,25 @@ def test_build_stopped_at_random_points_then_rerun_publishes_the_clean_build(tmp
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert published(out) == clean_build
     assert not list(out.rglob(".*.tmp-*")), "temp files of the stopped runs are left"
+
+
+def test_build_killed_outright_leaves_no_process_behind(tmp_path):
+    """SIGKILL to the command alone (`kill -9`, the OOM killer) runs no handler of its own: its
+    workers, the fork server and Prefect's temporary server end by themselves within seconds."""
+    command = [sys.executable, "-m", "trajforge.flows.cli", "build", "--runner", "processes", "--workers", "2",
+               "--out", str(tmp_path / "out"),
+               *(arg for name, path in SOURCES.items() for arg in ("--source", f"{name}={path}"))]
+    proc = start(command, environment(tmp_path), tmp_path / "build.log")
+    below = wait_for_workers(proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    _, alive = psutil.wait_procs(below, timeout=STOP_BOUND_S)
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    try:
+        assert not alive, [p.cmdline()[:4] for p in alive]
+    finally:
+        for process in alive:
+            process.kill()
 
 
 def journaled(out: Path) -> int:
