@@ -210,7 +210,8 @@ def generate(raw: Path, n: int, out: Path, seed: int = 0) -> dict:
 
 
 def io_floor(corpus: Path, scratch: Path) -> tuple[float, int]:
-    """Seconds to read every upstream file with pyarrow and write its rows as zstd Parquet; rows."""
+    """Seconds to read every upstream file with pyarrow and write its rows as zstd Parquet (into
+    `scratch`, removed afterwards); rows."""
     start, rows = time.perf_counter(), 0
     scratch.mkdir(parents=True, exist_ok=True)
     for f in sorted(corpus.rglob("*")):
@@ -223,7 +224,9 @@ def io_floor(corpus: Path, scratch: Path) -> tuple[float, int]:
         rows += table.num_rows
         pq.write_table(table, scratch / f"{f.parent.name}-{f.stem}.parquet", compression="zstd")
         del table
-    return time.perf_counter() - start, rows
+    seconds = time.perf_counter() - start
+    shutil.rmtree(scratch)
+    return seconds, rows
 
 
 def tree_usage(proc: psutil.Process, cpu: dict[int, float]) -> tuple[int, int]:
@@ -322,7 +325,6 @@ def main() -> None:
             print(f"corpus: {args.n} trajectories in {time.perf_counter() - t0:.0f} s, {counts}")
         size = sum(f.stat().st_size for f in corpus.rglob("*") if f.is_file())
         before, rows = io_floor(corpus, work / "floor")
-        shutil.rmtree(work / "floor")
         print(f"I/O floor: {rows} rows, {size / 1e6:.0f} MB upstream, {before:.1f} s; load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         out = work / "build"
@@ -331,7 +333,6 @@ def main() -> None:
         # The floor again after the build: a shared machine's speed drifts over minutes (the same
         # floor ran 29-41 s within an hour at 1M), so the build is set against the floor on both sides of it.
         after, _ = io_floor(corpus, work / "floor")
-        shutil.rmtree(work / "floor")
         floor_s = (before + after) / 2
         print(f"I/O floor after the build: {after:.1f} s (mean {floor_s:.1f} s)")
         line = (f"build ({args.runner}): rc {rc}, wall {wall:.1f} s = {wall / floor_s:.1f}x the floor, CPU {cpu:.0f} s, "

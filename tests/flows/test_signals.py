@@ -76,31 +76,33 @@ def stop(proc: subprocess.Popen, signum: int, group: bool) -> float:
     return elapsed
 
 
-def wait_for_server(proc: subprocess.Popen) -> None:
-    """Until Prefect's temporary server runs: the command is past its start-up (a signal before
-    that ends the bare interpreter, which has nothing to stop yet)."""
+def wait_below(proc: subprocess.Popen, ready) -> list[psutil.Process]:
+    """Until `ready` holds of the processes below the running command, each given as (a child of
+    the command's own, Prefect's server); returns them (none where the command ended first)."""
     while proc.poll() is None:
         try:
-            if any("uvicorn" in p.cmdline() for p in psutil.Process(proc.pid).children()):
-                return
+            below = psutil.Process(proc.pid).children(recursive=True)
+            if ready([(p.ppid() == proc.pid, "uvicorn" in p.cmdline()) for p in below]):
+                return below
         except psutil.Error:  # a child that ended meanwhile
             pass
         time.sleep(0.05)
+    return []
+
+
+def wait_for_server(proc: subprocess.Popen) -> None:
+    """Until Prefect's temporary server runs: the command is past its start-up (a signal before
+    that ends the bare interpreter, which has nothing to stop yet)."""
+    wait_below(proc, lambda below: any(child and server for child, server in below))
 
 
 def wait_for_workers(proc: subprocess.Popen) -> list[psutil.Process]:
     """Until the command's task runner has forked its workers from the fork server (processes two
     levels below the command) and Prefect's temporary server runs; then every process below it."""
-    while proc.poll() is None:
-        try:
-            below = psutil.Process(proc.pid).children(recursive=True)
-            if (any(p.ppid() != proc.pid for p in below)
-                    and any("uvicorn" in p.cmdline() for p in below if p.ppid() == proc.pid)):
-                return below
-        except psutil.Error:  # a child that ended meanwhile
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"the command ended (status {proc.returncode}) before its workers started")
+    below = wait_below(proc, lambda below: any(not child for child, _ in below)
+                       and any(child and server for child, server in below))
+    assert below, f"the command ended (status {proc.returncode}) before its workers started"
+    return below
 
 
 @pytest.fixture(scope="module")
