@@ -15,7 +15,7 @@ Measured in the same run:
 - the I/O floor: pyarrow reads the same upstream files (Parquet, and the JSON arrays through `json` into
   Arrow) and writes the same rows as zstd Parquet, before and after the build (the ratio is to their mean);
 - `trajforge build` as a subprocess of the real CLI (`--source NAME=PATH`), its wall time and the peak
-  RSS and PSS of its process tree (sampled every 0.2 s);
+  RSS and PSS of its process tree (sampled every 0.2 s, PSS only where it could set a new peak: `TreeSampler`);
 - from the build's outputs: rows/s, recall of the planted copies (the share of planted copies found in
   the duplicates map pointing into their own family) and false merges (map rows linking two families).
 """
@@ -229,24 +229,47 @@ def io_floor(corpus: Path, scratch: Path) -> tuple[float, int]:
     return seconds, rows
 
 
-def tree_usage(proc: psutil.Process, cpu: dict[int, float]) -> tuple[int, int]:
-    """(RSS, PSS) summed over the process tree; records each process's CPU seconds so far in `cpu`
-    (by pid). RSS counts a page every process maps (the near stage's file-backed arrays, shared
-    libraries) once per process; PSS splits it among them."""
-    rss = pss = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            with p.oneshot():
-                full, times = p.memory_full_info(), p.cpu_times()
-            rss, pss = rss + full.rss, pss + full.pss
-            cpu[p.pid] = times.user + times.system
-        except psutil.Error:
-            pass
-    return rss, pss
+class TreeSampler:
+    """Peak RSS and PSS of a process tree, and each process's CPU seconds (by pid).
+
+    RSS and CPU are read at every sample (~20 us a process). PSS is read from `smaps_rollup`, for which
+    the kernel walks the process's page tables under its mmap lock (~10 ms for a 1.7 GB process; the
+    build's own mmap and munmap wait behind it): reading it from every process five times a second
+    made a 100k build ~13 % slower. A tree's PSS is at most its RSS summed (each process's is), so
+    while that sum is at or below the peak PSS seen no read can raise the peak and none is made;
+    above it, PSS is read when the RSS sum is a new high, and otherwise at most once a second."""
+
+    def __init__(self, proc: psutil.Process):
+        self.proc, self.cpu = proc, {}
+        self.peak_rss = self.peak_pss = self.pss_reads = 0
+        self._last_pss_read = float("-inf")
+
+    def sample(self) -> None:
+        procs = [self.proc, *self.proc.children(recursive=True)]
+        rss, alive = 0, []
+        for p in procs:
+            try:
+                with p.oneshot():
+                    rss, times = rss + p.memory_info().rss, p.cpu_times()
+                self.cpu[p.pid] = times.user + times.system
+                alive.append(p)
+            except psutil.Error:
+                pass
+        now = time.perf_counter()
+        if rss > self.peak_pss and (rss > self.peak_rss or now - self._last_pss_read >= 1.0):
+            pss = 0
+            for p in alive:
+                try:
+                    pss += p.memory_full_info().pss
+                except psutil.Error:
+                    pass
+            self.peak_pss, self._last_pss_read = max(self.peak_pss, pss), now
+            self.pss_reads += 1
+        self.peak_rss = max(self.peak_rss, rss)
 
 
-def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[float, float, tuple[int, int], int]:
-    """(wall seconds, CPU seconds, peak (RSS, PSS) of the process tree in bytes, return code) of `trajforge build`.
+def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[float, TreeSampler, int]:
+    """(wall seconds, the process tree's sampler (peak RSS and PSS, CPU by process), return code) of `trajforge build`.
 
     CPU seconds are every process of the tree's, sampled with the memory (the workers are forked by
     a fork server, which the build does not wait for, so the build's own children times miss them;
@@ -258,8 +281,7 @@ def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[flo
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ps = psutil.Process(proc.pid)
-    peak = [0, 0]
-    cpu: dict[int, float] = {}
+    sampler = TreeSampler(ps)
     tail: list[str] = []
 
     def drain() -> None:
@@ -270,8 +292,7 @@ def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[flo
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     while proc.poll() is None:
-        rss, pss = tree_usage(ps, cpu)
-        peak = [max(peak[0], rss), max(peak[1], pss)]
+        sampler.sample()
         if time.perf_counter() - start > timeout:
             for p in [*ps.children(recursive=True), ps]:
                 p.kill()
@@ -282,7 +303,7 @@ def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[flo
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         sys.stderr.write("".join(tail))
-    return wall, sum(cpu.values()), (peak[0], peak[1]), proc.returncode
+    return wall, sampler, proc.returncode
 
 
 def quality(out: Path, counts: dict) -> dict:
@@ -329,14 +350,15 @@ def main() -> None:
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         out = work / "build"
         shutil.rmtree(out, ignore_errors=True)
-        wall, cpu, peak, rc = run_build(corpus, out, args.runner, args.timeout)
+        wall, tree, rc = run_build(corpus, out, args.runner, args.timeout)
         # The floor again after the build: a shared machine's speed drifts over minutes (the same
         # floor ran 29-41 s within an hour at 1M), so the build is set against the floor on both sides of it.
         after, _ = io_floor(corpus, work / "floor")
         floor_s = (before + after) / 2
         print(f"I/O floor after the build: {after:.1f} s (mean {floor_s:.1f} s)")
-        line = (f"build ({args.runner}): rc {rc}, wall {wall:.1f} s = {wall / floor_s:.1f}x the floor, CPU {cpu:.0f} s, "
-                f"peak RSS {peak[0] / 2**30:.2f} GiB (PSS {peak[1] / 2**30:.2f} GiB), {rows / wall:.0f} rows/s")
+        line = (f"build ({args.runner}): rc {rc}, wall {wall:.1f} s = {wall / floor_s:.1f}x the floor, CPU "
+                f"{sum(tree.cpu.values()):.0f} s, peak RSS {tree.peak_rss / 2**30:.2f} GiB (PSS {tree.peak_pss / 2**30:.2f} "
+                f"GiB, {tree.pss_reads} reads), {rows / wall:.0f} rows/s")
         if rc == 0:
             report = json.loads((out / "report.json").read_text())
             q = quality(out, counts)
