@@ -1,6 +1,6 @@
 """The whole `trajforge build` at scale, against the I/O floor of the same files, in one run.
 
-Usage: python bench/bench_build.py N [--fixtures DIR] [--work DIR] [--keep] [--runner threads] [--timeout S]
+Usage: python bench/bench_build.py N [--fixtures DIR] [--work DIR] [--keep] [--runner threads] [--timeout S] [--timeline S]
 
 The corpus is N trajectories scaled from the real fixture rows, in the upstream layouts: AgentInstruct
 rows as Parquet files `db-NNNNN.parquet` ({conversations[{from, loss, value}], id}) and AgentTraj-L rows as
@@ -16,7 +16,9 @@ Measured in the same run:
   Arrow) and writes the same rows as zstd Parquet, before and after the build (the ratio is to their mean),
   the files read once beforehand so that every run finds them in the page cache;
 - `trajforge build` as a subprocess of the real CLI (`--source NAME=PATH`), its wall time and the peak
-  RSS and PSS of its process tree (sampled every 0.2 s, PSS only where it could set a new peak: `TreeSampler`);
+  RSS and PSS of its process tree (sampled every 0.2 s, PSS only where it could set a new peak: `TreeSampler`),
+  its CPU by process (the command, Prefect's temporary server, the fork server, the workers) and, with
+  `--timeline S`, the cores it kept busy in each S seconds (where a build leaves a core idle);
 - from the build's outputs: rows/s, recall of the planted copies (the share of planted copies found in
   the duplicates map pointing into their own family) and false merges (map rows linking two families).
 """
@@ -254,9 +256,24 @@ class TreeSampler:
     above it, PSS is read when the RSS sum is a new high, and otherwise at most once a second."""
 
     def __init__(self, proc: psutil.Process):
-        self.proc, self.cpu = proc, {}
+        self.proc, self.cpu, self.roles = proc, {}, {}
         self.peak_rss = self.peak_pss = self.pss_reads = 0
         self._last_pss_read = float("-inf")
+        # (seconds since the first sample, CPU seconds of the tree so far) at every sample.
+        self.series: list[tuple[float, float]] = []
+        self._start = time.perf_counter()
+
+    def _role(self, p: psutil.Process) -> str:
+        """What a process of a build's tree is: the command, Prefect's temporary server, the fork
+        server (its parent is the command), a worker (forked by the fork server), or other."""
+        if p.pid == self.proc.pid:
+            return "command"
+        cmdline = " ".join(p.cmdline())
+        if "uvicorn" in cmdline:
+            return "server"
+        if "multiprocessing.forkserver" in cmdline:
+            return "fork server" if p.ppid() == self.proc.pid else "worker"
+        return "other"
 
     def sample(self) -> None:
         procs = [self.proc, *self.proc.children(recursive=True)]
@@ -265,6 +282,8 @@ class TreeSampler:
             try:
                 with p.oneshot():
                     rss, times = rss + p.memory_info().rss, p.cpu_times()
+                    if p.pid not in self.roles:
+                        self.roles[p.pid] = self._role(p)
                 self.cpu[p.pid] = times.user + times.system
                 alive.append(p)
             except psutil.Error:
@@ -280,6 +299,26 @@ class TreeSampler:
             self.peak_pss, self._last_pss_read = max(self.peak_pss, pss), now
             self.pss_reads += 1
         self.peak_rss = max(self.peak_rss, rss)
+        self.series.append((now - self._start, sum(self.cpu.values())))
+
+    def cpu_by_role(self) -> dict[str, tuple[int, float]]:
+        """role -> (processes, CPU seconds)."""
+        out: dict[str, tuple[int, float]] = {}
+        for pid, seconds in self.cpu.items():
+            n, total = out.get(self.roles.get(pid, "other"), (0, 0.0))
+            out[self.roles.get(pid, "other")] = (n + 1, total + seconds)
+        return out
+
+    def busy_cores(self, window: float) -> list[tuple[float, float]]:
+        """(start, cores busy on average) of each `window` seconds of the samples: where a build
+        leaves cores idle (start-up, a step's tail, a stage in the flow alone)."""
+        out, first = [], 0
+        for i, (t, cpu) in enumerate(self.series):
+            t0, cpu0 = self.series[first]
+            if t - t0 >= window or (i == len(self.series) - 1 and t > t0):
+                out.append((t0, (cpu - cpu0) / (t - t0)))
+                first = i
+        return out
 
 
 def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[float, TreeSampler, int]:
@@ -346,6 +385,8 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--runner", default="processes")
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--timeline", type=float, default=0, metavar="S",
+                   help="also print the cores the build's processes kept busy in windows of S seconds")
     args = p.parse_args()
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_build_"))
@@ -380,6 +421,13 @@ def main() -> None:
                      f"{report['total']['quarantined']}; duplicates {q['duplicates']}, recall {q['recall']:.4f} "
                      f"({q['found']}/{q['planted']}), false merges {q['false_merges']}")
         print(line)
+        print("CPU by process: " + ", ".join(f"{role} {seconds:.1f} s" + (f" ({n})" if n > 1 else "")
+                                             for role, (n, seconds) in sorted(tree.cpu_by_role().items())))
+        if args.timeline:
+            windows = tree.busy_cores(args.timeline)
+            print(f"cores busy, {args.timeline:g} s windows from the build's start:")
+            for i in range(0, len(windows), 10):
+                print("  " + " ".join(f"{t:.0f}:{cores:.2f}" for t, cores in windows[i:i + 10]))
     finally:
         if not args.keep and args.work is None:
             shutil.rmtree(work, ignore_errors=True)
