@@ -304,9 +304,9 @@ class TreeSampler:
     def cpu_by_role(self) -> dict[str, tuple[int, float]]:
         """role -> (processes, CPU seconds)."""
         out: dict[str, tuple[int, float]] = {}
-        for pid, seconds in self.cpu.items():
-            n, total = out.get(self.roles.get(pid, "other"), (0, 0.0))
-            out[self.roles.get(pid, "other")] = (n + 1, total + seconds)
+        for pid, seconds in self.cpu.items():  # a pid's role is set in the sample that first reads its CPU
+            n, total = out.get(self.roles[pid], (0, 0.0))
+            out[self.roles[pid]] = (n + 1, total + seconds)
         return out
 
     def busy_cores(self, window: float) -> list[tuple[float, float]]:
