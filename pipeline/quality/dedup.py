@@ -623,7 +623,9 @@ class Contamination:
         self.n = n
         self.grams: dict[tuple[str, ...], int] = {}
         self.short: dict[int, dict[tuple[str, ...], int]] = {}
-        for index, words in enumerate(_split(joined) for joined in _task_words(list(tasks)).to_list()):
+        tokens = _task_tokens(list(tasks))
+        for index in range(len(tokens.word_bounds) - 1):
+            words = _words_of(tokens, index)
             if not words:
                 continue
             if len(words) < n:
@@ -633,26 +635,42 @@ class Contamination:
         # The words that start an entry of each table: a window starting with another word is no hit.
         self.tables = [(size, table, {gram[0] for gram in table})
                        for size, table in [(n, self.grams), *sorted(self.short.items())]]
-        # Every entry as " w1 ... wk ": a text's words, joined by spaces and padded with one, hold
-        # it exactly when the text has that window of words (words hold no space).
-        self.entries = [f" {' '.join(gram)} " for _, table, _ in self.tables for gram in table]
 
-    def matches(self, texts: Sequence[str]) -> list[tuple[int, str] | None]:
-        """Per text: (index of an overlapping evaluation task, the shared words) or None. Polars
-        finds the texts holding any entry at once (Aho-Corasick; building its automaton takes a
-        few ms, so pass many texts at once); `_match` says which, first."""
-        if not self.entries:
-            return [None] * len(texts)
-        words = _task_words(texts)
-        hits = (" " + words + " ").str.contains_any(self.entries).arg_true()
-        out: list[tuple[int, str] | None] = [None] * len(texts)
-        # Only the texts that hold an entry (few) come back to Python as strings.
-        for i, joined in zip(hits.to_list(), words.gather(hits).to_list()):
-            out[i] = self._match(_split(joined))
+    @functools.cached_property
+    def _keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What `keys_kernel.window_hits` reads of the tables: (sizes, the sorted keys of each
+        table's entries, where each table's start, the marks of their top 16 bits). Made where
+        first asked for (a worker that checks a large batch), in the compiled loop that reads them."""
+        from trajforge.pipeline.quality.keys_kernel import text_keys
+
+        tables = [np.unique(text_keys(*_word_buffer(table))) for _, table, _ in self.tables]
+        keys = np.concatenate(tables)
+        marks = np.zeros(1 << 16, dtype=np.uint8)
+        marks[keys >> np.uint64(48)] = 1
+        return (np.array([size for size, _, _ in self.tables], dtype=np.int64), keys,
+                np.cumsum([0, *map(len, tables)], dtype=np.int64), marks)
+
+    def matches(self, texts: Sequence[str] | pa.Array) -> list[tuple[int, str] | None]:
+        """Per text (strings, or a staged batch's `task` column, whose texts are then read from
+        its buffers): (index of an overlapping evaluation task, the shared words) or None. `_match`
+        says which, first, of the texts a compiled pass finds a window of words with an entry's
+        key in (`keys_kernel.window_hits`; few), or of every text of a batch too small for the
+        compiled loops."""
+        tokens = _task_tokens(texts)
+        out: list[tuple[int, str] | None] = [None] * (len(tokens.word_bounds) - 1)
+        if len(tokens.words) >= COMPILED_TOKENS_FROM:
+            from trajforge.pipeline.quality.keys_kernel import window_hits
+
+            words = np.frombuffer(tokens.words, dtype=np.uint8)
+            candidates = np.flatnonzero(window_hits(words, tokens.word_bounds, *self._keys)).tolist()
+        else:
+            candidates = range(len(out))
+        for i in candidates:
+            out[i] = self._match(_words_of(tokens, i))
         return out
 
-    def details(self, texts: Sequence[str]) -> list[str | None]:
-        """Per text: the quarantine detail of its overlap with an evaluation task, or None."""
+    def details(self, texts: Sequence[str] | pa.Array) -> list[str | None]:
+        """Per text (as `matches` reads them): the quarantine detail of its overlap with an evaluation task, or None."""
         return [None if hit is None else
                 f"task shares {len(hit[1].split())} words with evaluation task #{hit[0]}: {hit[1]!r}"[:500]
                 for hit in self.matches(texts)]
@@ -667,15 +685,45 @@ class Contamination:
         return None
 
 
-def _task_words(texts: Sequence[str]) -> pl.Series:
-    """The word tokens (maximal \\w+ runs) of each folded text, joined by spaces: dedup's tokens.
-    The ASCII texts' lowercasing is left to the tokenizer (as `_unlowered_text` leaves it), and the
-    words are string views into its buffer: no string per text in Python."""
-    tokens = _joined_tokens(*_joined([_unlowered(text) for text in texts]), lower=True)
-    starts = tokens.word_bounds[:-1]
-    # A text's words are its part of `words` less the space after its last word.
-    lengths = np.maximum(np.diff(tokens.word_bounds) - 1, 0)
-    return pl.Series(_string_views(tokens.words, starts.astype(np.uint32), lengths.astype(np.uint32)), dtype=pl.String)
+def _task_tokens(texts: Sequence[str] | pa.Array) -> DedupTokens:
+    """The tokens of each folded text (dedup's): strings, or an Arrow string array, whose texts are
+    joined from its buffers by the compiled loop (`_staged_tasks`) unless one needs more than
+    `_unlowered`'s plain path or they are too few for the compiled loops."""
+    if isinstance(texts, pa.Array):
+        tokens = _staged_tasks(texts)
+        if tokens is not None:
+            return tokens
+        texts = texts.to_pylist()
+    # The ASCII texts' lowercasing is left to the tokenizer (as `_unlowered_text` leaves it).
+    return _joined_tokens(*_joined([_unlowered(text) for text in texts]), lower=True)
+
+
+def _staged_tasks(tasks: pa.Array) -> DedupTokens | None:
+    """`_task_tokens` of a string array by the compiled loops (`keys_kernel.record_texts` with no
+    turns: each text unescaped, a newline after it), or None where they do not apply."""
+    from trajforge.pipeline.quality.keys_kernel import record_texts
+
+    offsets, data = string_buffers(tasks)
+    no_turns = np.frombuffer(bytes(4 * len(offsets)), dtype=np.int32)
+    no_flags, no_text = np.zeros(0, dtype=bool), no_turns[:1]
+    joined, bounds, plain = record_texts(offsets, data, no_turns, no_flags, no_flags, no_text, _NO_BYTES, no_flags,
+                                         no_text, _NO_BYTES, no_flags, no_text, _NO_BYTES)
+    if not plain or len(joined) < COMPILED_TOKENS_FROM:
+        return None
+    joined.flags.writeable = False  # as `_compiled_tokens` reads bytes: the type its loop was loaded for
+    return _compiled_tokens(joined, bounds, True, _lowered())
+
+
+def _words_of(tokens: DedupTokens, text: int) -> tuple[str, ...]:
+    """The words of text `text` of `tokens` (its part of `words`, less the space after its last word)."""
+    start, end = tokens.word_bounds[text], tokens.word_bounds[text + 1]
+    return tuple(tokens.words[start:end - 1].decode().split(" ")) if end > start else ()
+
+
+def _word_buffer(grams: Iterable[tuple[str, ...]]) -> tuple[np.ndarray, np.ndarray]:
+    """Word tuples as `DedupTokens` hold words: (each word and a space after it, where each tuple starts and the end)."""
+    encoded = [("".join(word + " " for word in gram)).encode() for gram in grams]
+    return np.frombuffer(b"".join(encoded), dtype=np.uint8), np.cumsum([0, *map(len, encoded)], dtype=np.int64)
 
 
 def _unlowered(text: str) -> str:
@@ -696,10 +744,6 @@ def _unescaped(text: str) -> str:
     if "\\" in text:
         text = _LITERAL_ESCAPE.sub(" ", text)
     return text
-
-
-def _split(words: str) -> tuple[str, ...]:
-    return tuple(words.split(" ")) if words else ()
 
 
 def decontaminate(records: list[dict], index: Contamination) -> tuple[list[dict], list[tuple[dict, str]]]:

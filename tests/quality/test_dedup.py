@@ -21,8 +21,9 @@ from trajforge.pipeline.quality.dedup import (
     Contamination,
     DedupConfig,
     _folded,
-    _task_words,
+    _task_tokens,
     _tokens,
+    _words_of,
     decontaminate,
     dedup_texts,
     exact_key,
@@ -317,7 +318,7 @@ def test_tokens_are_those_of_re_on_every_code_point(monkeypatch, compiled_from):
     found = _tokens([every, "", every[:999]]).text(0)
     assert found.bare == "".join(TOKEN.findall(every))
     assert found.words == " ".join(re.findall(r"\w+", every))
-    assert _task_words([every])[0] == " ".join(re.findall(r"\w+", _folded(every)))
+    assert _words_of(_task_tokens([every]), 0) == tuple(re.findall(r"\w+", _folded(every)))
 
 
 @pytest.mark.parametrize("compiled_from", [0, 1 << 62], ids=["compiled", "numpy"])
@@ -349,9 +350,14 @@ def test_ascii_tokens_are_those_of_re_on_every_ascii_code_point(monkeypatch, com
         assert found.words == " ".join(t for t in fold(text) if re.fullmatch(r"\w+", t))
 
 
-def test_contamination_reports_the_first_overlap_a_scan_of_re_words_finds():
+@pytest.mark.parametrize("compiled_from", [0, 1 << 62], ids=["compiled", "every text"])
+def test_contamination_reports_the_first_overlap_a_scan_of_re_words_finds(monkeypatch, compiled_from):
     """Each text's first n-gram hit (then the whole short tasks, shortest first), as a plain scan
-    of Python's `re` words over the folded texts finds it, with misses and non-ASCII words."""
+    of Python's `re` words over the folded texts finds it, with misses and non-ASCII words: of the
+    texts the compiled pass finds a window with an entry's key in, or of every text; from strings
+    and from an Arrow string array (a staged batch's tasks, read from its buffers unless a text
+    holds an escape code or a turn marker)."""
+    monkeypatch.setattr(dedup, "COMPILED_TOKENS_FROM", compiled_from)
     rng = random.Random(1)
     vocab = ["alpha", "Beta", "gamma", "δέλτα", "x_1", "2", "e\u0301", "²"]
 
@@ -383,4 +389,10 @@ def test_contamination_reports_the_first_overlap_a_scan_of_re_words_finds():
 
     expected = [first_hit(t) for t in texts]
     assert 0 < sum(hit is not None for hit in expected) < len(texts)
-    assert Contamination(evals, n=4).matches(texts) == expected
+    index = Contamination(evals, n=4)
+    assert index.matches(texts) == expected
+    # The staged path takes no marker: the same words with literal escapes (spaces) for them.
+    plain = [t.replace("\x1e", "\\t") + "\\n" for t in texts]
+    assert sum("\\t" in t for t in plain) > len(plain) // 2
+    assert index.matches(pa.array(plain)) == expected == index.matches(plain)
+    assert index.matches(pa.array(texts)) == index.matches(texts)
