@@ -89,11 +89,13 @@ def unit_contamination(records_path: str, index: Contamination | None, held: Hel
     details: list[str | None] = []
     chunk: list[pa.RecordBatch] = []
     previous: list[pa.RecordBatch] = []  # a full chunk, checked once another is full or with the rest
+    rows = 0
     for batch in read_batches(records_path, ["task", "env", "source_id"]):
         chunk.append(batch)
-        if sum(b.num_rows for b in chunk) >= CONTAMINATION_CHUNK:
+        rows += batch.num_rows
+        if rows >= CONTAMINATION_CHUNK:
             details += _contamination(previous, index, held)
-            previous, chunk = chunk, []
+            previous, chunk, rows = chunk, [], 0
     return details + _contamination(previous + chunk, index, held)
 
 

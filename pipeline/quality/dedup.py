@@ -186,6 +186,11 @@ class DedupTokens(NamedTuple):
         words = self.words[self.word_bounds[i]:self.word_bounds[i + 1]].decode()
         return DedupText(self.bare[self.bare_bounds[i]:self.bare_bounds[i + 1]].decode(), words[:-1])
 
+    def word_text(self, i: int) -> str:
+        """Text i's `DedupText.words`."""
+        start, end = self.word_bounds[i], self.word_bounds[i + 1]
+        return self.words[start:max(start, end - 1)].decode()
+
     def word_texts(self) -> list[str]:
         """Each text's `DedupText.words`."""
         bounds = self.word_bounds.tolist()
@@ -623,9 +628,7 @@ class Contamination:
         self.n = n
         self.grams: dict[tuple[str, ...], int] = {}
         self.short: dict[int, dict[tuple[str, ...], int]] = {}
-        tokens = _task_tokens(list(tasks))
-        for index in range(len(tokens.word_bounds) - 1):
-            words = _words_of(tokens, index)
+        for index, words in enumerate(map(_split, _task_tokens(list(tasks)).word_texts())):
             if not words:
                 continue
             if len(words) < n:
@@ -666,7 +669,7 @@ class Contamination:
         else:
             candidates = range(len(out))
         for i in candidates:
-            out[i] = self._match(_words_of(tokens, i))
+            out[i] = self._match(_split(tokens.word_text(i)))
         return out
 
     def details(self, texts: Sequence[str] | pa.Array) -> list[str | None]:
@@ -714,10 +717,8 @@ def _staged_tasks(tasks: pa.Array) -> DedupTokens | None:
     return _compiled_tokens(joined, bounds, True, _lowered())
 
 
-def _words_of(tokens: DedupTokens, text: int) -> tuple[str, ...]:
-    """The words of text `text` of `tokens` (its part of `words`, less the space after its last word)."""
-    start, end = tokens.word_bounds[text], tokens.word_bounds[text + 1]
-    return tuple(tokens.words[start:end - 1].decode().split(" ")) if end > start else ()
+def _split(words: str) -> tuple[str, ...]:
+    return tuple(words.split(" ")) if words else ()
 
 
 def _word_buffer(grams: Iterable[tuple[str, ...]]) -> tuple[np.ndarray, np.ndarray]:

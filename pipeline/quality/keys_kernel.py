@@ -296,6 +296,12 @@ def _mixed(h):
     return h ^ (h >> np.uint64(33))
 
 
+@numba.njit(inline="always")
+def _with_word(key, h):
+    """The running key of a text's words after one more word, whose bytes' FNV-1a hash is `h`."""
+    return key * _KEY_BASE + _mixed(h)
+
+
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def text_keys(words, word_bounds):
     """The window key of all of each text's words: text i's words, each followed by a space, are
@@ -307,7 +313,7 @@ def text_keys(words, word_bounds):
         for i in range(np.uint64(word_bounds[text]), np.uint64(word_bounds[text + 1])):
             c = words[i]
             if c == _SPACE_BYTE:
-                key = key * _KEY_BASE + _mixed(h)
+                key = _with_word(key, h)
                 h = _FNV_OFFSET
             else:
                 h = (h ^ np.uint64(c)) * _FNV_PRIME
@@ -343,7 +349,7 @@ def window_hits(words, word_bounds, sizes, keys, key_bounds, marks):
             if c != _SPACE_BYTE:
                 h = (h ^ np.uint64(c)) * _FNV_PRIME
                 continue
-            key = key * _KEY_BASE + _mixed(h)
+            key = _with_word(key, h)
             h = _FNV_OFFSET
             count += np.uint64(1)
             running[count % span] = key

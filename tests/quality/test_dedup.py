@@ -23,7 +23,6 @@ from trajforge.pipeline.quality.dedup import (
     _folded,
     _task_tokens,
     _tokens,
-    _words_of,
     decontaminate,
     dedup_texts,
     exact_key,
@@ -318,7 +317,7 @@ def test_tokens_are_those_of_re_on_every_code_point(monkeypatch, compiled_from):
     found = _tokens([every, "", every[:999]]).text(0)
     assert found.bare == "".join(TOKEN.findall(every))
     assert found.words == " ".join(re.findall(r"\w+", every))
-    assert _words_of(_task_tokens([every]), 0) == tuple(re.findall(r"\w+", _folded(every)))
+    assert _task_tokens([every]).word_text(0) == " ".join(re.findall(r"\w+", _folded(every)))
 
 
 @pytest.mark.parametrize("compiled_from", [0, 1 << 62], ids=["compiled", "numpy"])
