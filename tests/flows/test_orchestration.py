@@ -88,8 +88,13 @@ def terminal(flow_run: dict) -> dict | None:
 
 
 def finished(api: str, deployment: str) -> dict | None:
+    """The deployment's run once it has ended (for deployments with no schedule: their one run)."""
     runs = runs_of(api, deployment)
     return terminal(runs[0]) if runs else None
+
+
+def run_finished(api: str, flow_run_id: str) -> dict | None:
+    return terminal(API.get(f"{api}/flow_runs/{flow_run_id}").json())
 
 
 def artifacts(client: SyncPrefectClient, *flow_run_ids: str) -> dict:
@@ -138,8 +143,10 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
 
         synth_params = ["-p", f"tasks={tasks}", "-p", "env=db", "-p", "n=2", "-p", "concurrency=8",
                         "-p", f"base_url={model.base_url}", "-p", f"out={synth}", "-p", f"api_limit={LIMIT}"]
-        run([PREFECT, "deployment", "run", "synthesize/nightly", "-p", "model=deepseek-ai/DeepSeek-R1",
-             *synth_params], env)
+        # The nightly deployment's cron schedule also has the server's scheduler add future runs of it,
+        # so the chain's first run is followed by its id, not picked out of the deployment's runs.
+        nightly = run_id(run([PREFECT, "deployment", "run", "synthesize/nightly", "-p",
+                              "model=deepseek-ai/DeepSeek-R1", *synth_params], env))
         # A one-off synthesis at the same time, against the same limit and endpoint; it starts no build.
         adhoc = run_id(run([PREFECT, "deployment", "run", "synthesize/adhoc", "-p",
                             "model=deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", *synth_params, "-p", f"out={synth2}",
@@ -154,11 +161,10 @@ def test_deployed_chain_artifacts_shared_limit_and_failure_notification(prefect_
             worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "trajforge"], env=worker_env, cwd=REPO,
                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            nightly = deployment_id(api, "synthesize", "nightly")
-            synth_run = wait_for(lambda: finished(api, nightly), "the nightly synthesis", 240, worker, log_path)
+            synth_run = wait_for(lambda: run_finished(api, nightly), "the nightly synthesis", 240, worker, log_path)
             build_run = wait_for(lambda: finished(api, after_synthesis), "the triggered build", 240, worker, log_path)
             release_run = wait_for(lambda: finished(api, after_build), "the triggered release", 240, worker, log_path)
-            adhoc_run = wait_for(lambda: terminal(API.get(f"{api}/flow_runs/{adhoc}").json()), "the one-off synthesis",
+            adhoc_run = wait_for(lambda: run_finished(api, adhoc), "the one-off synthesis",
                                  60, worker, log_path)
             for flow_run in (synth_run, adhoc_run, build_run, release_run):
                 assert flow_run["state"]["type"] == "COMPLETED", (flow_run["name"], flow_run["state"])
