@@ -59,9 +59,18 @@ TASK_RUNNERS = Registry("runner")
 
 def _start_worker(env: dict[str, str], owner_pid: int) -> None:
     """A worker process's initializer: this run's Prefect API, so that it starts no server of its own;
-    and its end once the flow's process (`owner_pid`) has ended, however that ended."""
+    its end once the flow's process (`owner_pid`) has ended, however that ended; and one Prefect client
+    to that API for the worker's life (`SyncClientContext`, which a task run's engine takes where one is
+    open). Without it each task run makes two, and each loads the CA bundle into a new TLS context
+    (~28 ms of CPU, even for a plain-HTTP API) and opens a new connection."""
     os.environ.update(env)
     end_with_owner(owner_pid)
+    from prefect.context import SyncClientContext
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    # The worker's settings are the fork server's, from before this run's API was known.
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]} if "PREFECT_API_URL" in env else {}):
+        SyncClientContext().__enter__()  # left open: the process ends with it
 
 
 def process_workers(workers: int) -> int:
