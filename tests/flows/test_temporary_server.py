@@ -37,6 +37,19 @@ def _on_the_api(x: int) -> tuple[int, str | None, int | None, str | None]:
     return result, settings.api.url, settings.flows.heartbeat_frequency, settings.ui_url
 
 
+@task
+def _client_in_a_worker() -> tuple[int, int, str]:
+    """(pid, task runs that this run's Prefect client has served, its API)."""
+    client = get_client(sync_client=True)
+    client.task_runs_served = getattr(client, "task_runs_served", 0) + 1
+    return os.getpid(), client.task_runs_served, str(client.api_url)
+
+
+@flow
+def _task_runs_in_one_worker(runs: int) -> list[tuple[int, int, str]]:
+    return [_client_in_a_worker.submit().result() for _ in range(runs)]
+
+
 @pytest.fixture
 def prefect_home(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect_home"))
@@ -51,6 +64,9 @@ def test_a_flow_runs_on_the_temporary_server_and_only_there(prefect_home):
             assert os.environ["PREFECT_API_URL"] == server.url
             state = _on_the_api.with_options(task_runner=make_task_runner("processes", workers=1))(1, return_state=True)
             result, api_url, heartbeat, ui_url = state.result()
+            # A worker's task runs share one client, to this run's API (flows/build.py, `_start_worker`).
+            clients = _task_runs_in_one_worker.with_options(task_runner=make_task_runner("processes", workers=1))(3)
+            assert clients == [(clients[0][0], served, server.url + "/") for served in (1, 2, 3)], clients
             # Every Prefect server this process has is this one: the worker's forwarded logs started none.
             assert {p.pid for p in _uvicorn_children()} - before == {server.process.pid}
 
