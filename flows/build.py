@@ -59,17 +59,21 @@ TASK_RUNNERS = Registry("runner")
 
 def _start_worker(env: dict[str, str], owner_pid: int) -> None:
     """A worker process's initializer: this run's Prefect API, so that it starts no server of its own;
-    its end once the flow's process (`owner_pid`) has ended, however that ended; and one Prefect client
-    to that API for the worker's life (`SyncClientContext`, which a task run's engine takes where one is
-    open). Without it each task run makes two, and each loads the CA bundle into a new TLS context
-    (~28 ms of CPU, even for a plain-HTTP API) and opens a new connection."""
+    its end once the flow's process (`owner_pid`) has ended, however that ended; and, where the runner
+    was told this run's API, one Prefect client to it for the worker's life (`SyncClientContext`,
+    which a task run's engine takes where one is open). Without it each task run makes two, and each
+    loads the CA bundle into a new TLS context (~28 ms of CPU, even for a plain-HTTP API) and opens
+    a new connection."""
     os.environ.update(env)
     end_with_owner(owner_pid)
+    if "PREFECT_API_URL" not in env:
+        # The worker's own settings are the fork server's, from before this run: a client from them
+        # could reach another (or a new) server. Task runs then make their own, from the run's settings.
+        return
     from prefect.context import SyncClientContext
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    # The worker's settings are the fork server's, from before this run's API was known.
-    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]} if "PREFECT_API_URL" in env else {}):
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
         SyncClientContext().__enter__()  # left open: the process ends with it
 
 

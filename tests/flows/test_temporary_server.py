@@ -64,9 +64,14 @@ def test_a_flow_runs_on_the_temporary_server_and_only_there(prefect_home):
             assert os.environ["PREFECT_API_URL"] == server.url
             state = _on_the_api.with_options(task_runner=make_task_runner("processes", workers=1))(1, return_state=True)
             result, api_url, heartbeat, ui_url = state.result()
-            # A worker's task runs share one client, to this run's API (flows/build.py, `_start_worker`).
-            clients = _task_runs_in_one_worker.with_options(task_runner=make_task_runner("processes", workers=1))(3)
+            # A worker's task runs share one client, to the API its runner was told (flows/build.py,
+            # `_start_worker`); untold, each task run makes its own from the run's settings, as
+            # Prefect does, not one from the worker's (the fork server's: another server's, or none).
+            told = make_task_runner("processes", workers=1, api_url=server.url)
+            clients = _task_runs_in_one_worker.with_options(task_runner=told)(3)
             assert clients == [(clients[0][0], served, server.url + "/") for served in (1, 2, 3)], clients
+            untold = _task_runs_in_one_worker.with_options(task_runner=make_task_runner("processes", workers=1))(2)
+            assert [(served, url) for _, served, url in untold] == [(1, server.url + "/")] * 2, untold
             # Every Prefect server this process has is this one: the worker's forwarded logs started none.
             assert {p.pid for p in _uvicorn_children()} - before == {server.process.pid}
 
