@@ -73,6 +73,7 @@ def _start_worker(env: dict[str, str], owner_pid: int) -> None:
     from prefect.context import SyncClientContext
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    # The environment set above does not reach settings Prefect has already loaded (the fork server's).
     with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
         SyncClientContext().__enter__()  # left open: the process ends with it
 
