@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,13 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Tests read Prefect's INFO records (progress, "released ...", secrets kept out of logs): a user's
 # PREFECT_LOGGING_LEVEL=WARNING must not hide them, here or in the CLI subprocesses.
 os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"
+# Test files run in parallel worker processes (pytest-xdist, `-n` in pyproject's addopts), and each
+# worker's in-process flows start a temporary Prefect server: one home per worker keeps their
+# servers off one SQLite database. Set before Prefect loads its settings (the import below).
+WORKER_PREFECT_HOME = None
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    WORKER_PREFECT_HOME = tempfile.mkdtemp(prefix=f"prefect-{os.environ['PYTEST_XDIST_WORKER']}-")
+    os.environ["PREFECT_HOME"] = WORKER_PREFECT_HOME
 
 # Prefect binds its console log handler to sys.stderr when its flow machinery is first imported.
 # Importing it here, at collection, binds it to pytest's session-wide stream; imported first inside a
@@ -79,3 +88,12 @@ def pytest_sessionfinish(session, exitstatus):
     logging.getLogger("prefect").setLevel(logging.WARNING)
     for server in list(SubprocessASGIServer._instances.values()):
         server.stop()
+    if WORKER_PREFECT_HOME:
+        shutil.rmtree(WORKER_PREFECT_HOME, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items):
+    """The files that hold a `slow` test first, each file's tests in their order: the workers take
+    whole files in this order, and a slow file taken last would run alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
