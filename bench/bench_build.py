@@ -17,7 +17,8 @@ Measured in the same run:
   the files read once beforehand so that every run finds them in the page cache;
 - `trajforge build` as a subprocess of the real CLI (`--source NAME=PATH`), its wall time and the peak
   RSS and PSS of its process tree (sampled every 0.2 s, PSS only where it could set a new peak: `TreeSampler`),
-  its CPU by process (the command, Prefect's temporary server, the fork server, the workers) and, with
+  its CPU by process (the command, Prefect's temporary server, the fork server, the workers), the PSS
+  of each kind of process at the peak and when the peak was, and, with
   `--timeline S`, the cores it kept busy in each S seconds (where a build leaves a core idle);
 - from the build's outputs: rows/s, recall of the planted copies (the share of planted copies found in
   the duplicates map pointing into their own family) and false merges (map rows linking two families).
@@ -258,6 +259,9 @@ class TreeSampler:
     def __init__(self, proc: psutil.Process):
         self.proc, self.cpu, self.roles = proc, {}, {}
         self.peak_rss = self.peak_pss = self.pss_reads = 0
+        # Where the peak PSS was: by role (`_role`), and when (seconds since the first sample).
+        self.peak_pss_by_role: dict[str, int] = {}
+        self.peak_pss_at = 0.0
         self._last_pss_read = float("-inf")
         # (seconds since the first sample, CPU seconds of the tree so far) at every sample.
         self.series: list[tuple[float, float]] = []
@@ -290,13 +294,16 @@ class TreeSampler:
                 pass
         now = time.perf_counter()
         if rss > self.peak_pss and (rss > self.peak_rss or now - self._last_pss_read >= 1.0):
-            pss = 0
+            by_role: dict[str, int] = {}
             for p in alive:
                 try:
-                    pss += p.memory_full_info().pss
+                    by_role[self.roles[p.pid]] = by_role.get(self.roles[p.pid], 0) + p.memory_full_info().pss
                 except psutil.Error:
                     pass
-            self.peak_pss, self._last_pss_read = max(self.peak_pss, pss), now
+            pss = sum(by_role.values())
+            if pss > self.peak_pss:
+                self.peak_pss, self.peak_pss_by_role, self.peak_pss_at = pss, by_role, now - self._start
+            self._last_pss_read = now
             self.pss_reads += 1
         self.peak_rss = max(self.peak_rss, rss)
         self.series.append((now - self._start, sum(self.cpu.values())))
@@ -423,6 +430,8 @@ def main() -> None:
         print(line)
         print("CPU by process: " + ", ".join(f"{role} {seconds:.1f} s" + (f" ({n})" if n > 1 else "")
                                              for role, (n, seconds) in sorted(tree.cpu_by_role().items())))
+        print(f"PSS at its peak ({tree.peak_pss_at:.0f} s into the build): " + ", ".join(
+            f"{role} {pss / 2**30:.2f} GiB" for role, pss in sorted(tree.peak_pss_by_role.items())))
         if args.timeline:
             windows = tree.busy_cores(args.timeline)
             print(f"cores busy, {args.timeline:g} s windows from the build's start:")
