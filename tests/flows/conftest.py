@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from prefect.logging.handlers import APILogHandler
 
 from tests.support.paths import REPO
 from tests.support.prefect_cli import PREFECT
@@ -46,6 +47,9 @@ def prefect_server(tmp_path):
             time.sleep(0.5)
         yield api, env
     finally:
+        # The logs the test's in-process flows queued for this server go while it is up: sent at the
+        # worker's end, they found no server ("--- Error logging to API ---" under pytest-xdist).
+        APILogHandler().flush()
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
         log.close()
