@@ -153,15 +153,9 @@ class TemporaryServer:
         test harness does before stopping its server): sent later, they would fail and be retried."""
         if self.process is None:
             return
-        # Nothing to send where Prefect's workers were never loaded (a command that failed before its
-        # flow): stopped without loading them.
-        if "prefect.events.worker" in sys.modules:
-            from prefect.events.worker import EventsWorker
+        if send_queued_logs_and_events():
             from prefect.logging import get_logger
-            from prefect.logging.handlers import APILogWorker
 
-            APILogWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
-            EventsWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
             get_logger().info(f"Stopping temporary server on {self.address}")
         self.process.terminate()
         try:
@@ -171,6 +165,20 @@ class TemporaryServer:
             self.process.wait()
         RUNNING.pop(self.process.pid, None)
         self.process = None
+
+
+def send_queued_logs_and_events() -> bool:
+    """Wait (up to DRAIN_TIMEOUT_S each) until Prefect has sent the logs and events this process
+    queued, before a server they are bound for stops. False, sending nothing, where Prefect's workers
+    were never loaded (a command that failed before its flow): they are not loaded for it."""
+    if "prefect.events.worker" not in sys.modules:
+        return False
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
+    EventsWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
+    return True
 
 
 class RetryBusyDatabase:

@@ -9,10 +9,10 @@ import time
 
 import httpx
 import pytest
-from prefect.logging.handlers import APILogHandler
 
 from tests.support.paths import REPO
 from tests.support.prefect_cli import PREFECT
+from trajforge.flows.temporary_server import send_queued_logs_and_events
 
 
 def free_port() -> int:
@@ -47,9 +47,10 @@ def prefect_server(tmp_path):
             time.sleep(0.5)
         yield api, env
     finally:
-        # The logs the test's in-process flows queued for this server go while it is up: sent at the
-        # worker's end, they found no server ("--- Error logging to API ---" under pytest-xdist).
-        APILogHandler().flush()
+        # What the test's in-process flows queued for this server goes while it is up, as before a
+        # temporary server stops: sent at the worker's end, it found no server ("--- Error logging
+        # to API ---" under pytest-xdist).
+        send_queued_logs_and_events()
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
         log.close()
