@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -77,7 +78,12 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     # The whole key table goes with the first stage that drops records: held here, it would double the flow's memory.
     runs, kept_keys = run_global_stages(key_table(units, config), StagedBuild(units, config, map_units, out / ".staging"))
     release_pooled_memory()
-    outputs, shards, repeats = write_outputs(out, units, kept_keys, runs, config, map_units)
+    mix, outputs_plan = KeptMix.of(kept_keys), plan_outputs(units, kept_keys, runs, config, map_units)
+    # Only `mix` of the key table is needed from here: held through the unit writers and the shards
+    # (about half the build), the table was ~45 MiB of the flow's memory at 1M.
+    del kept_keys
+    release_pooled_memory()
+    outputs, shards = write_outputs(out, units, outputs_plan, config, map_units)
     release_pooled_memory()
     quarantine = (file_entry, [], write_quarantine, out, [unit.quarantine_path for unit in units],
                   [written.quarantined for written in outputs.build.written])
@@ -88,7 +94,7 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
         written = map_units(write_file, [*((shard_facts, release, write_shard_from_files, *call)
                                            for call, release in zip(calls, releases)), quarantine],
                             [*(size for plan in shards for size in plan.sizes), _quarantine_bytes(units)],
-                            meanwhile=lambda: reported.append(write_report_files(out, units, runs, repeats, kept_keys,
+                            meanwhile=lambda: reported.append(write_report_files(out, units, runs, outputs_plan.repeats, mix,
                                                                                  outputs, config)))
         report, owned = reported[0]
         for plan in shards:
@@ -129,15 +135,46 @@ def shard_facts(path: Path) -> dict:
 
 
 def write_report_files(out: Path, units: list[UnitResult], runs: list[StageRun], repeats: pl.DataFrame,
-                       kept_keys: pl.DataFrame, outputs: WrittenOutputs, config: BuildConfig) -> tuple[dict, list[str]]:
+                       mix: KeptMix, outputs: WrittenOutputs, config: BuildConfig) -> tuple[dict, list[str]]:
     """duplicates.parquet, report.json, report.html and its plots. Returns the report and the files
     the build owns so far (the outputs' shards included), relative to `out`."""
     duplicates = write_duplicates(out, runs, repeats)
-    report = build_report(units, runs, kept_keys, outputs, duplicates, config)
-    html_files = write_html(out, report, duplicates, kept_keys["turns"].to_numpy(), kept_keys["chars"].to_numpy())
+    report = build_report(units, runs, mix, outputs, duplicates, config)
+    html_files = write_html(out, report, duplicates, mix.turns, mix.chars)
     write_json(out / "report.json", report)
     owned = [path for paths in report["outputs"].values() for path in paths]
     return report, owned + [p.relative_to(out).as_posix() for p in html_files] + ["report.json"]
+
+
+# The columns of the key table whose value counts the report gives, and its section of each.
+MIX_COLUMNS = {"rendering": "renderings", "domain": "domains", "env": "envs", "kind": "kinds"}
+
+
+@dataclass
+class KeptMix:
+    """What the report says of the kept records, taken from the key table after the global stages:
+    the value counts of `MIX_COLUMNS` (report section -> counts) and, per kept record, its turns and
+    characters."""
+    counts: dict[str, dict]
+    turns: np.ndarray
+    chars: np.ndarray
+
+    @classmethod
+    def of(cls, kept_keys: pl.DataFrame) -> KeptMix:
+        return cls({name: value_counts(kept_keys[column]) for column, name in MIX_COLUMNS.items()},
+                   kept_keys["turns"].to_numpy(), kept_keys["chars"].to_numpy())
+
+
+@dataclass
+class OutputsPlan:
+    """What the unit writers are given, found from the key table: each unit's kept rows, the records
+    whose id repeats (`unique_ids`) and per unit their repeat number, per unit the records a global
+    stage quarantined, and the negatives' pools."""
+    kept_rows: list[np.ndarray]
+    repeats: pl.DataFrame
+    unit_repeats: list[dict[int, object]]
+    quarantined: list[dict[int, tuple[str, str]]]
+    pools: EnvPools
 
 
 @dataclass
@@ -170,15 +207,11 @@ def _quarantine_bytes(units: list[UnitResult]) -> int:
     return sum(meta.row_group(g).total_byte_size for meta in metas for g in range(meta.num_row_groups))
 
 
-def write_outputs(out: Path, units: list[UnitResult], kept_keys: pl.DataFrame, runs: list[StageRun], config: BuildConfig,
-                  map_units) -> tuple[WrittenOutputs, list[SplitShards], pl.DataFrame]:
-    """Every output of the registry: the kept records of each unit through the row makers
-    (`write_unit`, per unit on `map_units`), then each output's staged parts planned as shards
-    (written by `finalize`, all outputs in one step). Also returns the records whose id repeats
-    (`unique_ids`), found while the workers fill the pools (neither needs the other)."""
+def plan_outputs(units: list[UnitResult], kept_keys: pl.DataFrame, runs: list[StageRun], config: BuildConfig,
+                 map_units) -> OutputsPlan:
+    """Each unit's kept rows, and the pools of the negatives (per unit on `map_units`); the records
+    whose id repeats (`unique_ids`) are found while the workers fill the pools (neither needs the other)."""
     kept_rows = [kept_keys.filter(pl.col("unit") == u)["row"].to_numpy() for u in range(len(units))]
-    # A unit step's work goes with its kept records (at 20k: 0.26-0.62 ms a record, 0.03-0.20 s a MB).
-    sizes = [len(rows) for rows in kept_rows]
     found: list[tuple] = []
 
     def ids() -> None:
@@ -187,14 +220,27 @@ def write_outputs(out: Path, units: list[UnitResult], kept_keys: pl.DataFrame, r
         found.append((repeats, _by_unit(repeats, len(units), "repeat"), _quarantined(runs, len(units))))
 
     pools = EnvPools()
-    for unit_pool in map_units(unit_pools, [(unit.records_path, rows) for unit, rows in zip(units, kept_rows)], sizes,
-                               meanwhile=ids):
+    for unit_pool in map_units(unit_pools, [(unit.records_path, rows) for unit, rows in zip(units, kept_rows)],
+                               _unit_sizes(kept_rows), meanwhile=ids):
         pools.merge(unit_pool)
-    repeats, unit_repeats, quarantined = found[0]
+    return OutputsPlan(kept_rows, *found[0], pools)
+
+
+def _unit_sizes(kept_rows: list[np.ndarray]) -> list[int]:
+    """A unit step's work goes with its kept records (at 20k: 0.26-0.62 ms a record, 0.03-0.20 s a MB)."""
+    return [len(rows) for rows in kept_rows]
+
+
+def write_outputs(out: Path, units: list[UnitResult], plan: OutputsPlan, config: BuildConfig,
+                  map_units) -> tuple[WrittenOutputs, list[SplitShards]]:
+    """Every output of the registry: the kept records of each unit through the row makers
+    (`write_unit`, per unit on `map_units`), then each output's staged parts planned as shards
+    (written by `finalize`, all outputs in one step)."""
     staged = out / ".staging" / "outputs"
-    written = map_units(write_unit, [(unit.records_path, str(staged / f"{u:05d}"), kept_rows[u], unit_repeats[u],
-                                      quarantined[u], pools, config.negatives) for u, unit in enumerate(units)], sizes)
-    build = BuildOutputs(units, written, kept_rows, quarantined, config, staged)
+    written = map_units(write_unit, [(unit.records_path, str(staged / f"{u:05d}"), plan.kept_rows[u],
+                                      plan.unit_repeats[u], plan.quarantined[u], plan.pools, config.negatives)
+                                     for u, unit in enumerate(units)], _unit_sizes(plan.kept_rows))
+    build = BuildOutputs(units, written, plan.kept_rows, plan.quarantined, config, staged)
     files, shards = {}, []
     for output in OUTPUTS.values():
         parts = output.staged_parts(build)
@@ -206,7 +252,7 @@ def write_outputs(out: Path, units: list[UnitResult], kept_keys: pl.DataFrame, r
                                  arrow_schema(output.schema), build.rows[output.name],
                                  sum(nbytes for _, nbytes, _ in parts), config.shards, [rows for _, _, rows in parts]))
         files[output.name] = shards[-1].paths(out)["train"]
-    return WrittenOutputs(files, build), shards, repeats
+    return WrittenOutputs(files, build), shards
 
 
 def write_duplicates(out: Path, runs: list[StageRun], repeats: pl.DataFrame) -> pl.DataFrame:
@@ -235,23 +281,22 @@ def write_quarantine(out: Path, unit_quarantine: list[str], global_quarantine: l
     return out / QUARANTINE_FILE
 
 
-def build_report(units: list[UnitResult], runs: list[StageRun], kept_keys: pl.DataFrame, outputs: WrittenOutputs,
+def build_report(units: list[UnitResult], runs: list[StageRun], mix: KeptMix, outputs: WrittenOutputs,
                  duplicates: pl.DataFrame, config: BuildConfig) -> dict:
     """report.json: the counts from the stages' tallies, the stages' and the outputs' own sections,
     the mix of what was kept."""
     report = {**source_counts(units, runs), "generator": GENERATOR, "config": asdict(config),
               "outputs": {**outputs.files, "quarantine": [QUARANTINE_FILE], "duplicates": [DUPLICATES_FILE]}}
-    for column, name in [("rendering", "renderings"), ("domain", "domains"), ("env", "envs"), ("kind", "kinds")]:
-        report[name] = value_counts(kept_keys[column])
+    report.update(mix.counts)
     report["validation_by_env"] = merge_env_figures([u.envs for u in units])
     for run in runs:
         report.update(run.stage.report(run.tally, config))
     report["stages"] = [t.as_dict() for t in stage_tallies(units, runs)]
-    report_extras(report, duplicates, kept_keys["turns"].to_numpy(), kept_keys["chars"].to_numpy())
+    report_extras(report, duplicates, mix.turns, mix.chars)
     for name in outputs.files:
         if OUTPUTS[name].report is not None:
             report.update(OUTPUTS[name].report(outputs.build))
-    if kept_keys.is_empty():
+    if not len(mix.turns):
         report["warnings"] = ["no record made it into data/sft: every input record was quarantined or a duplicate"]
     for warning in report.get("warnings", []):
         log.warning(warning)
