@@ -12,6 +12,11 @@ copies (1 word in 150 of the free text changed, planted only on originals with >
 true shingle Jaccard stays near 0.93).
 
 Measured in the same run:
+- the interpreter (the bench's, which runs the build's `trajforge` too): its version and executable,
+  whether libpython is a shared library or is in the executable, and the CPU time of a fixed loop of
+  pure Python (JSON, a regex, dicts): the build's per-record work is Python, and on the same machine
+  a CPython linked to a shared libpython and built without PGO and LTO (pyenv's default) runs it
+  ~15 % slower than a distribution's (docs/scale.md), which the I/O floor does not show;
 - the I/O floor: pyarrow reads the same upstream files (Parquet, and the JSON arrays through `json` into
   Arrow) and writes the same rows as zstd Parquet, before and after the build (the ratio is to their mean),
   the files read once beforehand so that every run finds them in the page cache;
@@ -233,6 +238,37 @@ def io_floor(corpus: Path, scratch: Path) -> tuple[float, int]:
     return seconds, rows
 
 
+# The fixed pure-Python loop `python_speed` times: turns of an upstream row parsed from JSON, matched
+# with a regex and rebuilt as dicts, as normalize does (not our code: the same loop in every session).
+_TURNS = json.dumps([{"from": "gpt" if i % 2 else "human", "value": "Thought: I should look again. " * 8
+                      + f"Action: click[item {i}]"} for i in range(12)])
+_THOUGHT_ACTION = re.compile(r"Thought:\s*(.*?)\s*Action:\s*(.*)", re.S)
+
+
+def python_speed(rounds: int = 10_000) -> float:
+    """CPU seconds of `rounds` rounds of a fixed pure-Python loop in this interpreter."""
+    start = time.process_time()
+    for _ in range(rounds):
+        turns = []
+        for row in json.loads(_TURNS):
+            match = _THOUGHT_ACTION.search(row["value"])
+            turns.append({"role": "assistant" if row["from"] == "gpt" else "user", "content": row["value"].strip(),
+                          "thought": match and match.group(1), "action": match and match.group(2)})
+        [turn for turn in turns if turn["action"] and turn["action"].startswith("click")]
+    return time.process_time() - start
+
+
+def interpreter() -> str:
+    """The running CPython: version, executable, and how libpython is linked (a shared library mapped
+    into the process, or in the executable), as far as Linux's /proc says."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+        linked = "shared libpython" if "libpython" in maps else "libpython in the executable"
+    except OSError:
+        linked = "libpython linkage unknown"
+    return f"{sys.implementation.name} {sys.version.split()[0]} ({os.path.realpath(sys.executable)}, {linked})"
+
+
 def read_through(corpus: Path) -> int:
     """Read every file of `corpus` once (its bytes, returned), so that the first floor finds it in the
     page cache as the build and the second floor do (at 1M, the floor with the corpus evicted from the
@@ -407,6 +443,7 @@ def main() -> None:
             (work / "planted.json").write_text(json.dumps(counts))
             print(f"corpus: {args.n} trajectories in {time.perf_counter() - t0:.0f} s, {counts}")
         size = read_through(corpus)
+        print(f"interpreter: {interpreter()}; fixed Python loop {python_speed():.2f} s of CPU")
         before, rows = io_floor(corpus, work / "floor")
         print(f"I/O floor: {rows} rows, {size / 1e6:.0f} MB upstream, {before:.1f} s; load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
