@@ -15,8 +15,9 @@ Measured in the same run:
 - the interpreter (the bench's, which runs the build's `trajforge` too): its version and executable,
   whether libpython is a shared library or is in the executable, and the CPU time of a fixed loop of
   pure Python (JSON, a regex, dicts): the build's per-record work is Python, and on the same machine
-  a CPython linked to a shared libpython and built without PGO and LTO (pyenv's default) runs it
-  ~15 % slower than a distribution's (docs/scale.md), which the I/O floor does not show;
+  a CPython linked to a shared libpython and built without PGO and LTO (pyenv's default) took ~10 %
+  more CPU and wall time for a 1M build than a distribution's (docs/scale.md), which the I/O floor
+  does not show;
 - the I/O floor: pyarrow reads the same upstream files (Parquet, and the JSON arrays through `json` into
   Arrow) and writes the same rows as zstd Parquet, before and after the build (the ratio is to their mean),
   the files read once beforehand so that every run finds them in the page cache;
@@ -254,7 +255,6 @@ def python_speed(rounds: int = 10_000) -> float:
             match = _THOUGHT_ACTION.search(row["value"])
             turns.append({"role": "assistant" if row["from"] == "gpt" else "user", "content": row["value"].strip(),
                           "thought": match and match.group(1), "action": match and match.group(2)})
-        [turn for turn in turns if turn["action"] and turn["action"].startswith("click")]
     return time.process_time() - start
 
 
