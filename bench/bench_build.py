@@ -240,7 +240,7 @@ def io_floor(corpus: Path, scratch: Path) -> tuple[float, int]:
 
 
 # The fixed pure-Python loop `python_speed` times: turns of an upstream row parsed from JSON, matched
-# with a regex and rebuilt as dicts, as normalize does (not our code: the same loop in every session).
+# with a regex and rebuilt as dicts, as normalize does (not our code: the same loop from run to run).
 _TURNS = json.dumps([{"from": "gpt" if i % 2 else "human", "value": "Thought: I should look again. " * 8
                       + f"Action: click[item {i}]"} for i in range(12)])
 _THOUGHT_ACTION = re.compile(r"Thought:\s*(.*?)\s*Action:\s*(.*)", re.S)
