@@ -7,8 +7,8 @@ this module is what loads them.
 
 Then every object the fork server holds is frozen (`gc.freeze`): a worker's cyclic collections
 would otherwise walk them all, writing to their pages and so copying them into the worker. Forked
-from the command, the fork server also holds the command's objects, which the command froze as it
-forked (flows/workers.py); with nothing frozen, a 100k build's workers had ~0.1 GiB more PSS."""
+from the command, the fork server holds the command's objects too (~0.1 GiB more PSS in a 100k
+build's workers, unfrozen)."""
 import gc
 
 import prefect.task_engine  # noqa: F401
