@@ -18,7 +18,6 @@ the runner's initializer.
 """
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -76,9 +75,6 @@ def _fork_fork_server() -> bool:
             for stream in (sys.stdout, sys.stderr):  # else both processes would write what is buffered
                 if stream is not None:
                     stream.flush()
-            # What this process loaded is there for good: frozen, neither its collections nor the fork
-            # server's and the workers' walk it again (nor copy its pages into them by writing to them).
-            gc.freeze()
             pid = os.fork()
             if pid == 0:
                 _serve_forks(listener.fileno(), alive_r, alive_w)
