@@ -305,14 +305,13 @@ class TreeSampler:
 
     def _role(self, p: psutil.Process) -> str:
         """What a process of a build's tree is: the command, Prefect's temporary server, the fork
-        server (its parent is the command: spawned, or forked from it and so with its command
-        line), a worker (forked by the fork server), or other."""
+        server (its parent is the command), a worker (forked by the fork server), or other."""
         if p.pid == self.proc.pid:
             return "command"
-        cmdline = p.cmdline()
+        cmdline = " ".join(p.cmdline())
         if "uvicorn" in cmdline:
             return "server"
-        if "multiprocessing.forkserver" in " ".join(cmdline) or cmdline == self.proc.cmdline():
+        if "multiprocessing.forkserver" in cmdline:
             return "fork server" if p.ppid() == self.proc.pid else "worker"
         return "other"
 

@@ -308,6 +308,12 @@ def _run_build(args: argparse.Namespace) -> int:
         # setting stops the server unused.
         config = stage_config(run.stages, args.config if "config" in args else "options")
         fork_server = not small and run.runner in (AUTO, "processes")
+        if fork_server:
+            from trajforge.flows.workers import start_fork_server
+
+            # The workers' imports, on another core while this process loads Prefect and the temporary
+            # server starts (flows/workers.py).
+            start_fork_server()
         on_api = api()
         if on_api is None:
             from trajforge.pipeline.build import build_in_process, summary_lines
@@ -319,12 +325,6 @@ def _run_build(args: argparse.Namespace) -> int:
             from trajforge.flows.build import build_dataset
             from trajforge.pipeline.build import summary_lines
 
-            if fork_server:
-                from trajforge.flows.workers import start_fork_server
-
-                # Forked now, with this process's imports (flows/workers.py): the workers' compiled
-                # loops load on another core while the temporary server starts.
-                start_fork_server(fork=True)
             try:
                 with on_api():
                     report = build_dataset(config=dataclasses.asdict(run))

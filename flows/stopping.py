@@ -129,13 +129,6 @@ def end_process(signum: int) -> NoReturn:
     os._exit(128 + signum)
 
 
-def fork_safe() -> bool:
-    """Whether this process can fork without the child inheriting a lock held: no thread but the main
-    one runs, except stop watchdogs still waiting for a signal (blocked on their socket, holding none)."""
-    return all(t is threading.main_thread() or (isinstance(t, _Watchdog) and t.signum is None)
-               for t in threading.enumerate())
-
-
 class _Watchdog(threading.Thread):
     """Waits for the first SIGTERM or SIGINT (the signal numbers the interpreter writes to the
     wakeup socket), stops the workers, then ends the process if it is still running `grace_s`
