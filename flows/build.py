@@ -51,6 +51,7 @@ from trajforge.pipeline.build import (
 )
 from trajforge.pipeline.publish.manifest import code_version
 from trajforge.pipeline.registry import Registry
+from trajforge.pipeline.stages import release_freed_memory
 from trajforge.sources import DEFAULT_SOURCES, SourceError, SourceFile, check_layout, get_source
 
 # The CLI offers the names of flows.config.RUNNERS without loading Prefect; the two must agree (tested).
@@ -197,6 +198,7 @@ def _unit_cache_key(context, parameters: dict) -> str:
 @task(name="process-unit", cache_key_fn=_unit_cache_key, persist_result=True)
 def process_unit_task(name: str, file: SourceFile, staging: str, config: BuildConfig) -> UnitResult:
     result, earlier = resume_unit(name, file, Path(staging), config)
+    release_freed_memory()  # the worker's next unit, or the second half's steps, start from what it holds now
     if earlier:
         get_run_logger().info("%s/%s: done in an earlier run, skipped", name, file.label)
     return result
@@ -212,12 +214,18 @@ def unit_step(function, calls_file: str, claims: str) -> tuple[list[tuple[int, o
     """Per-unit steps of the second half of a build (units' pools, units' outputs, band screens,
     the shards and the quarantine): the step's calls (`calls_file`: their order, the largest first,
     and the calls), each claimed by this task (`claim`) before it runs, one after the other, so that
-    a task that is done early takes the next call. Returns (index, result) of the calls it ran and
+    a task that is done early takes the next call; after each, the worker hands back the memory it
+    freed (`release_freed_memory`), or it would carry the largest call's pages into the next. Returns (index, result) of the calls it ran and
     when the task ran (start and end, wall clock), which the flow logs per step."""
     start = time.time()
     with open(calls_file, "rb") as f:
         order, calls = pickle.load(f)
-    return [(i, function(*calls[i])) for i in order if claim(claims, i)], (start, time.time())
+    done = []
+    for i in order:
+        if claim(claims, i):
+            done.append((i, function(*calls[i])))
+            release_freed_memory()
+    return done, (start, time.time())
 
 
 def claim(claims: str, index: int) -> bool:

@@ -50,7 +50,7 @@ from trajforge.pipeline.publish.report import report_extras, value_counts, write
 from trajforge.pipeline.publish.shards import SplitShards, link_readers, plan_split, write_shard_from_files
 from trajforge.pipeline.quality.dedup_table import DUPLICATE_COLUMNS
 from trajforge.pipeline.quality.pools import EnvPools
-from trajforge.pipeline.stages import cyclic_gc_paused, in_order
+from trajforge.pipeline.stages import cyclic_gc_paused, in_order, release_freed_memory
 from trajforge.schemas import arrow_schema
 
 log = logging.getLogger("trajforge.build")
@@ -77,14 +77,14 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     earlier = set_manifest_aside(out)
     # The whole key table goes with the first stage that drops records: held here, it would double the flow's memory.
     runs, kept_keys = run_global_stages(key_table(units, config), StagedBuild(units, config, map_units, out / ".staging"))
-    release_pooled_memory()
+    release_freed_memory()
     mix, outputs_plan = KeptMix.of(kept_keys), plan_outputs(units, kept_keys, runs, config, map_units)
     # Only `mix` of the key table is needed from here: held through the unit writers and the shards
     # (about half the build), the table was ~45 MiB of the flow's memory at 1M.
     del kept_keys
-    release_pooled_memory()
+    release_freed_memory()
     outputs, shards = write_outputs(out, units, outputs_plan, config, map_units)
-    release_pooled_memory()
+    release_freed_memory()
     quarantine = (file_entry, [], write_quarantine, out, [unit.quarantine_path for unit in units],
                   [written.quarantined for written in outputs.build.written])
     calls, releases = link_readers([call for plan in shards for call in plan.calls], outputs.build.staged)
@@ -108,13 +108,6 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
             remove_earlier_files(out, earlier - set(owned) - {"README.md"})
             removed.result()
     return report
-
-
-def release_pooled_memory() -> None:
-    """Hand the pages Arrow's pool holds free back to the system. The pool reuses them only as it
-    allocates again, and the flow then waits on its workers: at 1M, the near stage's reads of the
-    sketches left ~120 MB held in the flow through the unit writers and the shards."""
-    pa.default_memory_pool().release_unused()
 
 
 def write_file(facts, release: list[str], writer, *args) -> tuple[str, dict]:
