@@ -78,8 +78,11 @@ def _eval_tasks(config: BuildConfig) -> tuple[Contamination | None, HeldOut | No
 
 
 # Tasks checked at once, at least (a unit's last chunk takes the rows after it): enough text for
-# the compiled loops (dedup.COMPILED_TOKENS_FROM), a few MB, not a unit's.
+# the compiled loops (dedup.COMPILED_TOKENS_FROM), a few MB, not a unit's. Rows, or bytes of task text,
+# whichever comes first: 8192 of AgentTraj-L's wordle tasks (~6.4 KB each) took ~640 MB of a worker's
+# memory as tokens, which set the 1M build's peak.
 CONTAMINATION_CHUNK = 8192
+CONTAMINATION_CHUNK_BYTES = 4 << 20
 
 
 def unit_contamination(records_path: str, index: Contamination | None, held: HeldOut | None) -> list[str | None]:
@@ -89,13 +92,14 @@ def unit_contamination(records_path: str, index: Contamination | None, held: Hel
     details: list[str | None] = []
     chunk: list[pa.RecordBatch] = []
     previous: list[pa.RecordBatch] = []  # a full chunk, checked once another is full or with the rest
-    rows = 0
+    rows = nbytes = 0
     for batch in read_batches(records_path, ["task", "env", "source_id"]):
         chunk.append(batch)
         rows += batch.num_rows
-        if rows >= CONTAMINATION_CHUNK:
+        nbytes += batch.column(0).nbytes
+        if rows >= CONTAMINATION_CHUNK or nbytes >= CONTAMINATION_CHUNK_BYTES:
             details += _contamination(previous, index, held)
-            previous, chunk, rows = chunk, [], 0
+            previous, chunk, rows, nbytes = chunk, [], 0, 0
     return details + _contamination(previous + chunk, index, held)
 
 

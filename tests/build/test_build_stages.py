@@ -233,3 +233,32 @@ print(before - psutil.Process().memory_info().rss)
     if out == "no-glibc":
         pytest.skip("malloc_trim is glibc's: nothing to hand back elsewhere")
     assert int(out) > 150 * 2**20  # of the ~190 MiB freed
+
+
+def test_a_units_contamination_does_not_depend_on_how_its_tasks_are_chunked(tmp_path, fixtures_build, monkeypatch):
+    """`unit_contamination` checks a unit's tasks a chunk at a time (rows or bytes of text, whichever
+    comes first, to bound a worker's memory): the details are the same for one chunk, a chunk per
+    staged batch, and the defaults."""
+    from trajforge.pipeline.atomic import StreamingTable
+    from trajforge.pipeline.build import global_stages
+    from trajforge.pipeline.quality.dedup import Contamination
+    from trajforge.schemas import arrow_schema
+
+    largest = max((fixtures_build / ".staging").glob("*.records.arrow"), key=lambda p: p.stat().st_size)
+    rows = pa.ipc.open_file(str(largest)).read_all().to_pylist()
+    staged = tmp_path / "unit.records.arrow"
+    with StreamingTable(staged, arrow_schema("trajectory"), batch_rows=7) as writer:  # many small batches
+        for row in rows:
+            writer.append(row)
+    eval_tasks = [rows[i]["task"] for i in (0, len(rows) // 2, len(rows) - 1)]
+    index = Contamination(eval_tasks, n=8)
+
+    def details(chunk_rows: int, chunk_bytes: int) -> list:
+        monkeypatch.setattr(global_stages, "CONTAMINATION_CHUNK", chunk_rows)
+        monkeypatch.setattr(global_stages, "CONTAMINATION_CHUNK_BYTES", chunk_bytes)
+        return global_stages.unit_contamination(str(staged), index, None)
+
+    whole = details(10**9, 10**12)
+    assert len(whole) == len(rows) and sum(d is not None for d in whole) >= 3
+    assert details(10**9, 1) == whole  # a chunk per batch (the last with the one before it)
+    assert details(global_stages.CONTAMINATION_CHUNK, global_stages.CONTAMINATION_CHUNK_BYTES) == whole
