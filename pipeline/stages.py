@@ -103,10 +103,12 @@ _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
 def release_freed_memory() -> None:
     """Hand the pages the allocators hold free back to the system: Arrow's pool keeps what it freed
     until it allocates again, and glibc's malloc the free pages of its heaps (Python's large strings
-    and lists are malloc's). A process that runs one step after another (a worker's units, the flow
-    once its workers run) otherwise carries the largest step's pages into the next: a worker kept
-    ~80-110 MB of a 50k-row unit's once it was done, and at 1M the near stage's reads of the
-    sketches left ~120 MB in the flow through the unit writers and the shards."""
+    and lists are malloc's). A process that runs one step after another (a worker's units and then
+    the second half's steps, the flow once its workers run) otherwise carries the largest step's
+    pages into the next: a worker kept ~80-110 MB of a 50k-row unit's once it was done, and at 1M
+    the near stage's reads of the sketches left ~120 MB in the flow through the unit writers and the
+    shards. The pages handed back are faulted in again when the process grows again: call it between
+    steps, not between the calls of one."""
     pa.default_memory_pool().release_unused()
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
