@@ -25,7 +25,8 @@ Measured in the same run:
   RSS and PSS of its process tree (sampled every 0.2 s, PSS only where it could set a new peak: `TreeSampler`),
   its CPU by process (the command, Prefect's temporary server, the fork server, the workers), the PSS
   of each kind of process at the peak and when the peak was, and, with
-  `--timeline S`, the cores it kept busy in each S seconds (where a build leaves a core idle);
+  `--timeline S`, the cores it kept busy in each S seconds (where a build leaves a core idle) and the
+  tree's highest RSS in each (where its memory peaks: RSS, read at every sample, where PSS is not);
 - from the build's outputs: rows/s, recall of the planted copies (the share of planted copies found in
   the duplicates map pointing into their own family) and false merges (map rows linking two families).
 """
@@ -299,8 +300,8 @@ class TreeSampler:
         self.peak_pss_by_role: dict[str, int] = {}
         self.peak_pss_at = 0.0
         self._last_pss_read = float("-inf")
-        # (seconds since the first sample, CPU seconds of the tree so far) at every sample.
-        self.series: list[tuple[float, float]] = []
+        # (seconds since the first sample, CPU seconds of the tree so far, the tree's RSS) at every sample.
+        self.series: list[tuple[float, float, int]] = []
         self._start = time.perf_counter()
 
     def _role(self, p: psutil.Process) -> str:
@@ -342,7 +343,7 @@ class TreeSampler:
             self._last_pss_read = now
             self.pss_reads += 1
         self.peak_rss = max(self.peak_rss, rss)
-        self.series.append((now - self._start, sum(self.cpu.values())))
+        self.series.append((now - self._start, sum(self.cpu.values()), rss))
 
     def cpu_by_role(self) -> dict[str, tuple[int, float]]:
         """role -> (processes, CPU seconds)."""
@@ -352,14 +353,15 @@ class TreeSampler:
             out[self.roles[pid]] = (n + 1, total + seconds)
         return out
 
-    def busy_cores(self, window: float) -> list[tuple[float, float]]:
-        """(start, cores busy on average) of each `window` seconds of the samples: where a build
-        leaves cores idle (start-up, a step's tail, a stage in the flow alone)."""
+    def busy_cores(self, window: float) -> list[tuple[float, float, int]]:
+        """(start, cores busy on average, the tree's highest RSS) of each `window` seconds of the
+        samples: where a build leaves cores idle (start-up, a step's tail, a stage in the flow
+        alone), and where its memory peaks."""
         out, first = [], 0
-        for i, (t, cpu) in enumerate(self.series):
-            t0, cpu0 = self.series[first]
+        for i, (t, cpu, _) in enumerate(self.series):
+            t0, cpu0, _ = self.series[first]
             if t - t0 >= window or (i == len(self.series) - 1 and t > t0):
-                out.append((t0, (cpu - cpu0) / (t - t0)))
+                out.append((t0, (cpu - cpu0) / (t - t0), max(rss for _, _, rss in self.series[first:i + 1])))
                 first = i
         return out
 
@@ -429,7 +431,7 @@ def main() -> None:
     p.add_argument("--runner", default="processes")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--timeline", type=float, default=0, metavar="S",
-                   help="also print the cores the build's processes kept busy in windows of S seconds")
+                   help="also print the cores the build's processes kept busy, and their highest RSS, in windows of S seconds")
     args = p.parse_args()
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_build_"))
@@ -471,9 +473,9 @@ def main() -> None:
             f"{role} {pss / 2**30:.2f} GiB" for role, pss in sorted(tree.peak_pss_by_role.items())))
         if args.timeline:
             windows = tree.busy_cores(args.timeline)
-            print(f"cores busy, {args.timeline:g} s windows from the build's start:")
-            for i in range(0, len(windows), 10):
-                print("  " + " ".join(f"{t:.0f}:{cores:.2f}" for t, cores in windows[i:i + 10]))
+            print(f"cores busy and the tree's highest RSS (GiB), {args.timeline:g} s windows from the build's start:")
+            for i in range(0, len(windows), 8):
+                print("  " + " ".join(f"{t:.0f}:{cores:.2f}/{rss / 2**30:.2f}" for t, cores, rss in windows[i:i + 8]))
     finally:
         if not args.keep and args.work is None:
             shutil.rmtree(work, ignore_errors=True)
