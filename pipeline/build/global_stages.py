@@ -96,7 +96,7 @@ def unit_contamination(records_path: str, index: Contamination | None, held: Hel
     for batch in read_batches(records_path, ["task", "env", "source_id"]):
         chunk.append(batch)
         rows += batch.num_rows
-        nbytes += batch.column(0).nbytes
+        nbytes += batch.column("task").nbytes
         if rows >= CONTAMINATION_CHUNK or nbytes >= CONTAMINATION_CHUNK_BYTES:
             details += _contamination(previous, index, held)
             previous, chunk, rows, nbytes = chunk, [], 0, 0

@@ -21,12 +21,15 @@ import pytest
 
 from tests.support.fuzz_corpus import generate
 from tests.support.paths import AGENT_FLAN, FIXTURE_SOURCES, RAW
-from trajforge.pipeline.build import BuildConfig, UnitResult, process_unit, unit_key
+from trajforge.pipeline.atomic import StreamingTable
+from trajforge.pipeline.build import BuildConfig, UnitResult, global_stages, process_unit, unit_key
 from trajforge.pipeline.build.assemble import key_table
 from trajforge.pipeline.build.global_stages import GLOBAL_STAGES, QUARANTINE, StagedBuild, run_global_stages, tally_of
 from trajforge.pipeline.build.report import source_counts
 from trajforge.pipeline.build.resume import read_marker, resume_unit, unit_marker, write_marker
+from trajforge.pipeline.quality.dedup import Contamination
 from trajforge.pipeline.stages import StageTally, merge_tallies
+from trajforge.schemas import arrow_schema
 from trajforge.sources import get_source
 from trajforge.sources.base import SourceFile
 
@@ -239,11 +242,6 @@ def test_a_units_contamination_does_not_depend_on_how_its_tasks_are_chunked(tmp_
     """`unit_contamination` checks a unit's tasks a chunk at a time (rows or bytes of text, whichever
     comes first, to bound a worker's memory): the details are the same for one chunk, a chunk per
     staged batch, and the defaults."""
-    from trajforge.pipeline.atomic import StreamingTable
-    from trajforge.pipeline.build import global_stages
-    from trajforge.pipeline.quality.dedup import Contamination
-    from trajforge.schemas import arrow_schema
-
     largest = max((fixtures_build / ".staging").glob("*.records.arrow"), key=lambda p: p.stat().st_size)
     rows = pa.ipc.open_file(str(largest)).read_all().to_pylist()
     staged = tmp_path / "unit.records.arrow"
