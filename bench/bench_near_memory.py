@@ -110,18 +110,20 @@ def parts(n: int, bands: int, rows: int, seed: int = 0):
 
 
 def saved_parts(folder: Path, n: int, bands: int, rows: int):
-    """`parts`, made once into .npy files under `folder` and then read back a part at a time, a
-    column at each call (dedup_table.NearParts; so that making them is not measured)."""
+    """`parts`, made once into .npy files under `folder` and then read back a part at a time: the band
+    keys or the sketches of every row or of the `wanted` ones (dedup_table.NearParts; so that making
+    them is not measured)."""
     paths = []
     for i, part in enumerate(parts(n, bands, rows)):
         paths.append([folder / f"{i}-{name}.npy" for name in ("at", "bands", "sketch")])
         for path, array in zip(paths[-1], part):
             np.save(path, array)
 
-    def column(name: str):
-        for at, band_keys, sketch in paths:
-            yield np.load(at), (np.load(sketch) if name == "sketch"
-                                else np.load(band_keys)[:, int(name.removeprefix("band"))])
+    def column(name: str, wanted: np.ndarray | None = None):
+        for at_path, bands_path, sketch_path in paths:
+            at = np.load(at_path)
+            inside = np.isin(at, wanted) if wanted is not None else slice(None)
+            yield at[inside], np.load(sketch_path if name == "sketch" else bands_path)[inside]
 
     return column
 
