@@ -27,6 +27,11 @@ Measured in the same run:
   of each kind of process at the peak and when the peak was, and, with
   `--timeline S`, the cores it kept busy in each S seconds (where a build leaves a core idle) and the
   tree's highest RSS in each (where its memory peaks: RSS, read at every sample, where PSS is not);
+- the whole machine's cores over the build (`MachineCores`, from the kernel's counters): the time they
+  were busy with the build's processes, busy with anything else (the kernel's own threads, such as
+  the writeback of dirty pages, and any other process: on a quiet machine a few core-seconds), idle,
+  and idle while a process waited on the disk; what a build leaves on the table, and whether the
+  machine was quiet;
 - from the build's outputs: rows/s, recall of the planted copies (the share of planted copies found in
   the duplicates map pointing into their own family) and false merges (map rows linking two families).
 """
@@ -366,6 +371,25 @@ class TreeSampler:
         return out
 
 
+class MachineCores:
+    """The machine's core-seconds between `__init__` and `spent` (psutil's system-wide CPU times:
+    every core, every process, the kernel), split as the build's tree used them and the rest."""
+
+    def __init__(self):
+        self.start = psutil.cpu_times()
+
+    def spent(self, tree_cpu: float) -> dict[str, float]:
+        """Core-seconds since the start: `build` (the tree's CPU, `tree_cpu`), `other` (busy, not
+        with the tree: the kernel's threads, other processes and this bench's sampling, and the time
+        the host took, `steal`, also given apart), `idle` and `io wait` (idle while a process waits
+        on the disk)."""
+        end = psutil.cpu_times()
+        delta = {field: getattr(end, field) - getattr(self.start, field) for field in end._fields}
+        busy = sum(delta.values()) - delta["idle"] - delta["iowait"] - delta.get("guest", 0) - delta.get("guest_nice", 0)
+        return {"build": tree_cpu, "other": busy - tree_cpu, "idle": delta["idle"], "io wait": delta["iowait"],
+                "steal": delta.get("steal", 0.0)}
+
+
 def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[float, TreeSampler, int]:
     """(wall seconds, the process tree's sampler (peak RSS and PSS, CPU by process), return code) of `trajforge build`.
 
@@ -451,7 +475,9 @@ def main() -> None:
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         out = work / "build"
         shutil.rmtree(out, ignore_errors=True)
+        cores = MachineCores()
         wall, tree, rc = run_build(corpus, out, args.runner, args.timeout)
+        spent = cores.spent(sum(tree.cpu.values()))
         # The floor again after the build: a shared machine's speed drifts over minutes (the same
         # floor ran 29-41 s within an hour at 1M), so the build is set against the floor on both sides of it.
         after, _ = io_floor(corpus, work / "floor")
@@ -469,6 +495,9 @@ def main() -> None:
         print(line)
         print("CPU by process: " + ", ".join(f"{role} {seconds:.1f} s" + (f" ({n})" if n > 1 else "")
                                              for role, (n, seconds) in sorted(tree.cpu_by_role().items())))
+        print(f"the machine's {os.cpu_count()} cores over the build ({os.cpu_count() * wall:.0f} core-s): the build "
+              f"{spent['build']:.1f} s, other work {spent['other']:.1f} s (steal {spent['steal']:.1f}), idle "
+              f"{spent['idle']:.1f} s, waiting on the disk {spent['io wait']:.1f} s")
         print(f"PSS at its peak ({tree.peak_pss_at:.0f} s into the build): " + ", ".join(
             f"{role} {pss / 2**30:.2f} GiB" for role, pss in sorted(tree.peak_pss_by_role.items())))
         if args.timeline:
