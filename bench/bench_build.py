@@ -291,12 +291,23 @@ def read_through(corpus: Path) -> int:
 class TreeSampler:
     """Peak RSS and PSS of a process tree, and each process's CPU seconds (by pid).
 
-    RSS and CPU are read at every sample (~20 us a process). PSS is read from `smaps_rollup`, for which
-    the kernel walks the process's page tables under its mmap lock (~10 ms for a 1.7 GB process; the
-    build's own mmap and munmap wait behind it): reading it from every process five times a second
-    made a 100k build ~13 % slower. A tree's PSS is at most its RSS summed (each process's is), so
-    while that sum is at or below the peak PSS seen no read can raise the peak and none is made;
-    above it, PSS is read when the RSS sum is a new high, and otherwise at most once a second."""
+    RSS and CPU are read at every sample (~20 us a process). The tree's processes are listed anew
+    once a second (`LIST_EVERY_S`), not at every sample: psutil finds a process's children by reading
+    every process of the machine (~1.3 ms), 2 s of CPU in a 1M build at every sample (a process that
+    lives less than a second may go uncounted; a build's live for the whole build or a step of it). PSS is read from
+    `smaps_rollup`, for which the kernel walks the process's page tables under its mmap lock (~5-10 ms
+    for a 1.7 GB process; the build's own mmap and munmap wait behind it): reading it from every
+    process five times a second made a 100k build ~13 % slower. A tree's PSS is at most its RSS
+    summed (each process's is), so while that sum is at or below the peak PSS seen no read can raise
+    the peak and none is made; above it, PSS is read when the RSS sum is a new high, and otherwise at
+    most once a second, of every process: a process's PSS moves without its RSS moving whenever
+    another process of the tree forks, ends or writes to a page they share (a PSS kept from an
+    earlier read put the fork server at 0.27 GiB of a 100k build's peak, against 0.18-0.21 GiB read
+    anew). Over a 1M build the sampling takes ~10 s of CPU, ~7.7 s of it the kernel's page-table walks
+    (`MachineCores` reports it): a few percent of the two cores the build is measured on."""
+
+    # How often the tree's processes are listed.
+    LIST_EVERY_S = 1.0
 
     def __init__(self, proc: psutil.Process):
         self.proc, self.cpu, self.roles = proc, {}, {}
@@ -304,7 +315,8 @@ class TreeSampler:
         # Where the peak PSS was: by role (`_role`), and when (seconds since the first sample).
         self.peak_pss_by_role: dict[str, int] = {}
         self.peak_pss_at = 0.0
-        self._last_pss_read = float("-inf")
+        self._last_pss_read = self._last_listing = float("-inf")
+        self._procs: list[psutil.Process] = []
         # (seconds since the first sample, CPU seconds of the tree so far, the tree's RSS) at every sample.
         self.series: list[tuple[float, float, int]] = []
         self._start = time.perf_counter()
@@ -322,9 +334,15 @@ class TreeSampler:
         return "other"
 
     def sample(self) -> None:
-        procs = [self.proc, *self.proc.children(recursive=True)]
+        now = time.perf_counter()
+        if now - self._last_listing >= self.LIST_EVERY_S:
+            try:
+                self._procs = [self.proc, *self.proc.children(recursive=True)]
+            except psutil.Error:
+                pass
+            self._last_listing = now
         rss, alive = 0, []
-        for p in procs:
+        for p in self._procs:
             try:
                 with p.oneshot():
                     rss, times = rss + p.memory_info().rss, p.cpu_times()
@@ -334,7 +352,6 @@ class TreeSampler:
                 alive.append(p)
             except psutil.Error:
                 pass
-        now = time.perf_counter()
         if rss > self.peak_pss and (rss > self.peak_rss or now - self._last_pss_read >= 1.0):
             by_role: dict[str, int] = {}
             for p in alive:
@@ -376,18 +393,18 @@ class MachineCores:
     every core, every process, the kernel), split as the build's tree used them and the rest."""
 
     def __init__(self):
-        self.start = psutil.cpu_times()
+        self.start, self.own_start = psutil.cpu_times(), time.process_time()
 
     def spent(self, tree_cpu: float) -> dict[str, float]:
         """Core-seconds since the start: `build` (the tree's CPU, `tree_cpu`), `other` (busy, not
-        with the tree: the kernel's threads, other processes and this bench's sampling, and the time
-        the host took, `steal`, also given apart), `idle` and `io wait` (idle while a process waits
-        on the disk)."""
+        with the tree: the kernel's threads, other processes, this bench's sampling (`sampling`,
+        also given apart) and the time the host took (`steal`, also given apart)), `idle` and
+        `io wait` (idle while a process waits on the disk)."""
         end = psutil.cpu_times()
         delta = {field: getattr(end, field) - getattr(self.start, field) for field in end._fields}
         busy = sum(delta.values()) - delta["idle"] - delta["iowait"] - delta.get("guest", 0) - delta.get("guest_nice", 0)
         return {"build": tree_cpu, "other": busy - tree_cpu, "idle": delta["idle"], "io wait": delta["iowait"],
-                "steal": delta.get("steal", 0.0)}
+                "sampling": time.process_time() - self.own_start, "steal": delta.get("steal", 0.0)}
 
 
 def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[float, TreeSampler, int]:
@@ -496,7 +513,8 @@ def main() -> None:
         print("CPU by process: " + ", ".join(f"{role} {seconds:.1f} s" + (f" ({n})" if n > 1 else "")
                                              for role, (n, seconds) in sorted(tree.cpu_by_role().items())))
         print(f"the machine's {os.cpu_count()} cores over the build ({os.cpu_count() * wall:.0f} core-s): the build "
-              f"{spent['build']:.1f} s, other work {spent['other']:.1f} s (steal {spent['steal']:.1f}), idle "
+              f"{spent['build']:.1f} s, other work {spent['other']:.1f} s (this bench's sampling {spent['sampling']:.1f}, "
+              f"steal {spent['steal']:.1f}), idle "
               f"{spent['idle']:.1f} s, waiting on the disk {spent['io wait']:.1f} s")
         print(f"PSS at its peak ({tree.peak_pss_at:.0f} s into the build): " + ", ".join(
             f"{role} {pss / 2**30:.2f} GiB" for role, pss in sorted(tree.peak_pss_by_role.items())))
