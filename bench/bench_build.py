@@ -294,8 +294,8 @@ class TreeSampler:
     RSS and CPU are read at every sample (~20 us a process). The tree's processes are listed anew
     once a second (`LIST_EVERY_S`), not at every sample: psutil finds a process's children by reading
     every process of the machine (~1.3 ms), 2 s of CPU in a 1M build at every sample (a process that
-    lives less than a second may go uncounted; a build's live for the whole build or a step of it). PSS is read from
-    `smaps_rollup`, for which the kernel walks the process's page tables under its mmap lock (~5-10 ms
+    lives less than a second may go uncounted; a build's live for the whole build or a step of it).
+    PSS is read from `smaps_rollup`, for which the kernel walks the process's page tables under its mmap lock (~5-10 ms
     for a 1.7 GB process; the build's own mmap and munmap wait behind it): reading it from every
     process five times a second made a 100k build ~13 % slower. A tree's PSS is at most its RSS
     summed (each process's is), so while that sum is at or below the peak PSS seen no read can raise
@@ -512,10 +512,10 @@ def main() -> None:
         print(line)
         print("CPU by process: " + ", ".join(f"{role} {seconds:.1f} s" + (f" ({n})" if n > 1 else "")
                                              for role, (n, seconds) in sorted(tree.cpu_by_role().items())))
-        print(f"the machine's {os.cpu_count()} cores over the build ({os.cpu_count() * wall:.0f} core-s): the build "
-              f"{spent['build']:.1f} s, other work {spent['other']:.1f} s (this bench's sampling {spent['sampling']:.1f}, "
-              f"steal {spent['steal']:.1f}), idle "
-              f"{spent['idle']:.1f} s, waiting on the disk {spent['io wait']:.1f} s")
+        print(f"the machine's {os.cpu_count()} cores over the build ({os.cpu_count() * wall:.0f} core-s): "
+              f"the build {spent['build']:.1f} s, other work {spent['other']:.1f} s (this bench's sampling "
+              f"{spent['sampling']:.1f}, steal {spent['steal']:.1f}), idle {spent['idle']:.1f} s, "
+              f"waiting on the disk {spent['io wait']:.1f} s")
         print(f"PSS at its peak ({tree.peak_pss_at:.0f} s into the build): " + ", ".join(
             f"{role} {pss / 2**30:.2f} GiB" for role, pss in sorted(tree.peak_pss_by_role.items())))
         if args.timeline:
