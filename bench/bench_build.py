@@ -19,8 +19,10 @@ Measured in the same run:
   more CPU and wall time for a 1M build than a distribution's (docs/scale.md), which the I/O floor
   does not show;
 - the I/O floor: pyarrow reads the same upstream files (Parquet, and the JSON arrays through `json` into
-  Arrow) and writes the same rows as zstd Parquet, before and after the build (the ratio is to their mean),
-  the files read once beforehand so that every run finds them in the page cache;
+  Arrow) and writes the same rows as zstd Parquet, before and after the build, each time run again until
+  ~15 s of it are measured (`floor_runs`; once at 1M, ~5 times at 100k, whose ~3 s floor moved by a
+  third from one run to the next); the ratio is to the median of all those runs. The files are read
+  once beforehand, so that every run finds them in the page cache;
 - `trajforge build` as a subprocess of the real CLI (`--source NAME=PATH`), its wall time and the peak
   RSS and PSS of its process tree (sampled every 0.2 s, PSS only where it could set a new peak: `TreeSampler`),
   its CPU by process (the command, Prefect's temporary server, the fork server, the workers), the PSS
@@ -42,6 +44,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -223,6 +226,24 @@ def generate(raw: Path, n: int, out: Path, seed: int = 0) -> dict:
     for kind in kinds:
         flush(kind, final=True)
     return counts
+
+
+# The floor is run again until this many seconds of it are measured on each side of the build.
+FLOOR_SECONDS = 15.0
+
+
+def floor_runs(corpus: Path, scratch: Path) -> tuple[list[float], int]:
+    """The seconds of `io_floor` run until FLOOR_SECONDS of it are measured (at most 7 runs), and the rows."""
+    seconds, rows = io_floor(corpus, scratch)
+    runs = [seconds]
+    while sum(runs) < FLOOR_SECONDS and len(runs) < 7:
+        runs.append(io_floor(corpus, scratch)[0])
+    return runs, rows
+
+
+def _runs(runs: list[float]) -> str:
+    return f"{runs[0]:.1f} s" if len(runs) == 1 else f"{statistics.median(runs):.1f} s (median of {len(runs)}: " \
+        + ", ".join(f"{r:.1f}" for r in runs) + ")"
 
 
 def io_floor(corpus: Path, scratch: Path) -> tuple[float, int]:
@@ -487,8 +508,8 @@ def main() -> None:
             print(f"corpus: {args.n} trajectories in {time.perf_counter() - t0:.0f} s, {counts}")
         size = read_through(corpus)
         print(f"interpreter: {interpreter()}; fixed Python loop {python_speed():.2f} s of CPU")
-        before, rows = io_floor(corpus, work / "floor")
-        print(f"I/O floor: {rows} rows, {size / 1e6:.0f} MB upstream, {before:.1f} s; load average "
+        before, rows = floor_runs(corpus, work / "floor")
+        print(f"I/O floor: {rows} rows, {size / 1e6:.0f} MB upstream, {_runs(before)}; load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         out = work / "build"
         shutil.rmtree(out, ignore_errors=True)
@@ -497,9 +518,9 @@ def main() -> None:
         spent = cores.spent(sum(tree.cpu.values()))
         # The floor again after the build: a shared machine's speed drifts over minutes (the same
         # floor ran 29-41 s within an hour at 1M), so the build is set against the floor on both sides of it.
-        after, _ = io_floor(corpus, work / "floor")
-        floor_s = (before + after) / 2
-        print(f"I/O floor after the build: {after:.1f} s (mean {floor_s:.1f} s)")
+        after, _ = floor_runs(corpus, work / "floor")
+        floor_s = statistics.median(before + after)
+        print(f"I/O floor after the build: {_runs(after)}; the floor {floor_s:.1f} s (median of both sides' runs)")
         line = (f"build ({args.runner}): rc {rc}, wall {wall:.1f} s = {wall / floor_s:.1f}x the floor, CPU "
                 f"{sum(tree.cpu.values()):.0f} s, peak RSS {tree.peak_rss / 2**30:.2f} GiB (PSS {tree.peak_pss / 2**30:.2f} "
                 f"GiB, {tree.pss_reads} reads), {rows / wall:.0f} rows/s")
