@@ -228,22 +228,24 @@ def generate(raw: Path, n: int, out: Path, seed: int = 0) -> dict:
     return counts
 
 
-# The floor is run again until this many seconds of it are measured on each side of the build.
-FLOOR_SECONDS = 15.0
+# The floor is run again until this many seconds of it are measured on each side of the build, at
+# most FLOOR_MAX_RUNS times.
+FLOOR_SECONDS, FLOOR_MAX_RUNS = 15.0, 7
 
 
 def floor_runs(corpus: Path, scratch: Path) -> tuple[list[float], int]:
-    """The seconds of `io_floor` run until FLOOR_SECONDS of it are measured (at most 7 runs), and the rows."""
+    """The seconds of each `io_floor` run until FLOOR_SECONDS of it are measured, and the rows."""
     seconds, rows = io_floor(corpus, scratch)
     runs = [seconds]
-    while sum(runs) < FLOOR_SECONDS and len(runs) < 7:
+    while sum(runs) < FLOOR_SECONDS and len(runs) < FLOOR_MAX_RUNS:
         runs.append(io_floor(corpus, scratch)[0])
     return runs, rows
 
 
 def _runs(runs: list[float]) -> str:
-    return f"{runs[0]:.1f} s" if len(runs) == 1 else f"{statistics.median(runs):.1f} s (median of {len(runs)}: " \
-        + ", ".join(f"{r:.1f}" for r in runs) + ")"
+    if len(runs) == 1:
+        return f"{runs[0]:.1f} s"
+    return f"{statistics.median(runs):.1f} s (median of {len(runs)}: {', '.join(f'{r:.1f}' for r in runs)})"
 
 
 def io_floor(corpus: Path, scratch: Path) -> tuple[float, int]:
