@@ -82,6 +82,9 @@ def write_parquet(rows: list[dict], schema: pa.Schema, path: Path | str) -> None
     write_table(pa.Table.from_pylist(rows, schema=schema), path)
 
 
+# Rows of a record batch a `StreamingTable` writes (and a `CountedTable` counts).
+STREAMED_BATCH_ROWS = 1000
+
 # A file of this suffix is written (`StreamingTable`) and read (`read_batches`) as an Arrow IPC
 # file; any other as Parquet.
 ARROW_SUFFIX = ".arrow"
@@ -117,7 +120,75 @@ def ipc_nbytes(array: pa.Array) -> int:
     return pa.ipc.read_record_batch(batch.serialize(), batch.schema).nbytes
 
 
-class StreamingTable:
+def table_ipc_nbytes(table: pa.Table) -> int:
+    """`ipc_nbytes` of a table of one chunk a column (a batch `TableBatches` cut)."""
+    return sum(ipc_nbytes(column.chunk(0)) for column in table.columns)
+
+
+class TableBatches:
+    """Arrow tables of one schema cut into batches of `rows` rows, each one chunk a column, as
+    `StreamingTable.append_table` writes them: shards cut their row groups from a batch's start, so
+    a shard's bytes depend on where each batch ends (pipeline/publish/shards.py)."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.pending: list[pa.Table] = []
+        self.pending_rows = 0
+
+    def add(self, table: pa.Table) -> list[pa.Table]:
+        """The batches `table` completes (none while fewer than `rows` rows are pending)."""
+        self.pending.append(table)
+        self.pending_rows += table.num_rows
+        full = []
+        while self.pending_rows >= self.rows:
+            full.append(self._cut())
+        return full
+
+    def last(self) -> pa.Table | None:
+        """The rows still pending, as the last (shorter) batch; None when there are none."""
+        return self._cut() if self.pending_rows else None
+
+    def _cut(self) -> pa.Table:
+        pending = pa.concat_tables(self.pending)
+        batch = pending.slice(0, self.rows).combine_chunks()
+        rest = pending.slice(batch.num_rows)
+        self.pending, self.pending_rows = [rest], rest.num_rows
+        return batch
+
+
+class CountedTable:
+    """The rows and Arrow bytes (`count`, `nbytes`) of the tables appended, in the batches a
+    `StreamingTable` writes, counted without writing them: an output whose rows are already staged
+    elsewhere (a build's `sft`, the kept records: pipeline/build/kept.py)."""
+
+    def __init__(self, batch_rows: int = STREAMED_BATCH_ROWS):
+        self.batch_rows = batch_rows
+        self.tables = TableBatches(batch_rows)
+        self.count = self.nbytes = 0
+
+    def append_table(self, table: pa.Table) -> None:
+        """Rows already in Arrow, of this file's schema, cut into batches as `append`'s rows are."""
+        for batch in self.tables.add(table):
+            self._write_batch(batch)
+
+    def close(self) -> None:
+        self._end_tables()
+
+    def _end_tables(self) -> None:
+        if (rest := self.tables.last()) is not None:
+            self._write_batch(rest)
+
+    def _write_batch(self, batch: pa.Table) -> None:
+        # Its size as `from_pylist` would make it, what the shards are planned by: a slice or a take
+        # keeps validity bitmaps without nulls and buffers beyond its rows, which IPC drops.
+        self._write(batch, table_ipc_nbytes(batch))
+
+    def _write(self, table: pa.Table, nbytes: int) -> None:
+        self.nbytes += nbytes
+        self.count += table.num_rows
+
+
+class StreamingTable(CountedTable):
     """Append rows in batches to a table file written under a temp name, renamed on close.
 
     The file's suffix says its format: `.arrow` an Arrow IPC file, one record batch per batch of
@@ -135,13 +206,13 @@ class StreamingTable:
     it reads back (after a crash the rerun writes it again): the writer does not wait for the disk.
     """
 
-    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = 1000, on_refused=None, on_written=None,
+    def __init__(self, path: Path, schema: pa.Schema, batch_rows: int = STREAMED_BATCH_ROWS, on_refused=None, on_written=None,
                  durable: bool = True, codec: str | None = None):
+        super().__init__(batch_rows)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path, self.schema, self.batch_rows, self.durable = path, schema, batch_rows, durable
+        self.path, self.schema, self.durable = path, schema, durable
         self.on_refused = on_refused
         self.on_written = on_written
-        self.nbytes = 0  # Arrow size of what was written (shards are planned by it)
         self.tmp = temp_name(path)
         self.sink = pa.OSFile(str(self.tmp), "wb")
         # Buffers compressed on this thread: Arrow's pool compresses a batch's buffers in parallel, and
@@ -151,9 +222,6 @@ class StreamingTable:
         self.writer = (pa.ipc.new_file(self.sink, schema, options=options)
                        if path.suffix == ARROW_SUFFIX else pq.ParquetWriter(self.sink, schema, compression="zstd"))
         self.pending: list[dict] = []
-        self.pending_tables: list[pa.Table] = []
-        self.pending_table_rows = 0
-        self.count = 0
 
     def __enter__(self) -> StreamingTable:
         return self
@@ -175,26 +243,6 @@ class StreamingTable:
         while len(self.pending) >= self.batch_rows:
             self._flush()
 
-    def append_table(self, table: pa.Table) -> None:
-        """Rows already in Arrow, of this file's schema, cut into batches as `append`'s rows are."""
-        self.pending_tables.append(table)
-        self.pending_table_rows += table.num_rows
-        while self.pending_table_rows >= self.batch_rows:
-            self._flush_tables()
-
-    def _flush_tables(self) -> None:
-        if not self.pending_table_rows:
-            return
-        pending = pa.concat_tables(self.pending_tables)
-        # One record batch of each `batch_rows` rows, as `_flush` writes them (shards cut their row
-        # groups from the staged batches' starts, so their bytes depend on where a batch ends).
-        table = pending.slice(0, self.batch_rows).combine_chunks()
-        rest = pending.slice(table.num_rows)
-        self.pending_tables, self.pending_table_rows = [rest], rest.num_rows
-        # Its size as `from_pylist` would make it, what the shards are planned by: a slice or a take
-        # keeps validity bitmaps without nulls and buffers beyond its rows, which IPC drops.
-        self._write(table, sum(ipc_nbytes(column.chunk(0)) for column in table.columns))
-
     def _flush(self) -> None:
         if not self.pending:
             return
@@ -212,8 +260,7 @@ class StreamingTable:
 
     def _write(self, table: pa.Table, nbytes: int) -> None:
         self.writer.write_table(table)
-        self.nbytes += nbytes
-        self.count += table.num_rows
+        super()._write(table, nbytes)
 
     def _convertible(self, rows: list[dict]) -> list[dict]:
         kept = []
@@ -228,7 +275,7 @@ class StreamingTable:
 
     def close(self) -> None:
         self._flush()
-        self._flush_tables()
+        self._end_tables()
         self.writer.close()
         self.sink.close()
         if self.durable:

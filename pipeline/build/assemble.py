@@ -38,8 +38,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.atomic import StreamingTable, atomic_path, batch_sizes, read_batches
+from trajforge.pipeline.atomic import CountedTable, StreamingTable, atomic_path, batch_sizes, read_batches
 from trajforge.pipeline.build.config import BATCH_ROWS, BuildConfig
+from trajforge.pipeline.build.kept import batch_mask, kept_tables, rows_within
 from trajforge.pipeline.build.outputs import OUTPUTS, Output, UnitContext, UnitOutputs
 from trajforge.pipeline.quality.dedup import DedupConfig, string_buffers
 from trajforge.pipeline.quality.dedup_table import SKETCH_BINS, NearParts, band_columns, record_keys, shingle_set_hashes
@@ -266,18 +267,6 @@ def _sketch_rows(values: pa.Array) -> np.ndarray:
     return data[offsets[0]:offsets[-1]].reshape(len(values), SKETCH_BINS)
 
 
-def _rows_within(kept: np.ndarray, start: int, end: int) -> np.ndarray:
-    """The rows of `kept` (sorted) in [start, end): a staged batch's kept rows."""
-    return kept[np.searchsorted(kept, start):np.searchsorted(kept, end)]
-
-
-def _batch_mask(rows: np.ndarray, start: int, num_rows: int) -> pa.Array:
-    """A batch's filter mask (the batch starts at row `start`): true at `rows`."""
-    keep = np.zeros(num_rows, dtype=bool)
-    keep[rows - start] = True
-    return pa.array(keep)
-
-
 def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:
     """The pools of one unit's kept positives, in order; reads four small columns and the first turn
     of the tool domain's positives (the only first turns `EnvPools.add` reads: converting every
@@ -287,7 +276,7 @@ def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:
     start = 0
     for batch in read_batches(records_path, ["kind", "env", "domain", "answer", "conversations"]):
         end = start + batch.num_rows
-        keep = _batch_mask(_rows_within(kept, start, end), start, batch.num_rows)
+        keep = batch_mask(rows_within(kept, start, end), start, batch.num_rows)
         positives = batch.filter(pc.and_(keep, pc.equal(batch.column("kind"), "positive")))
         tool = pc.equal(positives.column("domain"), "tool")
         firsts = iter(pc.list_slice(positives.column("conversations").filter(tool), 0, 1).to_pylist())
@@ -298,18 +287,9 @@ def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:
     return pools
 
 
-def _with_repeat(record: dict, repeat: int | None) -> dict:
-    """The record with the id `unique_ids` gave it (`~n`, and `meta.id_repeat`), when it repeats an id."""
-    if repeat is None:
-        return record
-    meta = json.loads(record["meta"])
-    meta["id_repeat"] = repeat
-    return {**record, "id": f"{record['id']}~{repeat}", "meta": json.dumps(meta, sort_keys=True)}
-
-
 def _read_fields(outputs: list[Output]) -> list[str]:
     """The fields of a kept record that `outputs`' makers read from its dict (`Output.reads`, the
-    turns when a row maker reads them), with the id and meta `_with_repeat` changes, in schema order."""
+    turns when a row maker reads them), with the id and meta, in schema order."""
     read = {"id", "meta"}.union(*(output.reads for output in outputs))
     if any(output.rows is not None and output.reads_turns for output in outputs):
         read.add("conversations")
@@ -322,32 +302,14 @@ def _kept_records(records_path: str, kept_rows: np.ndarray, repeats: dict[int, i
     """Per staged batch, its kept records (their ids made unique, `repeats`) as an Arrow table and
     as dicts (of `fields` only, with id and meta, when given); the quarantine rows of its records a
     global stage quarantined go to `out`."""
-    kept = np.sort(kept_rows)
-    start = 0
-    for batch in read_batches(records_path):
-        end = start + batch.num_rows
-        held = sorted(row for row in quarantined if start <= row < end)
+    for batch, start, table in kept_tables(records_path, np.sort(kept_rows), repeats):
+        held = sorted(row for row in quarantined if start <= row < start + batch.num_rows)
         if held:
             records = batch.take(pa.array(np.asarray(held) - start)).to_pylist()
             out.quarantined.extend(_quarantine_row(record, *quarantined[row]) for row, record in zip(held, records))
-        rows = _rows_within(kept, start, end)
-        table = pa.Table.from_batches([batch])
-        if len(rows) < batch.num_rows:  # else the batch as read, not a copy
-            # A filter, not a take of the rows: the same table at half the CPU (strings are copied
-            # in runs, their sizes known before, where a take appends them one at a time).
-            table = table.filter(_batch_mask(rows, start, batch.num_rows))
         # Only the fields the makers read (`Output.reads`; the turns only when a row maker reads
         # them, `Output.reads_turns`: a batch's maker converts those it reads, `Output.batch`).
-        records = (table if fields is None else table.select(fields)).to_pylist()
-        repeated = [(i, repeats[row]) for i, row in enumerate(rows.tolist()) if row in repeats] if repeats else []
-        if repeated:
-            for i, repeat in repeated:
-                records[i] = _with_repeat(records[i], repeat)
-            for name in ("id", "meta"):
-                at = table.schema.get_field_index(name)
-                table = table.set_column(at, table.schema.field(at), pa.array([r[name] for r in records], pa.string()))
-        yield table, records
-        start = end
+        yield table, (table if fields is None else table.select(fields)).to_pylist()
 
 
 def _quarantine_row(record: dict, reason: str, detail: str) -> dict:
@@ -398,8 +360,9 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
     makers = [output for output in written if output.rows is not None or output.batch is not None]
     # Read once by this run, into the shards, and deleted: Arrow IPC files, not fsynced, lz4 (a fifth
     # of the raw size: ~24 GB at 1M trajectories outgrew the page cache, and the shards waited on the disk).
+    # An output whose rows are the kept records as they are is counted, not staged (`Output.staged`).
     writers = {o.name: StreamingTable(Path(staged) / f"{o.name}.arrow", arrow_schema(o.schema), durable=False,
-                                      codec=STAGED_OUTPUTS_CODEC)
+                                      codec=STAGED_OUTPUTS_CODEC) if o.staged else CountedTable()
                for o in written}
     counts: dict[str, Counter] = {o.name: Counter() for o in written if o.count is not None}
     unit = UnitContext(pools, negatives)
@@ -411,6 +374,8 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
                 _write_batch(output, table, records, made, writers[output.name], counts)
     for name, writer in writers.items():
         writer.close()
-        out.paths[name], out.nbytes[name], out.rows[name] = str(writer.path), writer.nbytes, writer.count
+        out.nbytes[name], out.rows[name] = writer.nbytes, writer.count
+        if isinstance(writer, StreamingTable):
+            out.paths[name] = str(writer.path)
     out.counts, out.synthetic_answers = counts, unit.synthetic_answers
     return out

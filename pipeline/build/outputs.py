@@ -18,7 +18,9 @@ line in the dataset card, and how its rows are made:
   rows made per batch, for the makers after it, and staged as its table maker's table.
 - `parts`, once per build: the staged files (path, Arrow bytes, rows) the shards are cut from, made
   from the units' staged files or from elsewhere (`grpo_env` adds the task files' tasks; the tree-search
-  configs read the synthetic source's search outputs). None: the output is not written by this build.
+  configs read the synthetic source's search outputs; `sft`, whose rows are the kept records as they
+  are (`staged` False), reads them from the units' staged records, `kept.KeptRecords`, in place of a
+  file). None: the output is not written by this build.
 - `count`, what of a batch's rows (a row maker's dicts, a table maker's table) the report counts,
   and `report`, the output's sections of report.json.
 
@@ -39,6 +41,7 @@ import pyarrow.compute as pc
 
 from trajforge.pipeline.atomic import StreamingTable, read_batches
 from trajforge.pipeline.build.config import BuildConfig
+from trajforge.pipeline.build.kept import KeptRecords
 from trajforge.pipeline.envs.tasks import Task, load_tasks
 from trajforge.pipeline.quality.derived import (
     differences,
@@ -56,8 +59,8 @@ from trajforge.pipeline.quality.search_steps import stage_step_rows
 from trajforge.pipeline.registry import Registry
 from trajforge.schemas import arrow_schema
 
-# A staged file of an output: (path, uncompressed Arrow bytes, rows).
-Part = tuple[str, int, int]
+# A staged file of an output (or a unit's kept records: `KeptRecords`): (it, uncompressed Arrow bytes, rows).
+Part = tuple[str | KeptRecords, int, int]
 
 
 @dataclass
@@ -92,6 +95,8 @@ class BuildOutputs:
     quarantined: list[dict[int, tuple[str, str]]]
     config: BuildConfig
     staged: Path
+    # Per unit, {row: repeat} of the kept records whose id repeats an earlier one's (`assemble.unique_ids`).
+    repeats: list[dict[int, int]]
     # Filled as the outputs are staged: rows and counts per output.
     rows: dict[str, int] = field(default_factory=dict)
     counts: dict[str, Counter] = field(default_factory=dict)
@@ -135,6 +140,9 @@ class Output:
     reads: tuple[str, ...] = ()
     batch: BatchRowMaker | None = None
     table: TableMaker | None = None
+    # False: its rows are the kept records as they are (its table maker returns them), which the unit
+    # writers count and do not stage; its `parts` are the units' kept records.
+    staged: bool = True
     parts: Callable[[BuildOutputs], list[Part] | None] | None = None
     count: Callable[[list[dict] | pa.Table], Iterable | Mapping] | None = None
     report: Callable[[BuildOutputs], dict] | None = None
@@ -223,6 +231,12 @@ def _grpo_env_parts(build: BuildOutputs) -> list[Part]:
     return [(str(task_rows.path), task_rows.nbytes, task_rows.count), records]
 
 
+def _kept_record_parts(name: str) -> Callable[[BuildOutputs], list[Part]]:
+    """The units' kept records (an output of them as they are, `staged` False), counted by `name`'s writers."""
+    return lambda build: [(KeptRecords(unit.records_path, np.sort(rows), repeats), w.nbytes[name], w.rows[name])
+                          for unit, rows, repeats, w in zip(build.units, build.kept_rows, build.repeats, build.written)]
+
+
 def _search_step_parts(name: str) -> Callable[[BuildOutputs], list[Part] | None]:
     return lambda build: build.search_steps[0].get(name)
 
@@ -272,7 +286,7 @@ def _search_steps_report(build: BuildOutputs) -> dict:
 # In this order: a row maker reads what the outputs before it made of the record (`made`).
 OUTPUTS: Registry[Output] = Registry("output", {output.name: output for output in [
     Output("sft", "trajectory", "positive trajectories for supervised fine-tuning (loss on assistant turns)",
-           table=_the_records),
+           table=_the_records, staged=False, parts=_kept_record_parts("sft")),
     Output("negatives", "trajectory", "trajectories with a known defect (`negative_type`, `parent_id`)",
            batch=_negatives, table=_negative_rows, count=_negative_types, report=_negatives_report,
            reads=("id", "kind", "domain", "env", "answer", "meta")),

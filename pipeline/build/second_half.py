@@ -165,7 +165,7 @@ class OutputsPlan:
     stage quarantined, and the negatives' pools."""
     kept_rows: list[np.ndarray]
     repeats: pl.DataFrame
-    unit_repeats: list[dict[int, object]]
+    unit_repeats: list[dict[int, int]]
     quarantined: list[dict[int, tuple[str, str]]]
     pools: EnvPools
 
@@ -233,7 +233,7 @@ def write_outputs(out: Path, units: list[UnitResult], plan: OutputsPlan, config:
     written = map_units(write_unit, [(unit.records_path, str(staged / f"{u:05d}"), plan.kept_rows[u],
                                       plan.unit_repeats[u], plan.quarantined[u], plan.pools, config.negatives)
                                      for u, unit in enumerate(units)], _unit_sizes(plan.kept_rows))
-    build = BuildOutputs(units, written, plan.kept_rows, plan.quarantined, config, staged)
+    build = BuildOutputs(units, written, plan.kept_rows, plan.quarantined, config, staged, plan.unit_repeats)
     files, shards = {}, []
     for output in OUTPUTS.values():
         parts = output.staged_parts(build)
@@ -241,7 +241,7 @@ def write_outputs(out: Path, units: list[UnitResult], plan: OutputsPlan, config:
             continue
         build.rows[output.name] = sum(rows for _, _, rows in parts)
         build.counts[output.name] = sum((Counter(w.counts.get(output.name, {})) for w in written), Counter())
-        shards.append(plan_split(out, output.name, "train", [Path(path) for path, _, _ in parts],
+        shards.append(plan_split(out, output.name, "train", [part for part, _, _ in parts],
                                  arrow_schema(output.schema), build.rows[output.name],
                                  sum(nbytes for _, nbytes, _ in parts), config.shards, [rows for _, _, rows in parts]))
         files[output.name] = shards[-1].paths(out)["train"]

@@ -16,8 +16,10 @@ import contextlib
 import errno
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -72,19 +74,35 @@ def layout(out: Path) -> dict[str, dict[str, list[str]]]:
 
 # -- shards from a stream ----------------------------------------------------------------------
 
-def _rows_of(staged: list[str], offset: int, length: int, batch_rows: int):
+class StagedBatches(Protocol):
+    """Rows a shard is cut from that are not a staged Arrow file (a build's kept records as they
+    are: pipeline/build/kept.py), in record batches as a staged file would hold them."""
+
+    def batch_sizes(self) -> list[int]: ...
+
+    def batches(self, first: int) -> Iterable[pa.RecordBatch]:
+        """The record batches from the one at index `first` on."""
+        ...
+
+
+# A shard's staged rows: an Arrow IPC file (`StreamingTable`), or batches read from elsewhere.
+Staged = str | StagedBatches
+
+
+def _rows_of(staged: list[Staged], offset: int, length: int, batch_rows: int):
     """Record batches of rows [offset, offset + length) of the staged Arrow files read as one table,
     reading only the record batches that hold them, each cut in pieces of `batch_rows` rows from
     its start (a shard's bytes depend on where its rows' pieces begin and end)."""
-    for path in staged:
+    for part in staged:
         if length <= 0:
             return
-        sizes = batch_sizes(path)
+        sizes = batch_sizes(part) if isinstance(part, str) else part.batch_sizes()
         first = 0
         while first < len(sizes) and offset >= sizes[first]:
             offset -= sizes[first]
             first += 1
-        for written in read_batches(path, batches=range(first, len(sizes))):
+        for written in (read_batches(part, batches=range(first, len(sizes))) if isinstance(part, str)
+                        else part.batches(first)):
             for start in range(0, written.num_rows, batch_rows):
                 batch = written.slice(start, batch_rows)
                 if offset >= batch.num_rows:
@@ -116,7 +134,7 @@ def _row_groups(pieces, length: int, group_rows: int):
         raise ValueError(f"the staged files end {length} rows short of the shard's last row")
 
 
-def write_shard_from_files(path: str, staged: list[str], offset: int, length: int, schema: pa.Schema,
+def write_shard_from_files(path: str, staged: list[Staged], offset: int, length: int, schema: pa.Schema,
                            config: ShardConfig) -> Path:
     """One shard at `path` (returned): rows [offset, offset + length) of the staged files, in row groups of
     `config.row_group_rows` counted from the shard's first row. A row group is written as the
@@ -155,21 +173,26 @@ class SplitShards:
                     stale.unlink()
 
 
-def _parts_read(staged: list[Path], part_rows: list[int], offset: int, length: int) -> tuple[list[str], int]:
-    """The staged files that hold rows [offset, offset + length) of them read as one table (none
+def _read_as(part: Path | Staged) -> Staged:
+    """A staged part as a shard's call names it: a file by its path (a string), other batches as they are."""
+    return str(part) if isinstance(part, (str, os.PathLike)) else part
+
+
+def _parts_read(staged: list[Path | Staged], part_rows: list[int], offset: int, length: int) -> tuple[list[Staged], int]:
+    """The staged parts that hold rows [offset, offset + length) of them read as one table (none
     without rows), and the offset of the first row in the first of them."""
     chosen, first, start = [], 0, 0
-    for path, rows in zip(staged, part_rows):
+    for part, rows in zip(staged, part_rows):
         if rows and start + rows > offset and start < offset + length:
             first = first if chosen else offset - start
-            chosen.append(str(path))
+            chosen.append(_read_as(part))
         start += rows
     return chosen, first
 
 
-def plan_split(out: Path, config_name: str, split: str, staged: list[Path], schema: pa.Schema, rows: int,
+def plan_split(out: Path, config_name: str, split: str, staged: list[Path | Staged], schema: pa.Schema, rows: int,
                nbytes: int, config: ShardConfig = ShardConfig(), part_rows: list[int] | None = None) -> SplitShards:
-    """The shards of one split of one config, staged as Arrow IPC files (their rows in order): each
+    """The shards of one split of one config, staged as Arrow IPC files or `StagedBatches` (their rows in order): each
     shard is one `write_shard_from_files` call (shards are independent, so a flow writes them, of
     every config at once, on its task runner), one row group of it in memory at a time. `rows` and
     `nbytes` are the split's rows and Arrow size as their writers counted them (what `plan_shards`
@@ -181,7 +204,7 @@ def plan_split(out: Path, config_name: str, split: str, staged: list[Path], sche
     plan = plan_shards(rows, nbytes, config) or [(0, 0)]
     names = [shard_name(split, index, len(plan)) for index in range(len(plan))]
     read = [_parts_read(staged, part_rows, offset, length) if part_rows is not None
-            else ([str(p) for p in staged], offset) for offset, length in plan]
+            else ([_read_as(p) for p in staged], offset) for offset, length in plan]
     calls = [(str(folder / name), files, first, length, schema, config)
              for name, (_, length), (files, first) in zip(names, plan, read)]
     return SplitShards(folder, split, names, calls, [length * nbytes // max(1, rows) for _, length in plan])
@@ -196,14 +219,15 @@ def link_readers(calls: list[tuple], within: Path) -> tuple[list[tuple], list[li
     its own hard links to its staged files under `within`, whose names are removed; and each
     call's links, which it removes once its shard is written. The call that removes a file's last
     link frees it, while the other shards are written, rather than the flow removing every staged
-    file after the last shard (~24 GB at 1M). Files outside `within` are read where they are; so is
-    every file where `within` takes no hard links (freed with the staging folder, after the shards)."""
+    file after the last shard (~24 GB at 1M). Files outside `within` (and batches that are no file)
+    are read where they are; so is every file where `within` takes no hard links (freed with the
+    staging folder, after the shards)."""
     linked, releases, originals, made = [], [], set(), []
     try:
         for index, (path, staged, *rest) in enumerate(calls):
             links, release = [], []
             for file in staged:
-                if not Path(file).resolve().is_relative_to(within.resolve()):
+                if not isinstance(file, str) or not Path(file).resolve().is_relative_to(within.resolve()):
                     links.append(file)
                     continue
                 link = f"{file}.reader-{index}"
