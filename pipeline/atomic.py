@@ -311,9 +311,9 @@ def read_batches(path: Path | str, columns: list[str] | None = None,
         if columns is not None:
             fields = [reader.schema.get_field_index(name) for name in columns]
             reader = pa.ipc.open_file(source, options=pa.ipc.IpcReadOptions(included_fields=fields))
+        # Not held here while the caller has it: a caller that drops a batch frees it.
         for i in range(reader.num_record_batches) if batches is None else batches:
-            batch = reader.get_batch(i)
-            yield batch if columns is None else batch.select(columns)
+            yield reader.get_batch(i) if columns is None else reader.get_batch(i).select(columns)
 
 
 def remove_stale_temp_files(out: Path) -> list[Path]:

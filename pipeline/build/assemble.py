@@ -302,11 +302,13 @@ def _kept_records(records_path: str, kept_rows: np.ndarray, repeats: dict[int, i
     """Per staged batch, its kept records (their ids made unique, `repeats`) as an Arrow table and
     as dicts (of `fields` only, with id and meta, when given); the quarantine rows of its records a
     global stage quarantined go to `out`."""
-    for batch, start, table in kept_tables(records_path, np.sort(kept_rows), repeats):
+    def quarantine(batch: pa.RecordBatch, start: int) -> None:
         held = sorted(row for row in quarantined if start <= row < start + batch.num_rows)
         if held:
             records = batch.take(pa.array(np.asarray(held) - start)).to_pylist()
             out.quarantined.extend(_quarantine_row(record, *quarantined[row]) for row, record in zip(held, records))
+
+    for table in kept_tables(records_path, np.sort(kept_rows), repeats, on_batch=quarantine if quarantined else None):
         # Only the fields the makers read (`Output.reads`; the turns only when a row maker reads
         # them, `Output.reads_turns`: a batch's maker converts those it reads, `Output.batch`).
         yield table, (table if fields is None else table.select(fields)).to_pylist()

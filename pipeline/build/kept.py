@@ -12,13 +12,13 @@ writers' lz4 compression).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
-from trajforge.pipeline.atomic import STREAMED_BATCH_ROWS, TableBatches, batch_sizes, read_batches
+from trajforge.pipeline.atomic import STREAMED_BATCH_ROWS, batch_sizes, read_batches
 
 
 def rows_within(kept: np.ndarray, start: int, end: int) -> np.ndarray:
@@ -54,29 +54,43 @@ def _unique_ids(table: pa.Table, rows: np.ndarray, repeats: dict[int, int]) -> p
     return table
 
 
-def kept_tables(records_path: str, kept: np.ndarray, repeats: dict[int, int], batches: range | None = None,
-                start: int = 0) -> Iterator[tuple[pa.RecordBatch, int, pa.Table]]:
-    """Per staged batch of a unit's records (every one, or those at the indices `batches`, the first
-    of which begins at row `start`): (the batch as staged, the row it begins at, its kept records
-    (`kept`: sorted rows) as a table, their ids made unique by `repeats`)."""
-    for batch in read_batches(records_path, batches=batches):
-        end = start + batch.num_rows
-        rows = rows_within(kept, start, end)
-        table = pa.Table.from_batches([batch])
-        if len(rows) < batch.num_rows:  # else the batch as read, not a copy
+def _kept_of(batch: pa.RecordBatch, start: int, rows: np.ndarray, repeats: dict[int, int], share: bool = False,
+             own: bool = False) -> pa.Table:
+    """The records at `rows` (sorted) of a staged batch that begins at row `start`, their ids made
+    unique by `repeats`: the batch itself where it is all of them, else a copy of them; with
+    `share`, a slice of the batch where they are a run; with `own`, a copy always (one that holds no
+    buffer of the batch, which it may outlive)."""
+    table = pa.Table.from_batches([batch])
+    if own or len(rows) < batch.num_rows:
+        if share and not own and rows[-1] - rows[0] + 1 == len(rows):
+            table = table.slice(int(rows[0]) - start, len(rows))
+        else:
             # A filter, not a take of the rows: the same table at half the CPU (strings are copied
             # in runs, their sizes known before, where a take appends them one at a time).
             table = table.filter(batch_mask(rows, start, batch.num_rows))
-        yield batch, start, _unique_ids(table, rows, repeats)
+    return _unique_ids(table, rows, repeats)
+
+
+def kept_tables(records_path: str, kept: np.ndarray, repeats: dict[int, int],
+                on_batch: Callable[[pa.RecordBatch, int], None] | None = None) -> Iterator[pa.Table]:
+    """Per staged batch of a unit's records, its kept records (`kept`: sorted rows) as a table,
+    their ids made unique by `repeats`; `on_batch(batch, start)` sees each staged batch as read
+    first (`start`: the unit's row it begins at)."""
+    start = 0
+    for batch in read_batches(records_path):
+        if on_batch is not None:
+            on_batch(batch, start)
+        end = start + batch.num_rows
+        yield _kept_of(batch, start, rows_within(kept, start, end), repeats)
         start = end
 
 
 @dataclass(frozen=True)
 class KeptRecords:
     """A unit's kept records (`kept`: sorted rows of its staged records; their ids made unique by
-    `repeats`) in batches of `batch_rows`, as `StreamingTable.append_table` of each staged batch's
-    kept records would write them: what a shard reads of them (pipeline/publish/shards.py, in place of
-    a staged file). Only paths and row numbers: cheap to send to a worker."""
+    `repeats`) in batches of `batch_rows`, as `StreamingTable.append_table` of `kept_tables` would
+    write them: what a shard reads of them (pipeline/publish/shards.py, in place of a staged file).
+    Only paths and row numbers: cheap to send to a worker."""
     records_path: str
     kept: np.ndarray
     repeats: dict[int, int]
@@ -87,16 +101,29 @@ class KeptRecords:
         return [self.batch_rows] * full + ([rest] if rest else [])
 
     def batches(self, first: int) -> Iterator[pa.RecordBatch]:
-        """The batches from the one at index `first` on."""
-        if first * self.batch_rows >= len(self.kept):
-            return
+        """The batches from the one at index `first` on, each made of the staged batches' kept
+        records that fall in it (not of whole kept tables cut, as `TableBatches` does: a staged
+        batch's kept records stay in memory only while a batch takes some of them)."""
         kept = self.kept[first * self.batch_rows:]
+        if not len(kept):
+            return
         sizes = batch_sizes(self.records_path)
         starts = np.cumsum([0, *sizes])
         held = int(np.searchsorted(starts, kept[0], side="right")) - 1
-        cut = TableBatches(self.batch_rows)
-        for _, _, table in kept_tables(self.records_path, kept, self.repeats, range(held, len(sizes)), int(starts[held])):
-            for batch in cut.add(table):
-                yield from batch.to_batches()
-        if (rest := cut.last()) is not None:
-            yield from rest.to_batches()
+        pieces: list[pa.Table] = []
+        need = self.batch_rows
+        for batch, start in zip(read_batches(self.records_path, batches=range(held, len(sizes))), starts[held:].tolist()):
+            rows, done = rows_within(kept, start, start + batch.num_rows), []
+            while len(rows):
+                taken, rows = rows[:need], rows[need:]
+                # The last piece of this staged batch, when a batch after it is to complete the one it begins, a copy.
+                pieces.append(_kept_of(batch, start, taken, self.repeats, share=True, own=len(taken) < need))
+                need -= len(taken)
+                if not need:
+                    done.append(pa.concat_tables(pieces).combine_chunks())
+                    pieces, need = [], self.batch_rows
+            del batch  # freed before the batches it completed are written (~16 MB at 1M)
+            for table in done:
+                yield from table.to_batches()
+        if pieces:
+            yield from pa.concat_tables(pieces).combine_chunks().to_batches()

@@ -34,7 +34,7 @@ def _staged_copy(unit, path, batch_rows: int) -> tuple[StreamingTable, CountedTa
     """The unit's kept records staged as the unit writers stage an output's rows, and counted."""
     counted = CountedTable(batch_rows)
     with StreamingTable(path, arrow_schema("trajectory"), batch_rows=batch_rows) as copy:
-        for _, _, table in kept_tables(*unit):
+        for table in kept_tables(*unit):
             copy.append_table(table)
             counted.append_table(table)
     counted.close()
