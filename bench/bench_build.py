@@ -320,17 +320,25 @@ class TreeSampler:
     lives less than a second may go uncounted; a build's live for the whole build or a step of it).
     PSS is read from `smaps_rollup`, for which the kernel walks the process's page tables under its mmap lock (~5-10 ms
     for a 1.7 GB process; the build's own mmap and munmap wait behind it): reading it from every
-    process five times a second made a 100k build ~13 % slower. A tree's PSS is at most its RSS
-    summed (each process's is), so while that sum is at or below the peak PSS seen no read can raise
-    the peak and none is made; above it, PSS is read when the RSS sum is a new high, and otherwise at
-    most once a second, of every process: a process's PSS moves without its RSS moving whenever
+    process five times a second made a 100k build ~13 % slower. So PSS is read, of every process,
+    only when a read could set a new peak: the tree's PSS is estimated at every sample as each
+    process's RSS less what its RSS overstated its PSS by at its last read (the pages it shares:
+    ~0.45 GiB of the tree's once the workers run), and read when that estimate comes within
+    `PSS_MARGIN` of the peak, or `PSS_REFRESH_S` after the last read, while the RSS sum is above the
+    peak (each process's PSS is at most its RSS, so below it no read can raise the peak). The
+    refresh bounds what the estimate misses: a process's PSS moves without its RSS moving whenever
     another process of the tree forks, ends or writes to a page they share (a PSS kept from an
     earlier read put the fork server at 0.27 GiB of a 100k build's peak, against 0.18-0.21 GiB read
-    anew). Over a 1M build the sampling takes ~10 s of CPU, ~7.7 s of it the kernel's page-table walks
-    (`MachineCores` reports it): a few percent of the two cores the build is measured on."""
+    anew). A 1M build now takes 126-157 reads (5.0-6.9 s of the bench's CPU), where a read at every
+    new high of the RSS sum and at least once a second took ~200 (8-10 s, most of it the kernel's
+    page-table walks; `MachineCores` reports it); a 100k build 48-57, as before. Replayed on a 100k
+    and a 1M build whose PSS was read at every sample (docs/scale.md), the rule finds the same peak."""
 
     # How often the tree's processes are listed.
     LIST_EVERY_S = 1.0
+    # PSS is read when its estimate comes this close to the peak, and at least this often.
+    PSS_MARGIN = 32 << 20
+    PSS_REFRESH_S = 5.0
 
     def __init__(self, proc: psutil.Process):
         self.proc, self.cpu, self.roles = proc, {}, {}
@@ -340,6 +348,8 @@ class TreeSampler:
         self.peak_pss_at = 0.0
         self._last_pss_read = self._last_listing = float("-inf")
         self._procs: list[psutil.Process] = []
+        # pid -> what its RSS overstated its PSS by at its last PSS read (the pages it shares).
+        self._shared: dict[int, int] = {}
         # (seconds since the first sample, CPU seconds of the tree so far, the tree's RSS) at every sample.
         self.series: list[tuple[float, float, int]] = []
         self._start = time.perf_counter()
@@ -364,24 +374,29 @@ class TreeSampler:
             except psutil.Error:
                 pass
             self._last_listing = now
-        rss, alive = 0, []
+        rss, alive, estimate = 0, [], 0
         for p in self._procs:
             try:
                 with p.oneshot():
-                    rss, times = rss + p.memory_info().rss, p.cpu_times()
+                    own, times = p.memory_info().rss, p.cpu_times()
                     if p.pid not in self.roles:
                         self.roles[p.pid] = self._role(p)
+                rss += own
+                estimate += max(0, own - self._shared.get(p.pid, 0))
                 self.cpu[p.pid] = times.user + times.system
                 alive.append(p)
             except psutil.Error:
                 pass
-        if rss > self.peak_pss and (rss > self.peak_rss or now - self._last_pss_read >= 1.0):
+        if rss > self.peak_pss and (estimate > self.peak_pss - self.PSS_MARGIN
+                                    or now - self._last_pss_read >= self.PSS_REFRESH_S):
             by_role: dict[str, int] = {}
             for p in alive:
                 try:
-                    by_role[self.roles[p.pid]] = by_role.get(self.roles[p.pid], 0) + p.memory_full_info().pss
+                    memory = p.memory_full_info()
                 except psutil.Error:
-                    pass
+                    continue
+                by_role[self.roles[p.pid]] = by_role.get(self.roles[p.pid], 0) + memory.pss
+                self._shared[p.pid] = memory.rss - memory.pss
             pss = sum(by_role.values())
             if pss > self.peak_pss:
                 self.peak_pss, self.peak_pss_by_role, self.peak_pss_at = pss, by_role, now - self._start
