@@ -104,6 +104,12 @@ class BuildOutputs:
     def unit_parts(self, name: str) -> list[Part]:
         return [(w.paths[name], w.nbytes[name], w.rows[name]) for w in self.written]
 
+    def kept_parts(self, name: str) -> list[Part]:
+        """The units' kept records, as the rows of an output of them as they are (`Output.staged`
+        False), which its writers counted."""
+        return [(KeptRecords(unit.records_path, np.sort(rows), repeats), w.nbytes[name], w.rows[name])
+                for unit, rows, repeats, w in zip(self.units, self.kept_rows, self.repeats, self.written)]
+
     @cached_property
     def tasks(self) -> list[Task]:
         return [t for path in self.config.rl_tasks for t in load_tasks(path)]
@@ -141,14 +147,16 @@ class Output:
     batch: BatchRowMaker | None = None
     table: TableMaker | None = None
     # False: its rows are the kept records as they are (its table maker returns them), which the unit
-    # writers count and do not stage; its `parts` are the units' kept records.
+    # writers count and do not stage; its shards read them from the units' staged records.
     staged: bool = True
     parts: Callable[[BuildOutputs], list[Part] | None] | None = None
     count: Callable[[list[dict] | pa.Table], Iterable | Mapping] | None = None
     report: Callable[[BuildOutputs], dict] | None = None
 
     def staged_parts(self, build: BuildOutputs) -> list[Part] | None:
-        return self.parts(build) if self.parts is not None else build.unit_parts(self.name)
+        if self.parts is not None:
+            return self.parts(build)
+        return build.unit_parts(self.name) if self.staged else build.kept_parts(self.name)
 
 
 # -- row makers (per kept record) and table makers (per staged batch) ---------------------------
@@ -231,12 +239,6 @@ def _grpo_env_parts(build: BuildOutputs) -> list[Part]:
     return [(str(task_rows.path), task_rows.nbytes, task_rows.count), records]
 
 
-def _kept_record_parts(name: str) -> Callable[[BuildOutputs], list[Part]]:
-    """The units' kept records (an output of them as they are, `staged` False), counted by `name`'s writers."""
-    return lambda build: [(KeptRecords(unit.records_path, np.sort(rows), repeats), w.nbytes[name], w.rows[name])
-                          for unit, rows, repeats, w in zip(build.units, build.kept_rows, build.repeats, build.written)]
-
-
 def _search_step_parts(name: str) -> Callable[[BuildOutputs], list[Part] | None]:
     return lambda build: build.search_steps[0].get(name)
 
@@ -286,7 +288,7 @@ def _search_steps_report(build: BuildOutputs) -> dict:
 # In this order: a row maker reads what the outputs before it made of the record (`made`).
 OUTPUTS: Registry[Output] = Registry("output", {output.name: output for output in [
     Output("sft", "trajectory", "positive trajectories for supervised fine-tuning (loss on assistant turns)",
-           table=_the_records, staged=False, parts=_kept_record_parts("sft")),
+           table=_the_records, staged=False),
     Output("negatives", "trajectory", "trajectories with a known defect (`negative_type`, `parent_id`)",
            batch=_negatives, table=_negative_rows, count=_negative_types, report=_negatives_report,
            reads=("id", "kind", "domain", "env", "answer", "meta")),
