@@ -329,7 +329,7 @@ class TreeSampler:
     refresh bounds what the estimate misses: a process's PSS moves without its RSS moving whenever
     another process of the tree forks, ends or writes to a page they share (a PSS kept from an
     earlier read put the fork server at 0.27 GiB of a 100k build's peak, against 0.18-0.21 GiB read
-    anew). A 1M build now takes 126-157 reads (5.0-6.9 s of the bench's CPU), where a read at every
+    anew). A 1M build now takes 86-157 reads (3.2-6.9 s of the bench's CPU), where a read at every
     new high of the RSS sum and at least once a second took ~200 (8-10 s, most of it the kernel's
     page-table walks; `MachineCores` reports it); a 100k build 48-57, as before. Replayed on a 100k
     and a 1M build whose PSS was read at every sample (docs/scale.md), the rule finds the same peak."""
