@@ -120,42 +120,6 @@ def ipc_nbytes(array: pa.Array) -> int:
     return pa.ipc.read_record_batch(batch.serialize(), batch.schema).nbytes
 
 
-def table_ipc_nbytes(table: pa.Table) -> int:
-    """`ipc_nbytes` of a table of one chunk a column (a batch `TableBatches` cut)."""
-    return sum(ipc_nbytes(column.chunk(0)) for column in table.columns)
-
-
-class TableBatches:
-    """Arrow tables of one schema cut into batches of `rows` rows, each one chunk a column, as
-    `StreamingTable.append_table` writes them: shards cut their row groups from a batch's start, so
-    a shard's bytes depend on where each batch ends (pipeline/publish/shards.py)."""
-
-    def __init__(self, rows: int):
-        self.rows = rows
-        self.pending: list[pa.Table] = []
-        self.pending_rows = 0
-
-    def add(self, table: pa.Table) -> list[pa.Table]:
-        """The batches `table` completes (none while fewer than `rows` rows are pending)."""
-        self.pending.append(table)
-        self.pending_rows += table.num_rows
-        full = []
-        while self.pending_rows >= self.rows:
-            full.append(self._cut())
-        return full
-
-    def last(self) -> pa.Table | None:
-        """The rows still pending, as the last (shorter) batch; None when there are none."""
-        return self._cut() if self.pending_rows else None
-
-    def _cut(self) -> pa.Table:
-        pending = pa.concat_tables(self.pending)
-        batch = pending.slice(0, self.rows).combine_chunks()
-        rest = pending.slice(batch.num_rows)
-        self.pending, self.pending_rows = [rest], rest.num_rows
-        return batch
-
-
 class CountedTable:
     """The rows and Arrow bytes (`count`, `nbytes`) of the tables appended, in the batches a
     `StreamingTable` writes, counted without writing them: an output whose rows are already staged
@@ -163,25 +127,32 @@ class CountedTable:
 
     def __init__(self, batch_rows: int = STREAMED_BATCH_ROWS):
         self.batch_rows = batch_rows
-        self.tables = TableBatches(batch_rows)
+        self.pending_tables: list[pa.Table] = []
+        self.pending_table_rows = 0
         self.count = self.nbytes = 0
 
     def append_table(self, table: pa.Table) -> None:
         """Rows already in Arrow, of this file's schema, cut into batches as `append`'s rows are."""
-        for batch in self.tables.add(table):
-            self._write_batch(batch)
+        self.pending_tables.append(table)
+        self.pending_table_rows += table.num_rows
+        while self.pending_table_rows >= self.batch_rows:
+            self._flush_tables()
 
     def close(self) -> None:
-        self._end_tables()
+        self._flush_tables()
 
-    def _end_tables(self) -> None:
-        if (rest := self.tables.last()) is not None:
-            self._write_batch(rest)
-
-    def _write_batch(self, batch: pa.Table) -> None:
+    def _flush_tables(self) -> None:
+        if not self.pending_table_rows:
+            return
+        pending = pa.concat_tables(self.pending_tables)
+        # One record batch of each `batch_rows` rows, as `_flush` writes them (shards cut their row
+        # groups from the staged batches' starts, so their bytes depend on where a batch ends).
+        table = pending.slice(0, self.batch_rows).combine_chunks()
+        rest = pending.slice(table.num_rows)
+        self.pending_tables, self.pending_table_rows = [rest], rest.num_rows
         # Its size as `from_pylist` would make it, what the shards are planned by: a slice or a take
         # keeps validity bitmaps without nulls and buffers beyond its rows, which IPC drops.
-        self._write(batch, table_ipc_nbytes(batch))
+        self._write(table, sum(ipc_nbytes(column.chunk(0)) for column in table.columns))
 
     def _write(self, table: pa.Table, nbytes: int) -> None:
         self.nbytes += nbytes
@@ -275,7 +246,7 @@ class StreamingTable(CountedTable):
 
     def close(self) -> None:
         self._flush()
-        self._end_tables()
+        self._flush_tables()
         self.writer.close()
         self.sink.close()
         if self.durable:

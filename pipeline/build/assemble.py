@@ -337,11 +337,12 @@ def _made_rows(table: pa.Table, records: list[dict], makers: list[Output],
 
 
 def _write_batch(output: Output, table: pa.Table, records: list[dict], made: dict[str, list[list[dict]]],
-                 writer: StreamingTable, counts: dict[str, Counter]) -> None:
+                 writer: CountedTable, counts: dict[str, Counter]) -> None:
     """What `output` makes of a staged batch (its kept records as `table` and as `records`, what the
-    row makers `made` of each): its table maker's table, or its row maker's rows of each record in turn."""
-    if output.table is not None:
-        rows = output.table(table, records, made)
+    row makers `made` of each): the kept records themselves (`Output.staged` False), its table
+    maker's table, or its row maker's rows of each record in turn."""
+    if not output.staged or output.table is not None:
+        rows = table if not output.staged else output.table(table, records, made)
         writer.append_table(rows)
     else:
         rows = [row for of_record in made[output.name] for row in of_record]
@@ -357,8 +358,8 @@ def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: d
     and those rows through the table maker of every other (pipeline/build/outputs.py, in the
     registry's order), into the unit's file of that output; the records a global stage quarantined
     (`quarantined`: row -> reason, detail) become quarantine rows."""
-    written = [output for output in OUTPUTS.values()
-               if output.table is not None or output.rows is not None or output.batch is not None]
+    written = [output for output in OUTPUTS.values() if not output.staged or output.table is not None
+               or output.rows is not None or output.batch is not None]
     makers = [output for output in written if output.rows is not None or output.batch is not None]
     # Read once by this run, into the shards, and deleted: Arrow IPC files, not fsynced, lz4 (a fifth
     # of the raw size: ~24 GB at 1M trajectories outgrew the page cache, and the shards waited on the disk).

@@ -102,7 +102,7 @@ class KeptRecords:
 
     def batches(self, first: int) -> Iterator[pa.RecordBatch]:
         """The batches from the one at index `first` on, each made of the staged batches' kept
-        records that fall in it (not of whole kept tables cut, as `TableBatches` does: a staged
+        records that fall in it (not of whole kept tables cut, as `CountedTable` does: a staged
         batch's kept records stay in memory only while a batch takes some of them)."""
         kept = self.kept[first * self.batch_rows:]
         if not len(kept):

@@ -13,9 +13,10 @@ line in the dataset card, and how its rows are made:
   positive are converted only when a negative type is drawn for it, and set in its dict, where
   the preference pairs and step labels read them). Or
   `table`, per staged batch: its rows made column-wise from the Arrow table of the batch's kept
-  records (`sft` is that table), with the records as dicts and what the row makers made of each
+  records, with the records as dicts and what the row makers made of each
   (preference pairs and step labels read the negatives). An output with both (`negatives`) has its
-  rows made per batch, for the makers after it, and staged as its table maker's table.
+  rows made per batch, for the makers after it, and staged as its table maker's table. Or none of
+  them, `staged` False (`sft`): its rows are the kept records as they are.
 - `parts`, once per build: the staged files (path, Arrow bytes, rows) the shards are cut from, made
   from the units' staged files or from elsewhere (`grpo_env` adds the task files' tasks; the tree-search
   configs read the synthetic source's search outputs; `sft`, whose rows are the kept records as they
@@ -146,8 +147,8 @@ class Output:
     reads: tuple[str, ...] = ()
     batch: BatchRowMaker | None = None
     table: TableMaker | None = None
-    # False: its rows are the kept records as they are (its table maker returns them), which the unit
-    # writers count and do not stage; its shards read them from the units' staged records.
+    # False: its rows are the kept records as they are (no maker), which the unit writers count and
+    # do not stage; its shards read them from the units' staged records.
     staged: bool = True
     parts: Callable[[BuildOutputs], list[Part] | None] | None = None
     count: Callable[[list[dict] | pa.Table], Iterable | Mapping] | None = None
@@ -160,10 +161,6 @@ class Output:
 
 
 # -- row makers (per kept record) and table makers (per staged batch) ---------------------------
-
-def _the_records(kept: pa.Table, records: list[dict], made: dict) -> pa.Table:
-    return kept
-
 
 def _grpo_prompts(kept: pa.Table, records: list[dict], made: dict) -> pa.Table:
     return grpo_prompts(kept)
@@ -288,7 +285,7 @@ def _search_steps_report(build: BuildOutputs) -> dict:
 # In this order: a row maker reads what the outputs before it made of the record (`made`).
 OUTPUTS: Registry[Output] = Registry("output", {output.name: output for output in [
     Output("sft", "trajectory", "positive trajectories for supervised fine-tuning (loss on assistant turns)",
-           table=_the_records, staged=False),
+           staged=False),
     Output("negatives", "trajectory", "trajectories with a known defect (`negative_type`, `parent_id`)",
            batch=_negatives, table=_negative_rows, count=_negative_types, report=_negatives_report,
            reads=("id", "kind", "domain", "env", "answer", "meta")),

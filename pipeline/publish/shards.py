@@ -89,6 +89,19 @@ class StagedBatches(Protocol):
 Staged = str | StagedBatches
 
 
+class _StagedFile:
+    """An Arrow IPC file (`StreamingTable`) as `StagedBatches` (its batch sizes read once)."""
+
+    def __init__(self, path: str):
+        self.path, self.sizes = path, batch_sizes(path)
+
+    def batch_sizes(self) -> list[int]:
+        return self.sizes
+
+    def batches(self, first: int) -> Iterable[pa.RecordBatch]:
+        return read_batches(self.path, batches=range(first, len(self.sizes)))
+
+
 def _rows_of(staged: list[Staged], offset: int, length: int, batch_rows: int):
     """Record batches of rows [offset, offset + length) of the staged Arrow files read as one table,
     reading only the record batches that hold them, each cut in pieces of `batch_rows` rows from
@@ -96,13 +109,13 @@ def _rows_of(staged: list[Staged], offset: int, length: int, batch_rows: int):
     for part in staged:
         if length <= 0:
             return
-        sizes = batch_sizes(part) if isinstance(part, str) else part.batch_sizes()
+        part = _StagedFile(part) if isinstance(part, str) else part
+        sizes = part.batch_sizes()
         first = 0
         while first < len(sizes) and offset >= sizes[first]:
             offset -= sizes[first]
             first += 1
-        for written in (read_batches(part, batches=range(first, len(sizes))) if isinstance(part, str)
-                        else part.batches(first)):
+        for written in part.batches(first):
             for start in range(0, written.num_rows, batch_rows):
                 batch = written.slice(start, batch_rows)
                 if offset >= batch.num_rows:
