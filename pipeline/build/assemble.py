@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from trajforge.pipeline.atomic import CountedTable, StreamingTable, atomic_path, batch_sizes, read_batches
+from trajforge.pipeline.atomic import CountedTable, StreamingTable, atomic_path, batch_sizes, parquet_sink, read_batches
 from trajforge.pipeline.build.config import BATCH_ROWS, BuildConfig
 from trajforge.pipeline.build.kept import batch_mask, kept_tables, rows_within
 from trajforge.pipeline.build.outputs import OUTPUTS, Output, UnitContext, UnitOutputs
@@ -90,6 +90,7 @@ class KeysWriter:
         self.pending_staged: list[pa.Table] = []
         self.count = 0
         self._file = atomic_path(path)
+        self._sink = parquet_sink(self._file.__enter__())
         schema = stage_keys([], arrow_schema("trajectory").empty_table(), 0, config).to_arrow().schema
         # Hash values (the band keys, the exact hash) and the row counter neither repeat nor compress:
         # written without the dictionary that Parquet tries first. The strings of few values take a
@@ -98,7 +99,7 @@ class KeysWriter:
         # the build reads back no slower.
         plain = {"order", "exact", *band_columns(config.dedup)}
         self._writer = pq.ParquetWriter(
-            self._file.__enter__(), schema, compression="none",
+            self._sink, schema, compression="none",
             use_dictionary=[name for name in schema.names if name not in plain and name != "sketch"])
 
     def extend(self, records: list[dict], staged: pa.Table) -> None:
@@ -119,6 +120,7 @@ class KeysWriter:
     def close(self) -> None:
         self._flush()
         self._writer.close()
+        self._sink.close()
         self._file.__exit__(None, None, None)
 
 
