@@ -3,7 +3,9 @@ a temp file that the next run's cleanup removes."""
 import json
 import multiprocessing
 import os
+import random
 import signal
+import string
 import subprocess
 import sys
 import textwrap
@@ -14,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from trajforge.pipeline.atomic import (
+    PARQUET_SINK_BUFFER,
     TEMP_GLOB,
     StreamingTable,
     atomic_path,
@@ -135,6 +138,24 @@ def test_a_streamed_table_is_parquet_or_arrow_by_its_suffix(tmp_path):
     # Shards are planned by the Arrow size of what was written, whatever the file's format.
     assert written["parquet"].nbytes == written["arrow"].nbytes == pa.Table.from_pylist(rows, schema=SCHEMA).nbytes
     assert (tmp_path / "t.arrow").stat().st_size > 2 * (tmp_path / "t.parquet").stat().st_size  # no codec
+
+
+def test_parquet_through_the_buffered_sink_is_the_file_pyarrow_writes_to_a_path(tmp_path):
+    # Text that compresses little: the files are several times the sink's buffer, which is written out more than once.
+    rng = random.Random(0)
+    rows = [{"writer": i, "payload": "".join(rng.choices(string.ascii_letters, k=2000))} for i in range(3000)]
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    write_parquet(rows, SCHEMA, tmp_path / "whole.parquet")
+    pq.write_table(table, tmp_path / "whole_by_pyarrow.parquet", compression="zstd")
+    with StreamingTable(tmp_path / "streamed.parquet", SCHEMA) as stream:
+        stream.extend(rows)
+    with pq.ParquetWriter(tmp_path / "streamed_by_pyarrow.parquet", SCHEMA, compression="zstd") as writer:
+        for start in range(0, len(rows), 1000):
+            writer.write_table(table.slice(start, 1000))
+    for ours, theirs in (("whole", "whole_by_pyarrow"), ("streamed", "streamed_by_pyarrow")):
+        written = (tmp_path / f"{ours}.parquet").read_bytes()
+        assert len(written) > 2 * PARQUET_SINK_BUFFER
+        assert written == (tmp_path / f"{theirs}.parquet").read_bytes()
 
 
 def test_staged_batches_read_back_as_written_with_only_the_columns_asked(tmp_path):
