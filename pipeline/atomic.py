@@ -292,10 +292,11 @@ def read_batches(path: Path | str, columns: list[str] | None = None,
         # Buffers decompressed on this thread, as `StreamingTable` compresses them: Arrow's pool
         # hands each buffer of a batch to another thread, at about twice the CPU of reading a staged
         # lz4 output on one (where the cores are busy, no sooner).
-        reader = pa.ipc.open_file(source, options=pa.ipc.IpcReadOptions(use_threads=False))
+        options = pa.ipc.IpcReadOptions(use_threads=False)
+        reader = pa.ipc.open_file(source, options=options)
         if columns is not None:
-            fields = [reader.schema.get_field_index(name) for name in columns]
-            reader = pa.ipc.open_file(source, options=pa.ipc.IpcReadOptions(included_fields=fields, use_threads=False))
+            options.included_fields = [reader.schema.get_field_index(name) for name in columns]
+            reader = pa.ipc.open_file(source, options=options)
         # Not held here while the caller has it: a caller that drops a batch frees it.
         for i in range(reader.num_record_batches) if batches is None else batches:
             yield reader.get_batch(i) if columns is None else reader.get_batch(i).select(columns)
