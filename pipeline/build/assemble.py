@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -89,8 +90,9 @@ class KeysWriter:
         self.pending: list[dict] = []
         self.pending_staged: list[pa.Table] = []
         self.count = 0
-        self._file = atomic_path(path)
-        self._sink = parquet_sink(self._file.__enter__())
+        # The temp file renamed into place and its buffered sink, closed in turn by `close`.
+        self._open = ExitStack()
+        sink = self._open.enter_context(parquet_sink(self._open.enter_context(atomic_path(path))))
         schema = stage_keys([], arrow_schema("trajectory").empty_table(), 0, config).to_arrow().schema
         # Hash values (the band keys, the exact hash) and the row counter neither repeat nor compress:
         # written without the dictionary that Parquet tries first. The strings of few values take a
@@ -99,7 +101,7 @@ class KeysWriter:
         # the build reads back no slower.
         plain = {"order", "exact", *band_columns(config.dedup)}
         self._writer = pq.ParquetWriter(
-            self._sink, schema, compression="none",
+            sink, schema, compression="none",
             use_dictionary=[name for name in schema.names if name not in plain and name != "sketch"])
 
     def extend(self, records: list[dict], staged: pa.Table) -> None:
@@ -120,8 +122,7 @@ class KeysWriter:
     def close(self) -> None:
         self._flush()
         self._writer.close()
-        self._sink.close()
-        self._file.__exit__(None, None, None)
+        self._open.close()
 
 
 # Key table columns of few distinct values (the group, a source's and a file's name, the kind, the
