@@ -332,17 +332,32 @@ def _shares_a_band(groups: np.ndarray, keys: Callable[[int], np.ndarray], bands:
     """Which rows have, in some band, the key of another row of their group (`keys(band)`: a band's
     keys of every row): a sort of each band's keys mixed with the group (~40 bytes a row at a time).
     A collision of the mix only keeps a row that could have gone (band_pairs compares the group and
-    the key themselves)."""
+    the key themselves).
+
+    Only the rows whose mix shares its low bits, and then its high bits, with another row's are
+    sorted (each told by a count of the rows in each of ~2n slots, `_in_shared_slots`): a row
+    that shares its mix shares both, and the sort, 85 % of the check's CPU at 1M, sees a fraction
+    of the rows."""
     shared = np.zeros(len(groups), dtype=bool)
     salt = groups.astype(np.uint64) * _GROUP_SALT
+    bits = max(1, (2 * len(groups) - 1).bit_length())
     for band in range(bands):
         mixed = keys(band) ^ salt
-        order = np.argsort(mixed)
-        mixed = mixed[order]
-        same = mixed[1:] == mixed[:-1]
-        shared[order[1:][same]] = True
-        shared[order[:-1][same]] = True
+        rows = np.flatnonzero(_in_shared_slots(mixed, bits, 0))
+        rows = rows[_in_shared_slots(mixed[rows], bits, 64 - bits)]
+        ordered = mixed[rows]
+        order = np.argsort(ordered)
+        ordered, rows = ordered[order], rows[order]
+        same = ordered[1:] == ordered[:-1]
+        shared[rows[1:][same]] = True
+        shared[rows[:-1][same]] = True
     return shared
+
+
+def _in_shared_slots(mixed: np.ndarray, bits: int, shift: int) -> np.ndarray:
+    """Whether each value's `bits` bits from bit `shift` are another value's too (a count per slot)."""
+    slot = ((mixed >> np.uint64(shift)) & np.uint64((1 << bits) - 1)).astype(np.intp)
+    return np.bincount(slot, minlength=1 << bits)[slot] > 1
 
 
 # `parts(name, wanted)`: the band keys ("bands": (k, bands) uint64) or the sketches ("sketch": (k,
@@ -497,9 +512,12 @@ def screened_pairs(table: NearTable, config: DedupConfig, map_units=in_order) ->
     """(m, 2) rows (a, b) of the distinct candidate pairs of every band that pass the screen, by b
     then a; the band steps go through `map_units`."""
     steps = [(table, band, config.threshold) for band in range(band_params(config)[0])]
-    # A pair that shares several bands came from each of them.
-    pairs = np.unique(np.concatenate(map_units(screen_band, steps)), axis=0)
-    return pairs[np.lexsort((pairs[:, 0], pairs[:, 1]))]
+    # A pair that shares several bands came from each of them. Each pair as one integer, b above a
+    # (rows are below 2**31): the distinct ones sorted by b then a, at a quarter of the CPU of
+    # distinct rows of the (m, 2) array and their sort.
+    pairs = np.concatenate(map_units(screen_band, steps))
+    codes = np.unique(pairs[:, 1] << 32 | pairs[:, 0])
+    return np.stack([codes & 0xFFFFFFFF, codes >> 32], axis=1)
 
 
 def near_duplicates_table(unique: pl.DataFrame, table: NearTable, records, config: DedupConfig,

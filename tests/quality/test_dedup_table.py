@@ -137,6 +137,28 @@ def test_the_near_table_keeps_the_rows_that_share_a_band_and_screens_as_the_whol
         assert len(expected) and sorted(map(tuple, screened.tolist())) == expected and len(screened) == len(expected)
 
 
+def test_the_near_table_keeps_every_row_that_shares_a_full_width_band_key_in_its_group(tmp_path):
+    """Full 64-bit keys, as MinHash bands give them, of a few thousand rows: copies of another row's key
+    in the same group (kept), in another group (not, unless also copied within one), and keys
+    that agree with another row's only in their low or their high bits (not): the rows kept are
+    exactly those of some band's candidate pairs."""
+    rng = np.random.default_rng(11)
+    n, config = 3000, DedupConfig(bands=4, rows=2)
+    groups = rng.integers(0, 40, n)
+    bands = rng.integers(0, 2**63, (n, 4), dtype=np.uint64)
+    copies, sources = rng.choice(n, 300, replace=False), rng.integers(0, n, 300)
+    bands[copies, 1] = bands[sources, 1]
+    groups[copies[:200]] = groups[sources[:200]]
+    low, high = np.uint64(0xFFFFFFFF), np.uint64(0xFFFFFFFF00000000)
+    bands[copies[:50], 2] = (bands[copies[:50], 2] & high) | (bands[sources[:50], 2] & low)
+    bands[copies[50:100], 3] = (bands[copies[50:100], 3] & low) | (bands[sources[50:100], 3] & high)
+    sketch = np.zeros((n, dedup_table.SKETCH_BINS), dtype=np.uint8)
+    table = write_near_table(tmp_path / "near", pl.DataFrame({"group": [f"g{g}" for g in groups]}),
+                             parts_in_memory([(np.arange(n), bands, sketch)]), config)
+    paired = sorted({row for pairs in band_pairs(groups, bands) for pair in pairs for row in pair})
+    assert len(paired) >= 300 and table.rows().tolist() == paired
+
+
 def test_the_compiled_screen_keeps_exactly_the_pairs_whose_estimate_reaches_the_bound():
     """The kernel's bit counting against the sketch similarity computed bin by bin: for bounds
     that some pairs meet exactly, within blocks and across them, with empty bins, identical rows
