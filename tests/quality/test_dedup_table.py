@@ -146,17 +146,21 @@ def test_the_near_table_keeps_every_row_that_shares_a_full_width_band_key_in_its
     n, config = 3000, DedupConfig(bands=4, rows=2)
     groups = rng.integers(0, 40, n)
     bands = rng.integers(0, 2**63, (n, 4), dtype=np.uint64)
-    copies, sources = rng.choice(n, 300, replace=False), rng.integers(0, n, 300)
+    rows = rng.permutation(n)
+    copies, sources = rows[:300], rng.integers(0, n, 300)
     bands[copies, 1] = bands[sources, 1]
     groups[copies[:200]] = groups[sources[:200]]
+    # Rows of no copy, each beside another of its group whose key it shares in half of its bits only.
+    halves, others = rows[300:400], rows[400:500]
+    groups[halves] = groups[others]
     low, high = np.uint64(0xFFFFFFFF), np.uint64(0xFFFFFFFF00000000)
-    bands[copies[:50], 2] = (bands[copies[:50], 2] & high) | (bands[sources[:50], 2] & low)
-    bands[copies[50:100], 3] = (bands[copies[50:100], 3] & low) | (bands[sources[50:100], 3] & high)
+    bands[halves[:50], 2] = (bands[halves[:50], 2] & high) | (bands[others[:50], 2] & low)
+    bands[halves[50:], 3] = (bands[halves[50:], 3] & low) | (bands[others[50:], 3] & high)
     sketch = np.zeros((n, dedup_table.SKETCH_BINS), dtype=np.uint8)
     table = write_near_table(tmp_path / "near", pl.DataFrame({"group": [f"g{g}" for g in groups]}),
                              parts_in_memory([(np.arange(n), bands, sketch)]), config)
     paired = sorted({row for pairs in band_pairs(groups, bands) for pair in pairs for row in pair})
-    assert len(paired) >= 300 and table.rows().tolist() == paired
+    assert len(paired) >= 300 and not set(paired) & set(halves.tolist()) and table.rows().tolist() == paired
 
 
 def test_the_compiled_screen_keeps_exactly_the_pairs_whose_estimate_reaches_the_bound():
