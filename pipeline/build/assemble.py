@@ -90,9 +90,6 @@ class KeysWriter:
         self.pending: list[dict] = []
         self.pending_staged: list[pa.Table] = []
         self.count = 0
-        # The temp file renamed into place and its buffered sink, closed in turn by `close`.
-        self._open = ExitStack()
-        sink = self._open.enter_context(parquet_sink(self._open.enter_context(atomic_path(path))))
         schema = stage_keys([], arrow_schema("trajectory").empty_table(), 0, config).to_arrow().schema
         # Hash values (the band keys, the exact hash) and the row counter neither repeat nor compress:
         # written without the dictionary that Parquet tries first. The strings of few values take a
@@ -100,9 +97,14 @@ class KeysWriter:
         # sketches', 2.7 -> 0.9 us a record) for a file ~60 % larger (~770 bytes a record), which
         # the build reads back no slower.
         plain = {"order", "exact", *band_columns(config.dedup)}
-        self._writer = pq.ParquetWriter(
-            sink, schema, compression="none",
-            use_dictionary=[name for name in schema.names if name not in plain and name != "sketch"])
+        # The temp file renamed into place and its buffered sink, closed in turn by `close`; the temp
+        # file removed at once if the writer cannot start.
+        with ExitStack() as files:
+            sink = files.enter_context(parquet_sink(files.enter_context(atomic_path(path))))
+            self._writer = pq.ParquetWriter(
+                sink, schema, compression="none",
+                use_dictionary=[name for name in schema.names if name not in plain and name != "sketch"])
+            self._open = files.pop_all()
 
     def extend(self, records: list[dict], staged: pa.Table) -> None:
         """Records as their unit writes them, and as it staged them (StreamingTable's `on_written`):
@@ -344,12 +346,12 @@ def _write_batch(output: Output, table: pa.Table, records: list[dict], made: dic
     """What `output` makes of a staged batch (its kept records as `table` and as `records`, what the
     row makers `made` of each): the kept records themselves (`Output.staged` False), its table
     maker's table, or its row maker's rows of each record in turn."""
-    if not output.staged or output.table is not None:
-        rows = table if not output.staged else output.table(table, records, made)
-        writer.append_table(rows)
-    else:
+    if output.staged and output.table is None:
         rows = [row for of_record in made[output.name] for row in of_record]
         writer.extend(rows)
+    else:
+        rows = output.table(table, records, made) if output.staged else table
+        writer.append_table(rows)
     if output.count is not None:
         counts[output.name].update(output.count(rows))
 

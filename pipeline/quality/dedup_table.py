@@ -344,8 +344,9 @@ def _shares_a_band(groups: np.ndarray, keys: Callable[[int], np.ndarray], bands:
     for band in range(bands):
         mixed = keys(band) ^ salt
         rows = np.flatnonzero(_in_shared_slots(mixed, bits, 0))
-        rows = rows[_in_shared_slots(mixed[rows], bits, 64 - bits)]
         ordered = mixed[rows]
+        high = _in_shared_slots(ordered, bits, 64 - bits)
+        rows, ordered = rows[high], ordered[high]
         order = np.argsort(ordered)
         ordered, rows = ordered[order], rows[order]
         same = ordered[1:] == ordered[:-1]
