@@ -36,7 +36,7 @@ from trajforge.pipeline.build.outputs import OUTPUTS, BuildOutputs, card_notes
 from trajforge.pipeline.build.report import source_counts, stage_tallies
 from trajforge.pipeline.build.units import UnitResult
 from trajforge.pipeline.ingest.validate import merge_env_figures
-from trajforge.pipeline.publish.card import shard_stats, write_card
+from trajforge.pipeline.publish.card import load_card_classes, shard_stats, write_card
 from trajforge.pipeline.publish.manifest import (
     GENERATOR,
     build_id,
@@ -66,8 +66,8 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     (pools, outputs) and then every shard of every output with the quarantine, in one step, go
     through `map_units(function, calls, sizes, meanwhile)`, which returns the results in the calls'
     order: `in_order` here, or a flow's task runner (processes, a Dask or Ray cluster), which runs
-    `meanwhile` (the duplicates map, the report and its plots) here while its workers write the
-    shards. The output bytes do not depend on it.
+    `meanwhile` (the duplicates map, the report and its plots, the card's classes) here while its
+    workers write the shards. The output bytes do not depend on it.
 
     The manifest of an earlier build in `out` is set aside first and the new one written last, so
     a folder with a manifest always holds the files of the build it names. Files of the earlier
@@ -88,14 +88,19 @@ def finalize(units: list[UnitResult], out: Path, config: BuildConfig = BuildConf
     quarantine = (file_entry, [], write_quarantine, out, [unit.quarantine_path for unit in units],
                   [written.quarantined for written in outputs.build.written])
     calls, releases = link_readers([call for plan in shards for call in plan.calls], outputs.build.staged)
-    # The report needs no shard: it is written here while the task runner writes them.
+    # The report needs no shard: it is written here while the task runner writes them; then the
+    # card's classes are loaded, which the card, written after the shards, would otherwise wait on.
     reported: list[tuple[dict, list[str]]] = []
+
+    def meanwhile() -> None:
+        reported.append(write_report_files(out, units, runs, outputs_plan.repeats, mix, outputs, config))
+        load_card_classes()
+
     with cyclic_gc_paused():
         written = map_units(write_file, [*((shard_facts, release, write_shard_from_files, *call)
                                            for call, release in zip(calls, releases)), quarantine],
                             [*(size for plan in shards for size in plan.sizes), _quarantine_bytes(units)],
-                            meanwhile=lambda: reported.append(write_report_files(out, units, runs, outputs_plan.repeats, mix,
-                                                                                 outputs, config)))
+                            meanwhile=meanwhile)
         report, owned = reported[0]
         for plan in shards:
             plan.remove_stale()

@@ -39,6 +39,21 @@ def test_a_forked_worker_starts_with_the_compiled_loops_loaded():
         assert pool.submit(_loops_loaded).result() == [1, 1, 1, 1]
 
 
+def _collections_loaded() -> bool:
+    from prefect._internal.plugins import collections
+
+    return collections._collections is not None
+
+
+@pytest.mark.skipif(not fork_server_available(), reason="no fork server on this platform")
+def test_a_forked_worker_starts_with_prefects_collections_loaded():
+    """The fork server loaded Prefect's installed collections (flows/worker_preload.py): a worker's
+    first task does not import them (Prefect loads them where a task's context names a block)."""
+    start_fork_server()
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("forkserver")) as pool:
+        assert pool.submit(_collections_loaded).result()
+
+
 def _frozen_and_private_growth() -> tuple[int, int]:
     """(objects the worker's collector leaves alone as frozen, bytes of private memory a full collection adds)."""
     import gc
