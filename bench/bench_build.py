@@ -1,6 +1,7 @@
 """The whole `trajforge build` at scale, against the I/O floor of the same files, in one run.
 
 Usage: python bench/bench_build.py N [--fixtures DIR] [--work DIR] [--keep] [--runner threads] [--timeout S] [--timeline S]
+                                     [--phases]
 
 The corpus is N trajectories scaled from the real fixture rows, in the upstream layouts: AgentInstruct
 rows as Parquet files `db-NNNNN.parquet` ({conversations[{from, loss, value}], id}) and AgentTraj-L rows as
@@ -29,6 +30,9 @@ Measured in the same run:
   of each kind of process at the peak and when the peak was, and, with
   `--timeline S`, the cores it kept busy in each S seconds (where a build leaves a core idle) and the
   tree's highest RSS in each (where its memory peaks: RSS, read at every sample, where PSS is not);
+  with `--phases`, the build runs with `-v` and its log lines are timed as they come: when the flow
+  began (the temporary server answered), when its first unit and its map ended, when each step of
+  the global stages and the writers ended, and the stretch from the last shard to the command's exit;
 - the whole machine's cores over the build (`MachineCores`, from the kernel's counters): the time they
   were busy with the build's processes, busy with anything else (the kernel's own threads, such as
   the writeback of dirty pages, and any other process: on a quiet machine a few core-seconds), idle,
@@ -445,15 +449,33 @@ class MachineCores:
                 "sampling": time.process_time() - self.own_start, "steal": delta.get("steal", 0.0)}
 
 
-def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[float, TreeSampler, int]:
-    """(wall seconds, the process tree's sampler (peak RSS and PSS, CPU by process), return code) of `trajforge build`.
+# Log lines of `trajforge build -v` that end a phase (`--phases`): the phase's name, matched where the line says it.
+PHASE_LINES = [("the flow began", re.compile(r"Beginning flow run")),
+               ("the first unit", re.compile(r"Task run 'process-unit-.*Finished")),
+               ("the map", re.compile(r"units done: (\d+)/\1 ")),
+               ("step {}", re.compile(r"step ([a-z-]+): ")),
+               ("the flow ended", re.compile(r"Flow run 'build .*Finished"))]
+
+
+def phase_of(line: str) -> str | None:
+    """The phase a log line of `trajforge build -v` ends (`PHASE_LINES`), if any."""
+    for name, pattern in PHASE_LINES:
+        if (found := pattern.search(line)) is not None:
+            return name.format(*found.groups()) if "{}" in name else name
+    return None
+
+
+def run_build(corpus: Path, out: Path, runner: str, timeout: float,
+              phases: list[tuple[str, float]] | None = None) -> tuple[float, TreeSampler, int]:
+    """(wall seconds, the process tree's sampler (peak RSS and PSS, CPU by process), return code) of `trajforge build`;
+    with `phases` (a list), the build logs its steps (`-v`) and each phase's end goes into it, (name, seconds).
 
     CPU seconds are every process of the tree's, sampled with the memory (the workers are forked by
     a fork server, which the build does not wait for, so the build's own children times miss them;
     a process's last < 0.2 s before it ends is not counted); on a shared machine they say more
     than the wall time."""
     cmd = [str(Path(sys.executable).parent / "trajforge"), "build", "--out", str(out), "--runner", runner,
-           *[a for d in sorted(corpus.iterdir()) for a in ("--source", f"{d.name}={d}")]]
+           *[a for d in sorted(corpus.iterdir()) for a in ("--source", f"{d.name}={d}")], *(["-v"] if phases is not None else [])]
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -465,6 +487,8 @@ def run_build(corpus: Path, out: Path, runner: str, timeout: float) -> tuple[flo
         for line in proc.stdout:  # type: ignore[union-attr]
             tail.append(line)
             del tail[:-40]
+            if phases is not None and (phase := phase_of(line)) is not None:
+                phases.append((phase, time.perf_counter() - start))
 
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
@@ -511,6 +535,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--timeline", type=float, default=0, metavar="S",
                    help="also print the cores the build's processes kept busy, and their highest RSS, in windows of S seconds")
+    p.add_argument("--phases", action="store_true",
+                   help="run the build with -v and print when each of its phases ended (its log lines timed)")
     args = p.parse_args()
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_build_"))
@@ -531,7 +557,8 @@ def main() -> None:
         out = work / "build"
         shutil.rmtree(out, ignore_errors=True)
         cores = MachineCores()
-        wall, tree, rc = run_build(corpus, out, args.runner, args.timeout)
+        phases: list[tuple[str, float]] | None = [] if args.phases else None
+        wall, tree, rc = run_build(corpus, out, args.runner, args.timeout, phases)
         spent = cores.spent(sum(tree.cpu.values()))
         # The floor again after the build: a shared machine's speed drifts over minutes (the same
         # floor ran 29-41 s within an hour at 1M), so the build is set against the floor on both sides of it.
@@ -556,6 +583,11 @@ def main() -> None:
               f"waiting on the disk {spent['io wait']:.1f} s")
         print(f"PSS at its peak ({tree.peak_pss_at:.0f} s into the build): " + ", ".join(
             f"{role} {pss / 2**30:.2f} GiB" for role, pss in sorted(tree.peak_pss_by_role.items())))
+        if phases is not None:
+            ended = dict(reversed(phases))  # each phase's first line
+            shards = ended.get("step write-file")
+            print("phases, s from the build's start: " + ", ".join(f"{name} {at:.1f}" for name, at in sorted(ended.items(), key=lambda kv: kv[1]))
+                  + f", exit {wall:.1f}" + (f"; from the last shard to the exit {wall - shards:.2f} s" if shards is not None else ""))
         if args.timeline:
             windows = tree.busy_cores(args.timeline)
             print(f"cores busy and the tree's highest RSS (GiB), {args.timeline:g} s windows from the build's start:")
