@@ -1,9 +1,9 @@
 """What the `processes` runner's fork server loads before it forks a worker (flows/workers.py): the
 build's tasks and the stages they call, Prefect's task engine and its installed collections, and the
 compiled loops of the dedup keys (tokens, MinHash) and of the near-dedup screen with their machine
-code loaded (numba's import and the loops from its cache: ~0.7 s of CPU a process for the screen's,
-~0.55 s for the keys'), so that every worker starts with them, their pages shared rather than
-loaded per worker. Importing this module is what loads them, and freezes what it loaded (below)."""
+code loaded (numba's import and the loops from its cache: ~0.75 s of CPU a process, most of it
+numba's set-up for the first loop), so that every worker starts with them, their pages shared
+rather than loaded per worker. Importing this module is what loads them, and freezes what it loaded (below)."""
 import gc
 
 # No cyclic collection while it loads: the imports and numba's loading make ~0.44M objects and next to
