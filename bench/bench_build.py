@@ -465,7 +465,7 @@ def phase_of(line: str) -> str | None:
     """The phase a log line of `trajforge build -v` ends (`PHASE_LINES`), if any."""
     for name, pattern in PHASE_LINES:
         if (found := pattern.search(line)) is not None:
-            return name.format(*found.groups()) if "{}" in name else name
+            return name.format(*found.groups())  # a name without a field ignores the groups
     return None
 
 

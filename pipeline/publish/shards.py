@@ -104,8 +104,8 @@ class _StagedFile:
 
 def _rows_of(staged: list[Staged], offset: int, length: int, batch_rows: int):
     """Record batches of rows [offset, offset + length) of the staged parts (files or `StagedBatches`)
-    read as one table, reading only the record batches that hold them, each cut in pieces of `batch_rows` rows from
-    its start (a shard's bytes depend on where its rows' pieces begin and end)."""
+    read as one table, reading only the record batches that hold them, each cut in pieces of
+    `batch_rows` rows from its start (a shard's bytes depend on where its rows' pieces begin and end)."""
     for part in staged:
         if length <= 0:
             return
