@@ -11,6 +11,7 @@ from fastapi import Request
 from prefect import flow, get_run_logger, task
 from prefect.blocks.system import Secret
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.settings import get_current_settings
 
 from trajforge.flows import temporary_server
@@ -77,18 +78,24 @@ def test_a_flow_runs_on_the_temporary_server_and_only_there(prefect_home):
 
             async def recorded():
                 async with get_client() as client:
+                    of_the_run = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
                     return (await client.read_flow_run(state.state_details.flow_run_id),
-                            [block.slug for block in await client.read_block_types()])
+                            [block.slug for block in await client.read_block_types()],
+                            await client.read_task_runs(flow_run_filter=of_the_run),
+                            (await client.read_events(limit=1)).total)
 
             import asyncio
 
-            run, block_types_at_start = asyncio.run(recorded())
+            run, block_types_at_start, task_runs, events = asyncio.run(recorded())
             # Block types are not registered as the server starts (SERVER_ENV); saving a block still
             # registers its own.
             Secret(value="s3cret").save("token")
             saved = Secret.load("token").get()
         assert (result, api_url, heartbeat, ui_url) == (2, server.url, None, "")
         assert run.state.is_completed()
+        # The task run is recorded from its events; the events themselves are not kept (SERVER_ENV).
+        assert [(t.name, t.state.is_completed()) for t in task_runs] == [("in-worker", True)]
+        assert events == 0
         assert block_types_at_start == [] and saved == "s3cret"
         assert "PREFECT_API_URL" not in os.environ
         assert get_current_settings().api.url != server.url
