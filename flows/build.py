@@ -38,6 +38,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 from trajforge.flows.artifacts import Progress, build_artifacts
 from trajforge.flows.config import AUTO, BuildRun, auto_runner, build_run, stage_config
 from trajforge.flows.names import build_run_name
+from trajforge.flows.settings_memo import remember_settings_context
 from trajforge.flows.stopping import end_with_owner
 from trajforge.flows.workers import fork_server_available, preload
 from trajforge.pipeline.build import (
@@ -67,6 +68,7 @@ def _start_worker(env: dict[str, str], owner_pid: int) -> None:
     a new connection."""
     os.environ.update(env)
     end_with_owner(owner_pid)
+    remember_settings_context()
     if "PREFECT_API_URL" not in env:
         # The worker's own settings are the fork server's, from before this run: a client from them
         # could reach another (or a new) server. Task runs then make their own, from the run's settings.
@@ -93,6 +95,8 @@ class ForkedProcessPoolTaskRunner(ProcessPoolTaskRunner):
 
     def __enter__(self):
         super().__enter__()
+        # Each submit sends the run's settings: dumped once a run, not once a task (flows/settings_memo.py).
+        remember_settings_context()
         if fork_server_available():
             # Not started here: each task run in a worker enters a copy of its flow's runner too
             # (and submits nothing). Prefect's executor has started no process yet (a

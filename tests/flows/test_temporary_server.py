@@ -12,7 +12,7 @@ from prefect import flow, get_run_logger, task
 from prefect.blocks.system import Secret
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-from prefect.settings import get_current_settings
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, get_current_settings, temporary_settings
 
 from trajforge.flows import temporary_server
 from trajforge.flows.build import make_task_runner
@@ -51,6 +51,21 @@ def _task_runs_in_one_worker(runs: int) -> list[tuple[int, int, str]]:
     return [_client_in_a_worker.submit().result() for _ in range(runs)]
 
 
+@task
+def _max_retries_in_a_worker() -> int:
+    return get_current_settings().client.max_retries
+
+
+@flow
+def _settings_changed_between_tasks() -> list[int]:
+    """What one worker's task runs see of a setting the flow changes between them (the worker's
+    settings are remembered from task to task: flows/settings_memo.py)."""
+    first = _max_retries_in_a_worker.submit().result()
+    with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: first + 2}):
+        changed = _max_retries_in_a_worker.submit().result()
+    return [first, changed, _max_retries_in_a_worker.submit().result()]
+
+
 @pytest.fixture
 def prefect_home(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect_home"))
@@ -73,6 +88,8 @@ def test_a_flow_runs_on_the_temporary_server_and_only_there(prefect_home):
             assert clients == [(clients[0][0], served, server.url + "/") for served in (1, 2, 3)], clients
             untold = _task_runs_in_one_worker.with_options(task_runner=make_task_runner("processes", workers=1))(2)
             assert [(served, url) for _, served, url in untold] == [(1, server.url + "/")] * 2, untold
+            retries = _settings_changed_between_tasks.with_options(task_runner=told)()
+            assert retries == [retries[0], retries[0] + 2, retries[0]], retries
             # Every Prefect server this process has is this one: the worker's forwarded logs started none.
             assert {p.pid for p in _uvicorn_children()} - before == {server.process.pid}
 
