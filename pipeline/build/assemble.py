@@ -275,13 +275,12 @@ def _sketch_rows(values: pa.Array) -> np.ndarray:
 def unit_pools(records_path: str, kept_rows: np.ndarray) -> EnvPools:
     """The pools of one unit's kept positives, in order; reads four small columns and the first turn
     of the tool domain's positives (the only first turns `EnvPools.add` reads: converting every
-    record's, a task's whole instructions, was half of this step's CPU)."""
+    record's, a task's whole instructions, was half of this step's CPU). `kept_rows`: sorted."""
     pools = EnvPools()
-    kept = np.sort(kept_rows)
     start = 0
     for batch in read_batches(records_path, ["kind", "env", "domain", "answer", "conversations"]):
         end = start + batch.num_rows
-        keep = batch_mask(rows_within(kept, start, end), start, batch.num_rows)
+        keep = batch_mask(rows_within(kept_rows, start, end), start, batch.num_rows)
         positives = batch.filter(pc.and_(keep, pc.equal(batch.column("kind"), "positive")))
         tool = pc.equal(positives.column("domain"), "tool")
         firsts = iter(pc.list_slice(positives.column("conversations").filter(tool), 0, 1).to_pylist())
@@ -313,7 +312,7 @@ def _kept_records(records_path: str, kept_rows: np.ndarray, repeats: dict[int, i
             records = batch.take(pa.array(np.asarray(held) - start)).to_pylist()
             out.quarantined.extend(_quarantine_row(record, *quarantined[row]) for row, record in zip(held, records))
 
-    for table in kept_tables(records_path, np.sort(kept_rows), repeats, on_batch=quarantine if quarantined else None):
+    for table in kept_tables(records_path, kept_rows, repeats, on_batch=quarantine if quarantined else None):
         # Only the fields the makers read (`Output.reads`; the turns only when a row maker reads
         # them, `Output.reads_turns`: a batch's maker converts those it reads, `Output.batch`).
         yield table, (table if fields is None else table.select(fields)).to_pylist()
@@ -358,7 +357,7 @@ def _write_batch(output: Output, table: pa.Table, records: list[dict], made: dic
 
 def write_unit(records_path: str, staged: str, kept_rows: np.ndarray, repeats: dict[int, int],
                quarantined: dict[int, tuple[str, str]], pools: EnvPools, negatives: NegativesConfig) -> UnitOutputs:
-    """Stream one unit's staged records once: each kept record (their ids made unique, `repeats`)
+    """Stream one unit's staged records once: each kept record (`kept_rows`, sorted; their ids made unique, `repeats`)
     goes through the row maker of every output that has one, then each staged batch's kept records
     and those rows through the table maker of every other (pipeline/build/outputs.py, in the
     registry's order), into the unit's file of that output; the records a global stage quarantined

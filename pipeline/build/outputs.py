@@ -91,7 +91,7 @@ class BuildOutputs:
     """The outputs' view of a build after every unit was written: what `parts` and `report` read."""
     units: list
     written: list[UnitOutputs]
-    kept_rows: list[np.ndarray]
+    kept_rows: list[np.ndarray]  # per unit, sorted
     # Per unit, {row: (reason, detail)} of the records a global stage quarantined.
     quarantined: list[dict[int, tuple[str, str]]]
     config: BuildConfig
@@ -108,7 +108,7 @@ class BuildOutputs:
     def kept_parts(self, name: str) -> list[Part]:
         """The units' kept records, as the rows of an output of them as they are (`Output.staged`
         False), which its writers counted."""
-        return [(KeptRecords(unit.records_path, np.sort(rows), repeats), w.nbytes[name], w.rows[name])
+        return [(KeptRecords(unit.records_path, rows, repeats), w.nbytes[name], w.rows[name])
                 for unit, rows, repeats, w in zip(self.units, self.kept_rows, self.repeats, self.written)]
 
     @cached_property

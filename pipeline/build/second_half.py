@@ -165,7 +165,7 @@ class KeptMix:
 
 @dataclass
 class OutputsPlan:
-    """What the unit writers are given, found from the key table: each unit's kept rows, the records
+    """What the unit writers are given, found from the key table: each unit's kept rows (sorted), the records
     whose id repeats (`unique_ids`) and per unit their repeat number, per unit the records a global
     stage quarantined, and the negatives' pools."""
     kept_rows: list[np.ndarray]
@@ -209,7 +209,7 @@ def plan_outputs(units: list[UnitResult], kept_keys: pl.DataFrame, runs: list[St
                  map_units) -> OutputsPlan:
     """Each unit's kept rows, and the pools of the negatives (per unit on `map_units`); the records
     whose id repeats (`unique_ids`) are found while the workers fill the pools (neither needs the other)."""
-    kept_rows = [kept_keys.filter(pl.col("unit") == u)["row"].to_numpy() for u in range(len(units))]
+    kept_rows = [np.sort(kept_keys.filter(pl.col("unit") == u)["row"].to_numpy()) for u in range(len(units))]
     found: list[tuple] = []
 
     def ids() -> None:
