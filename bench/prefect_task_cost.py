@@ -2,8 +2,8 @@
 
 Usage: python bench/prefect_task_cost.py [--tasks N ...] [--workers W]
 
-A flow on the build's `processes` runner (`make_task_runner("processes", W)`: Prefect's
-ProcessPoolTaskRunner, its workers forked from the fork server), against a temporary server as the CLI
+A flow on the build's `processes` runner (`make_task_runner("processes", W, api_url)`: Prefect's
+ProcessPoolTaskRunner, its workers forked from the fork server and told the run's API), against a temporary server as the CLI
 starts it (flows/temporary_server.py), submits N no-op tasks, for each N given, after two warm-up tasks have started the workers.
 It prints the CPU (user + system, from psutil) that the flow process, its workers and the server
 spent on the N task runs, and per task the difference between the largest and the smallest N:
@@ -62,14 +62,16 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
 
-    @flow(task_runner=make_task_runner("processes", workers=args.workers))
+    @flow
     def submit_tasks(tasks: int) -> dict[str, float]:
         return task_cost(tasks)
 
     server = TemporaryServer().start()
     try:
         with server.api():
-            results = {n: submit_tasks(n) for n in sorted(args.tasks)}
+            # The workers told this run's API, as the build's are (one client each, for their life).
+            runner = make_task_runner("processes", workers=args.workers, api_url=server.url)
+            results = {n: submit_tasks.with_options(task_runner=runner)(n) for n in sorted(args.tasks)}
     finally:
         server.stop()
     for n, spent in results.items():
