@@ -3,12 +3,13 @@
 Usage: python bench/prefect_task_cost.py [--tasks N ...] [--workers W]
 
 A flow on the build's `processes` runner (`make_task_runner("processes", W, api_url)`: Prefect's
-ProcessPoolTaskRunner, its workers forked from the fork server and told the run's API), against a temporary server as the CLI
-starts it (flows/temporary_server.py), submits N no-op tasks, for each N given, after two warm-up tasks have started the workers.
+ProcessPoolTaskRunner, its workers forked from the fork server and told the run's API), against a
+temporary server as the CLI starts it (flows/temporary_server.py), submits N no-op tasks, for each N
+given, after two warm-up tasks have started the workers.
 It prints the CPU (user + system, from psutil) that the flow process, its workers and the server
 spent on the N task runs, and per task the difference between the largest and the smallest N:
-the flow's submission (the context it sends, settings included), the worker's (a client, settings
-and TLS context per task run, the task engine) and the server's (the task run's events and logs).
+the flow's submission (the context it sends), the worker's (the context rebuilt, the task engine;
+its client is the worker's own, opened once) and the server's (the task run's events and logs).
 CPU rather than wall: on a shared machine it moves far less with the load.
 """
 from __future__ import annotations
