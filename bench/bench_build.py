@@ -479,7 +479,8 @@ def run_build(corpus: Path, out: Path, runner: str, timeout: float,
     a process's last < 0.2 s before it ends is not counted); on a shared machine they say more
     than the wall time."""
     cmd = [str(Path(sys.executable).parent / "trajforge"), "build", "--out", str(out), "--runner", runner,
-           *[a for d in sorted(corpus.iterdir()) for a in ("--source", f"{d.name}={d}")], *(["-v"] if phases is not None else [])]
+           *[a for d in sorted(corpus.iterdir()) for a in ("--source", f"{d.name}={d}")],
+           *(["-v"] if phases is not None else [])]
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -590,8 +591,10 @@ def main() -> None:
         if phases is not None:
             ended = dict(reversed(phases))  # each phase's first line
             shards = ended.get("step write-file")
-            print("phases, s from the build's start: " + ", ".join(f"{name} {at:.1f}" for name, at in sorted(ended.items(), key=lambda kv: kv[1]))
-                  + f", exit {wall:.1f}" + (f"; from the last shard to the exit {wall - shards:.2f} s" if shards is not None else ""))
+            in_order = sorted(ended.items(), key=lambda kv: kv[1])
+            tail = f"; from the last shard to the exit {wall - shards:.2f} s" if shards is not None else ""
+            print("phases, s from the build's start: " + ", ".join(f"{name} {at:.1f}" for name, at in in_order)
+                  + f", exit {wall:.1f}{tail}")
         if args.timeline:
             windows = tree.busy_cores(args.timeline)
             print(f"cores busy and the tree's highest RSS (GiB), {args.timeline:g} s windows from the build's start:")
