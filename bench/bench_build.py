@@ -20,10 +20,11 @@ Measured in the same run:
   more CPU and wall time for a 1M build than a distribution's (docs/scale.md), which the I/O floor
   does not show;
 - the I/O floor: pyarrow reads the same upstream files (Parquet, and the JSON arrays through `json` into
-  Arrow) and writes the same rows as zstd Parquet, before and after the build, each time run again until
-  ~15 s of it are measured (`floor_runs`; once at 1M, ~5 times at 100k, whose ~3 s floor moved by a
-  third from one run to the next); the ratio is to the median of all those runs. The files are read
-  once beforehand, so that every run finds them in the page cache;
+  Arrow) and writes the same rows as zstd Parquet, before and after the build, each time at least 3
+  times and until ~15 s of it are measured (`floor_runs`; 3 times at 1M, whose one run on each side
+  moved the ratio by ~6 %; ~5 times at 100k, whose ~3 s floor moved by a third from one run to the
+  next); the ratio is to the median of all those runs. The files are read once beforehand, so that
+  every run finds them in the page cache;
 - `trajforge build` as a subprocess of the real CLI (`--source NAME=PATH`), its wall time and the peak
   RSS and PSS of its process tree (sampled every 0.2 s, PSS only where it could set a new peak, at
   most once a second: `TreeSampler`), its CPU by process (the command, Prefect's temporary server,
@@ -232,16 +233,18 @@ def generate(raw: Path, n: int, out: Path, seed: int = 0) -> dict:
     return counts
 
 
-# The floor is run again until this many seconds of it are measured on each side of the build, at
-# most FLOOR_MAX_RUNS times.
-FLOOR_SECONDS, FLOOR_MAX_RUNS = 15.0, 7
+# The floor is run on each side of the build at least FLOOR_MIN_RUNS times (at 1M, one ~37 s run on
+# each side moved between 34 and 41 s within an hour, and the ratio with it), and again until this
+# many seconds of it are measured, at most FLOOR_MAX_RUNS times.
+FLOOR_SECONDS, FLOOR_MIN_RUNS, FLOOR_MAX_RUNS = 15.0, 3, 7
 
 
 def floor_runs(corpus: Path, scratch: Path) -> tuple[list[float], int]:
-    """The seconds of each `io_floor` run until FLOOR_SECONDS of it are measured, and the rows."""
+    """The seconds of each `io_floor` run, at least FLOOR_MIN_RUNS and until FLOOR_SECONDS of it are
+    measured, and the rows."""
     seconds, rows = io_floor(corpus, scratch)
     runs = [seconds]
-    while sum(runs) < FLOOR_SECONDS and len(runs) < FLOOR_MAX_RUNS:
+    while (len(runs) < FLOOR_MIN_RUNS or sum(runs) < FLOOR_SECONDS) and len(runs) < FLOOR_MAX_RUNS:
         runs.append(io_floor(corpus, scratch)[0])
     return runs, rows
 
@@ -571,7 +574,7 @@ def main() -> None:
         floor_s = statistics.median(before + after)
         print(f"I/O floor after the build: {_runs(after)}; the floor {floor_s:.1f} s (median of both sides' runs)")
         line = (f"build ({args.runner}): rc {rc}, wall {wall:.1f} s = {wall / floor_s:.1f}x the floor, CPU "
-                f"{sum(tree.cpu.values()):.0f} s, peak RSS {tree.peak_rss / 2**30:.2f} GiB (PSS {tree.peak_pss / 2**30:.2f} "
+                f"{sum(tree.cpu.values()):.0f} s ({sum(tree.cpu.values()) / rows * 1e3:.3f} ms a record), peak RSS {tree.peak_rss / 2**30:.2f} GiB (PSS {tree.peak_pss / 2**30:.2f} "
                 f"GiB, {tree.pss_reads} reads), {rows / wall:.0f} rows/s")
         if rc == 0:
             report = json.loads((out / "report.json").read_text())
