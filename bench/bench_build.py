@@ -567,14 +567,15 @@ def main() -> None:
         cores = MachineCores()
         phases: list[tuple[str, float]] | None = [] if args.phases else None
         wall, tree, rc = run_build(corpus, out, args.runner, args.timeout, phases)
-        spent = cores.spent(sum(tree.cpu.values()))
+        cpu_s = sum(tree.cpu.values())
+        spent = cores.spent(cpu_s)
         # The floor again after the build: a shared machine's speed drifts over minutes (the same
         # floor ran 29-41 s within an hour at 1M), so the build is set against the floor on both sides of it.
         after, _ = floor_runs(corpus, work / "floor")
         floor_s = statistics.median(before + after)
         print(f"I/O floor after the build: {_runs(after)}; the floor {floor_s:.1f} s (median of both sides' runs)")
         line = (f"build ({args.runner}): rc {rc}, wall {wall:.1f} s = {wall / floor_s:.1f}x the floor, CPU "
-                f"{sum(tree.cpu.values()):.0f} s ({sum(tree.cpu.values()) / rows * 1e3:.3f} ms a record), peak RSS {tree.peak_rss / 2**30:.2f} GiB (PSS {tree.peak_pss / 2**30:.2f} "
+                f"{cpu_s:.0f} s ({cpu_s / rows * 1e3:.3f} ms a record), peak RSS {tree.peak_rss / 2**30:.2f} GiB (PSS {tree.peak_pss / 2**30:.2f} "
                 f"GiB, {tree.pss_reads} reads), {rows / wall:.0f} rows/s")
         if rc == 0:
             report = json.loads((out / "report.json").read_text())
