@@ -40,7 +40,9 @@ Measured in the same run:
   and idle while a process waited on the disk; what a build leaves on the table, and whether the
   machine was quiet;
 - from the build's outputs: rows/s, recall of the planted copies (the share of planted copies found in
-  the duplicates map pointing into their own family) and false merges (map rows linking two families).
+  the duplicates map pointing into their own family) and false merges (map rows linking two families);
+  and, for a corpus of the default fixtures, whether every published file is byte-identical to the
+  digest kept for that N (`bench/digests/generated-N.json`, bench/build_digest.py).
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 DEFAULT_FIXTURES = Path(os.environ.get("TRAJFORGE_FIXTURES", REPO / "tests" / "fixtures")) / "raw"
 
 EXACT_SHARE, NEAR_SHARE = 0.08, 0.04
@@ -534,6 +537,20 @@ def quality(out: Path, counts: dict) -> dict:
             "duplicates": len(dups)}
 
 
+def bytes_line(out: Path, n: int, fixtures: Path) -> str | None:
+    """How the build's published files compare with the digest kept for a corpus of `n` (sha256,
+    bench/build_digest.py), where the corpus is made of the default fixtures; None otherwise."""
+    from bench.build_digest import REFERENCES, comparison, digests
+
+    if fixtures.resolve() != (REPO / "tests" / "fixtures" / "raw").resolve():
+        return None
+    reference = REFERENCES / f"generated-{n}.json"
+    if not reference.exists():
+        return f"published files: no digest kept for {n} (python bench/build_digest.py {out} > {reference.relative_to(REPO)})"
+    lines = comparison(digests(out), json.loads(reference.read_text()))
+    return f"published files: {lines[-1]} to {reference.relative_to(REPO)}" + "".join(f"\n  {line}" for line in lines[:-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("n", type=int, help="trajectories in the corpus")
@@ -585,6 +602,8 @@ def main() -> None:
                      f"{report['total']['quarantined']}; duplicates {q['duplicates']}, recall {q['recall']:.4f} "
                      f"({q['found']}/{q['planted']}), false merges {q['false_merges']}")
         print(line)
+        if rc == 0 and (same := bytes_line(out, args.n, args.fixtures)) is not None:
+            print(same)
         print("CPU by process: " + ", ".join(f"{role} {seconds:.1f} s" + (f" ({n})" if n > 1 else "")
                                              for role, (n, seconds) in sorted(tree.cpu_by_role().items())))
         print(f"the machine's {os.cpu_count()} cores over the build ({os.cpu_count() * wall:.0f} core-s): "

@@ -7,6 +7,14 @@ Files come from the build's manifest. The dataset card (README.md) names the cod
 of the pipeline's code) and the build id (which includes it): both are replaced by a placeholder
 before hashing, so a build by changed code compares on its data. The manifest itself is left out:
 it is the list of these files' digests.
+
+The digests of the builds the benches make are kept in the repository, so that any checkout on any
+machine can state its builds byte-identical to the last ones whose bytes changed on purpose:
+`bench/digests/generated-N.json` for `bench/bench_build.py N`'s corpus (the default fixtures; the bench
+compares its build with it), and `tests/build/fixtures_build_digest.json` for the fixture build (a
+test compares the suite's fixture build with it). A change that alters the published bytes on purpose
+writes them again: `python bench/build_digest.py OUT > FILE`, where OUT is the bench's build (`--work
+DIR --keep`: DIR/build) or `python bench/profile_build.py fixtures --work DIR`'s (DIR/build).
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+REFERENCES = REPO / "bench" / "digests"
 
 from trajforge.pipeline.publish.manifest import read_manifest  # noqa: E402
 
@@ -39,6 +48,18 @@ def digests(out: Path) -> dict[str, str]:
     return found
 
 
+def differing(found: dict[str, str], earlier: dict[str, str]) -> list[str]:
+    """The files whose digest differs between two builds, or that only one of them published."""
+    return sorted(rel for rel in found.keys() | earlier.keys() if found.get(rel) != earlier.get(rel))
+
+
+def comparison(found: dict[str, str], earlier: dict[str, str]) -> list[str]:
+    """Lines that say how `found` compares with `earlier`: each file that differs, then the count."""
+    differ = differing(found, earlier)
+    return ([f"differs: {rel} ({earlier.get(rel, 'absent')[:12]} -> {found.get(rel, 'absent')[:12]})" for rel in differ]
+            + [f"{len(found.keys() | earlier.keys()) - len(differ)} of {len(found.keys() | earlier.keys())} files identical"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", type=Path)
@@ -49,11 +70,8 @@ def main() -> None:
         print(json.dumps(found, indent=1, sort_keys=True))
         return
     earlier = json.loads(args.against.read_text())
-    differ = sorted(rel for rel in found.keys() | earlier.keys() if found.get(rel) != earlier.get(rel))
-    for rel in differ:
-        print(f"differs: {rel} ({earlier.get(rel, 'absent')[:12]} -> {found.get(rel, 'absent')[:12]})")
-    print(f"{len(found) - len(differ)} of {len(found | earlier)} files identical")
-    sys.exit(1 if differ else 0)
+    print("\n".join(comparison(found, earlier)))
+    sys.exit(1 if differing(found, earlier) else 0)
 
 
 if __name__ == "__main__":
