@@ -25,7 +25,7 @@ def test_fixture_build_publishes_the_kept_bytes(fixtures_build):
     assert not differing(found, kept), "\n".join(comparison(found, kept))
 
 
-def test_a_changed_byte_is_named(fixtures_build, tmp_path):
+def test_a_changed_byte_is_named(fixtures_build):
     """The comparison names the file whose bytes changed, or that one build lacks, and only it."""
     found = digests(fixtures_build)
     shard = next(rel for rel in sorted(found) if rel.endswith(".parquet"))
