@@ -55,9 +55,9 @@ def differing(found: dict[str, str], earlier: dict[str, str]) -> list[str]:
 
 def comparison(found: dict[str, str], earlier: dict[str, str]) -> list[str]:
     """Lines that say how `found` compares with `earlier`: each file that differs, then the count."""
-    differ = differing(found, earlier)
+    differ, files = differing(found, earlier), len(found.keys() | earlier.keys())
     return ([f"differs: {rel} ({earlier.get(rel, 'absent')[:12]} -> {found.get(rel, 'absent')[:12]})" for rel in differ]
-            + [f"{len(found.keys() | earlier.keys()) - len(differ)} of {len(found.keys() | earlier.keys())} files identical"])
+            + [f"{files - len(differ)} of {files} files identical"])
 
 
 def main() -> None:
