@@ -339,9 +339,9 @@ class TreeSampler:
     refresh bounds what the estimate misses: a process's PSS moves without its RSS moving whenever
     another process of the tree forks, ends or writes to a page they share (a PSS kept from an
     earlier read put the fork server at 0.27 GiB of a 100k build's peak, against 0.18-0.21 GiB read
-    anew). With at most one read a second (`PSS_EVERY_S`), a 1M build takes 60-116 reads and a 100k
-    build 16-36 (more where the host is slow and the build runs longer: 96-116 and 18-36 on a host
-    whose builds took 1.2-1.7 times the CPU), where a read at every new high of the RSS sum and at
+    anew). With at most one read a second (`PSS_EVERY_S`), a 1M build takes 60-120 reads and a 100k
+    build 16-36 (more where the host is slow and the build runs longer: 96-120 and 18-36 on a host
+    whose builds took 1.2-1.8 times the CPU), where a read at every new high of the RSS sum and at
     least once a second took ~200 at 1M (8-10 s of the bench's CPU, most of it the kernel's
     page-table walks; `MachineCores` reports it). Replayed on a 100k and a 1M build whose PSS was
     read at every sample (docs/scale-history.md), the rule finds the same peak."""
