@@ -1,7 +1,7 @@
 """The whole `trajforge build` at scale, against the I/O floor of the same files, in one run.
 
-Usage: python bench/bench_build.py N [--fixtures DIR] [--work DIR] [--keep] [--runner threads] [--timeout S] [--timeline S]
-                                     [--phases]
+Usage: python bench/bench_build.py N [--fixtures DIR] [--seed S] [--work DIR] [--keep] [--runner threads] [--timeout S]
+                                     [--timeline S] [--phases]
 
 The corpus is N trajectories scaled from the real fixture rows, in the upstream layouts: AgentInstruct
 rows as Parquet files `db-NNNNN.parquet` ({conversations[{from, loss, value}], id}) and AgentTraj-L rows as
@@ -10,7 +10,8 @@ free text (task, thoughts, observations; not the shared instructions, nor lines 
 an answer) replaced by words of the fixtures' vocabulary, so originals are distinct from one another and
 the dedup has real work. Then 8 % of N are planted exact copies of an original (a new id) and 4 % near
 copies (1 word in 150 of the free text changed, planted only on originals with >= 150 such words, so the
-true shingle Jaccard stays near 0.93).
+true shingle Jaccard stays near 0.93). `--seed` draws another corpus of the same shape (other bases, words,
+edits and copies): the build's figures on a corpus it was not tuned on.
 
 Measured in the same run:
 - the interpreter (the bench's, which runs the build's `trajforge` too): its version and executable,
@@ -538,16 +539,18 @@ def quality(out: Path, counts: dict) -> dict:
             "duplicates": len(dups)}
 
 
-def bytes_line(out: Path, n: int, fixtures: Path) -> str | None:
-    """How the build's published files compare with the digest kept for a corpus of `n` (sha256,
-    bench/build_digest.py), where the corpus is made of the default fixtures; None otherwise."""
+def bytes_line(out: Path, n: int, fixtures: Path, seed: int = 0) -> str | None:
+    """How the build's published files compare with the digest kept for a corpus of `n` drawn with
+    `seed` (sha256, bench/build_digest.py), where the corpus is made of the default fixtures; None
+    otherwise."""
     from bench.build_digest import REFERENCES, comparison, digests
 
     if fixtures.resolve() != (REPO / "tests" / "fixtures" / "raw").resolve():
         return None
-    reference = REFERENCES / f"generated-{n}.json"
+    reference = REFERENCES / (f"generated-{n}.json" if seed == 0 else f"generated-{n}-seed{seed}.json")
     if not reference.exists():
-        return f"published files: no digest kept for {n} (python bench/build_digest.py {out} > {reference.relative_to(REPO)})"
+        return (f"published files: no digest kept for {n} at seed {seed} "
+                f"(python bench/build_digest.py {out} > {reference.relative_to(REPO)})")
     lines = comparison(digests(out), json.loads(reference.read_text()))
     return f"published files: {lines[-1]} to {reference.relative_to(REPO)}" + "".join(f"\n  {line}" for line in lines[:-1])
 
@@ -556,6 +559,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("n", type=int, help="trajectories in the corpus")
     p.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
+    p.add_argument("--seed", type=int, default=0, help="the corpus's random draw (0: the one the kept digests are of)")
     p.add_argument("--work", type=Path, default=None, help="folder for the corpus and the build (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--runner", default="processes")
@@ -571,10 +575,13 @@ def main() -> None:
         corpus = work / "corpus"
         if (work / "planted.json").exists():
             counts = json.loads((work / "planted.json").read_text())
+            # A work folder kept from before seeds were chosen holds the default draw.
+            if counts.pop("seed", 0) != args.seed:
+                sys.exit(f"{work} holds a corpus of another seed; give this one its own --work")
         else:
             t0 = time.perf_counter()
-            counts = generate(args.fixtures, args.n, corpus)
-            (work / "planted.json").write_text(json.dumps(counts))
+            counts = generate(args.fixtures, args.n, corpus, args.seed)
+            (work / "planted.json").write_text(json.dumps({**counts, "seed": args.seed}))
             print(f"corpus: {args.n} trajectories in {time.perf_counter() - t0:.0f} s, {counts}")
         size = read_through(corpus)
         print(f"interpreter: {interpreter()}; fixed Python loop {python_speed():.2f} s of CPU")
@@ -603,7 +610,7 @@ def main() -> None:
                      f"{report['total']['quarantined']}; duplicates {q['duplicates']}, recall {q['recall']:.4f} "
                      f"({q['found']}/{q['planted']}), false merges {q['false_merges']}")
         print(line)
-        if rc == 0 and (same := bytes_line(out, args.n, args.fixtures)) is not None:
+        if rc == 0 and (same := bytes_line(out, args.n, args.fixtures, args.seed)) is not None:
             print(same)
         print("CPU by process: " + ", ".join(f"{role} {seconds:.1f} s" + (f" ({n})" if n > 1 else "")
                                              for role, (n, seconds) in sorted(tree.cpu_by_role().items())))
