@@ -43,7 +43,8 @@ Measured in the same run:
 - from the build's outputs: rows/s, recall of the planted copies (the share of planted copies found in
   the duplicates map pointing into their own family) and false merges (map rows linking two families);
   and, for a corpus of the default fixtures, whether every published file is byte-identical to the
-  digest kept for that N (`bench/digests/generated-N.json`, bench/build_digest.py).
+  digest kept for that N and seed (`bench/digests/generated-N.json`, `generated-N-seedS.json` for
+  another seed; bench/build_digest.py).
 """
 from __future__ import annotations
 
@@ -576,8 +577,8 @@ def main() -> None:
         if (work / "planted.json").exists():
             counts = json.loads((work / "planted.json").read_text())
             # A work folder kept from before seeds were chosen holds the default draw.
-            if counts.pop("seed", 0) != args.seed:
-                sys.exit(f"{work} holds a corpus of another seed; give this one its own --work")
+            if (held := counts.pop("seed", 0)) != args.seed:
+                sys.exit(f"{work} holds the corpus of seed {held}, not {args.seed}: give this one its own --work")
         else:
             t0 = time.perf_counter()
             counts = generate(args.fixtures, args.n, corpus, args.seed)
