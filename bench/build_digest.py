@@ -11,10 +11,11 @@ it is the list of these files' digests.
 The digests of the builds the benches make are kept in the repository, so that any checkout on any
 machine can state its builds byte-identical to the last ones whose bytes changed on purpose:
 `bench/digests/generated-N.json` for `bench/bench_build.py N`'s corpus (the default fixtures; the bench
-compares its build with it), `generated-N-seedS.json` for the corpus of `--seed S`, and `tests/build/fixtures_build_digest.json` for the fixture build (a
-test compares the suite's fixture build with it). A change that alters the published bytes on purpose
-writes them again: `python bench/build_digest.py OUT > FILE`, where OUT is the bench's build (`--work
-DIR --keep`: DIR/build) or `python bench/profile_build.py fixtures --work DIR`'s (DIR/build).
+compares its build with it), `generated-N-seedS.json` for the corpus of its `--seed S`, and
+`tests/build/fixtures_build_digest.json` for the fixture build (a test compares the suite's fixture
+build with it). A change that alters the published bytes on purpose writes them again: `python
+bench/build_digest.py OUT > FILE`, where OUT is the bench's build (`--work DIR --keep`: DIR/build) or
+`python bench/profile_build.py fixtures --work DIR`'s (DIR/build).
 """
 from __future__ import annotations
 
