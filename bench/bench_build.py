@@ -560,7 +560,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("n", type=int, help="trajectories in the corpus")
     p.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
-    p.add_argument("--seed", type=int, default=0, help="the corpus's random draw (0: the one the kept digests are of)")
+    p.add_argument("--seed", type=int, default=0, help="the corpus's random draw (0, the default, and 1 have digests kept in bench/digests)")
     p.add_argument("--work", type=Path, default=None, help="folder for the corpus and the build (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--runner", default="processes")
