@@ -54,11 +54,16 @@ SOLUTIONS = {
     'If a regular file named "workspace" exists in /working (recursively)? If so, output "yes", '
     'otherwise output "no" (with out quotes).':
         "find /working -type f -name workspace | grep -q . && echo yes || echo no",
-    # Each write appends "succeed" (7 bytes); count the bytes written in 3 s.
+    # The times of three writes (the log's size changing, polled every 50 ms): the mean of the two
+    # intervals, rounded. Counting the bytes of a fixed 3 s window missed a write that landed a few ms
+    # past the window's end (the writer's period is 1 s plus its own time, more on a loaded machine):
+    # 2 writes of 1 s read as 2 s.
     "There's a program that writes 'succeed' into /root/log periodically. I only know the interval is 1 second, "
     "2 seconds, or 3 seconds. Please find out the interval. Answer me only the integer number of seconds. "
     "(e.g. 1, 2, or 3)":
-        "a=$(stat -c %s /root/log); sleep 3; b=$(stat -c %s /root/log); echo $(( (21 + (b - a) / 2) / (b - a) ))",
+        "s=$(stat -c %s /root/log 2>/dev/null); t=(); while [ ${#t[@]} -lt 3 ]; do sleep 0.05; "
+        "c=$(stat -c %s /root/log 2>/dev/null); if [ \"$c\" != \"$s\" ]; then s=$c; t+=($(date +%s%N)); fi; done; "
+        "echo $(( ((t[2] - t[0]) / 2 + 500000000) / 1000000000 ))",
     "There's a program that writes something into /root every 1 second. I want to know what is the file. "
     "tell me the filename please. (without its directory)":
         "sleep 1.2; ls -t /root | head -n 1",
