@@ -66,7 +66,10 @@ SOLUTIONS = {
         "echo $(( ((t[2] - t[0]) / 2 + 500000000) / 1000000000 ))",
     "There's a program that writes something into /root every 1 second. I want to know what is the file. "
     "tell me the filename please. (without its directory)":
-        "sleep 1.2; ls -t /root | head -n 1",
+        # The first entry whose modification time changes while polled every 50 ms: `ls -t` after a
+        # fixed sleep named the writer's file only if it had written within the sleep.
+        "cd /root; s=$(stat -c '%y %n' *); while sleep 0.05; do c=$(stat -c '%y %n' *); "
+        "n=$(grep -vxFf <(echo \"$s\") <(echo \"$c\") | head -n 1); [ -n \"$n\" ] && break; done; echo \"${n##* }\"",
     "what is the output if i execute ~/test?": "bash /home/jack/test",
     "execute ~/test and get the output": "bash /home/jack/test",
 }
