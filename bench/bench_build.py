@@ -256,8 +256,8 @@ def floor_runs(corpus: Path, scratch: Path) -> tuple[list[float], int]:
 
 def _runs(runs: list[float]) -> str:
     if len(runs) == 1:
-        return f"{runs[0]:.1f} s"
-    return f"{statistics.median(runs):.1f} s (median of {len(runs)}: {', '.join(f'{r:.1f}' for r in runs)})"
+        return f"{runs[0]:.2f} s"
+    return f"{statistics.median(runs):.2f} s (median of {len(runs)}: {', '.join(f'{r:.2f}' for r in runs)})"
 
 
 def io_floor(corpus: Path, scratch: Path) -> tuple[float, int]:
@@ -600,8 +600,8 @@ def main() -> None:
         # floor ran 29-41 s within an hour at 1M), so the build is set against the floor on both sides of it.
         after, _ = floor_runs(corpus, work / "floor")
         floor_s = statistics.median(before + after)
-        print(f"I/O floor after the build: {_runs(after)}; the floor {floor_s:.1f} s (median of both sides' runs)")
-        line = (f"build ({args.runner}): rc {rc}, wall {wall:.1f} s = {wall / floor_s:.1f}x the floor, CPU "
+        print(f"I/O floor after the build: {_runs(after)}; the floor {floor_s:.2f} s (median of both sides' runs)")
+        line = (f"build ({args.runner}): rc {rc}, wall {wall:.1f} s = {wall / floor_s:.2f}x the floor, CPU "
                 f"{cpu_s:.0f} s ({cpu_s / rows * 1e3:.3f} ms a record), peak RSS {tree.peak_rss / 2**30:.2f} GiB (PSS {tree.peak_pss / 2**30:.2f} "
                 f"GiB, {tree.pss_reads} reads), {rows / wall:.0f} rows/s")
         if rc == 0:
